@@ -1,0 +1,59 @@
+"""The `hpcrl` command line.
+
+    hpcrl --help
+    hpcrl validate config.yaml learner.lr=3e-4
+
+Each verb lives in its own module here with a `register(subparsers)` function; the module
+imports nothing heavy at import time so `hpcrl --help` stays fast. Exit codes: 0 success,
+1 the operation failed, 2 bad input (config, arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hpcrl import __version__
+from hpcrl.jobs.schema import ConfigError
+
+# Verb modules in the order `--help` lists them.
+VERBS = ("validate",)
+
+
+class UsageError(Exception):
+    """Bad command-line input that argparse cannot catch; exits 2 with the message."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpcrl",
+        description="RL post-training of LLMs on Slurm: learners, generators, sandboxes, one config.yaml.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name in VERBS:
+        importlib.import_module(f"hpcrl.jobs.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        print(f"hpcrl {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

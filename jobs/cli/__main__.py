@@ -1,0 +1,5 @@
+import sys
+
+from hpcrl.jobs.cli import main
+
+sys.exit(main())

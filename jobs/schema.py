@@ -149,12 +149,12 @@ def _check_bounds(path: str, value: Any, meta: typing.Mapping[str, Any], shown: 
         raise ConfigError(path, f"must match {meta['pattern']} (got {value!r})")
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: Any, value: Any, path: str, base: Any = None) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
+        return from_dict(tp, value, path, base=base)
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices):
@@ -215,8 +215,22 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"schema: unsupported field type {tp!r} at {path}")
 
 
-def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, strictly. Missing keys take defaults."""
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def from_dict(cls: type, data: Any, path: str = "", base: Any = None) -> Any:
+    """Build dataclass `cls` from a mapping, strictly.
+
+    Missing keys take their values from `base` when given, else the field defaults. A nested
+    section that is given only in part keeps the rest of *its field's* default (so
+    `slurm.learner: {time_min: 5}` leaves the learner on the `gpu` partition rather than
+    falling back to SlurmRoleConfig's class defaults).
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -233,12 +247,16 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     kwargs = {}
     for name, f in fields.items():
         sub = _join(path, name)
+        default = getattr(base, name) if base is not None else _default_of(f)
         if name in data:
-            value = _convert(hints[name], data[name], sub)
+            nested_base = default if dataclasses.is_dataclass(hints[name]) and default is not dataclasses.MISSING else None
+            value = _convert(hints[name], data[name], sub, base=nested_base)
             _check_bounds(sub, value, f.metadata, shown=data[name])
             kwargs[name] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        elif default is dataclasses.MISSING:
             raise ConfigError(sub, "required key is missing")
+        else:
+            kwargs[name] = default
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if callable(validate):
@@ -316,6 +334,8 @@ def leaf_paths(cls: type, prefix: str = "") -> list[tuple[str, str]]:
         path = _join(prefix, f.name)
         tp = hints[f.name]
         out.append((path, f.metadata.get("help", "")))
+        if get_origin(tp) in (list, tuple) and dataclasses.is_dataclass(get_args(tp)[0]):
+            tp = get_args(tp)[0]  # list items are documented once, without an index
         if dataclasses.is_dataclass(tp):
             out.extend(leaf_paths(tp, path))
     return out

@@ -1,0 +1,243 @@
+"""What the cluster looks like now: partitions, nodes, pending jobs, job states, start estimates.
+
+Each function runs one or two Slurm commands through `run_slurm` and hands the text to a pure
+parser in `hpcrl.slurm.parse`; results are frozen dataclasses. The scheduler and `hpcrl
+status` build on these.
+
+    from hpcrl.slurm import queries
+    for p in queries.partitions():
+        print(p.name, p.idle_cpus, p.idle_gpus)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from hpcrl.slurm import parse
+from hpcrl.slurm.command import run_slurm
+
+# Node states in which Slurm will not start new work.
+_UNUSABLE = ("DOWN", "DRAIN", "FAIL", "FUTURE", "MAINT", "NOT_RESPONDING", "POWER", "REBOOT", "RESERVED", "INVAL", "UNKNOWN")
+
+
+@dataclass(frozen=True)
+class NodeState:
+    name: str
+    state: str  # e.g. IDLE, MIXED, ALLOCATED, DRAINED, IDLE+DRAIN
+    partitions: tuple[str, ...]
+    cpus_total: int
+    cpus_alloc: int
+    gpus_total: int
+    gpus_alloc: int
+    real_memory_mb: int
+    alloc_memory_mb: int
+
+    @property
+    def usable(self) -> bool:
+        return not any(flag in self.state.upper() for flag in _UNUSABLE)
+
+    @property
+    def cpus_idle(self) -> int:
+        return max(self.cpus_total - self.cpus_alloc, 0) if self.usable else 0
+
+    @property
+    def gpus_idle(self) -> int:
+        return max(self.gpus_total - self.gpus_alloc, 0) if self.usable else 0
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    name: str
+    up: bool
+    nodes: tuple[str, ...]
+    max_time_s: int | None  # None: unlimited
+    cpus_total: int
+    cpus_alloc: int
+    cpus_idle: int  # on nodes that can take work
+    gpus_total: int
+    gpus_alloc: int
+    gpus_idle: int
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    job_id: str
+    partition: str
+    user: str
+    name: str
+    nodes: int
+    cpus: int
+    gpus: int
+    time_limit_s: int | None
+    expected_start: dt.datetime | None  # Slurm's backfill estimate; None when it has none yet
+    reason: str
+    priority: int
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One finished-or-running job as accounting (sacct) knows it."""
+
+    job_id: str
+    name: str
+    partition: str
+    state: str
+    cancelled_by: str | None
+    exit_code: int
+    signal: int
+    elapsed_s: int | None
+    nodes: tuple[str, ...]
+    start: dt.datetime | None
+    end: dt.datetime | None
+
+
+def nodes() -> list[NodeState]:
+    out = run_slurm(["scontrol", "-o", "show", "node"])
+    result = []
+    for rec in parse.parse_scontrol_records(out.stdout):
+        gpus_total = parse.gpus_in_tres(rec.get("CfgTRES", "")) or parse.gpus_in_gres(rec.get("Gres", ""))
+        result.append(
+            NodeState(
+                name=rec["NodeName"],
+                state=rec.get("State", "UNKNOWN"),
+                partitions=tuple(p for p in rec.get("Partitions", "").split(",") if p),
+                cpus_total=int(rec.get("CPUTot", 0)),
+                cpus_alloc=int(rec.get("CPUAlloc", 0)),
+                gpus_total=gpus_total,
+                gpus_alloc=parse.gpus_in_tres(rec.get("AllocTRES", "")),
+                real_memory_mb=int(rec.get("RealMemory", 0)),
+                alloc_memory_mb=int(rec.get("AllocMem", 0) or 0),
+            )
+        )
+    return result
+
+
+def partitions() -> list[PartitionState]:
+    """Every partition with total, allocated and idle CPUs and GPUs (GRES) on its nodes."""
+    by_name = {n.name: n for n in nodes()}
+    out = run_slurm(["scontrol", "-o", "show", "partition"])
+    result = []
+    for rec in parse.parse_scontrol_records(out.stdout):
+        members = [by_name[h] for h in parse.expand_hostlist(rec.get("Nodes", "")) if h in by_name]
+        result.append(
+            PartitionState(
+                name=rec["PartitionName"],
+                up=rec.get("State", "") == "UP",
+                nodes=tuple(n.name for n in members),
+                max_time_s=parse.parse_duration_s(rec.get("MaxTime", "UNLIMITED")),
+                cpus_total=sum(n.cpus_total for n in members),
+                cpus_alloc=sum(n.cpus_alloc for n in members),
+                cpus_idle=sum(n.cpus_idle for n in members),
+                gpus_total=sum(n.gpus_total for n in members),
+                gpus_alloc=sum(n.gpus_alloc for n in members),
+                gpus_idle=sum(n.gpus_idle for n in members),
+            )
+        )
+    return result
+
+
+_PENDING_FIELDS = ("job_id", "partition", "user", "nodes", "cpus", "time_limit", "start", "priority", "tres", "reason", "name")
+
+
+def pending_jobs(partition: str | None = None) -> list[PendingJob]:
+    """Pending jobs with Slurm's expected start times (`squeue --start`), earliest first."""
+    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%j"]
+    if partition:
+        argv += ["-p", partition]
+    rows = parse.parse_delimited(run_slurm(argv).stdout, _PENDING_FIELDS)
+    jobs = [
+        PendingJob(
+            job_id=r["job_id"],
+            partition=r["partition"],
+            user=r["user"],
+            name=r["name"],
+            nodes=int(r["nodes"]),
+            cpus=int(r["cpus"]),
+            gpus=parse.gpus_in_gres(r["tres"]) * int(r["nodes"]),
+            time_limit_s=parse.parse_duration_s(r["time_limit"]),
+            expected_start=parse.parse_timestamp(r["start"]),
+            reason=r["reason"],
+            priority=int(r["priority"] or 0),
+        )
+        for r in rows
+    ]
+    far = dt.datetime.max
+    return sorted(jobs, key=lambda j: (j.expected_start or far, j.job_id))
+
+
+def expected_start(sbatch_args: list[str], script: str | None = None) -> parse.TestOnlyEstimate:
+    """When would a job with these sbatch options (and script) start? Nothing is queued.
+
+    `sbatch --test-only` answers conservatively and spends a job id on each test.
+    """
+    argv = ["sbatch", "--test-only", *sbatch_args, script or "--wrap=true"]
+    out = run_slurm(argv)
+    return parse.parse_test_only(out.stderr + "\n" + out.stdout)
+
+
+_SACCT_FIELDS = ("job_id", "partition", "state", "exit_code", "elapsed", "start", "end", "nodelist", "name")
+
+
+def job_records(job_ids: list[str] | tuple[str, ...]) -> dict[str, JobRecord]:
+    """Accounting records (`sacct -X`) by job id. Jobs accounting has not seen yet are absent."""
+    if not job_ids:
+        return {}
+    argv = [
+        "sacct", "-X", "-n", "-P", "-j", ",".join(job_ids),
+        "-o", "JobID,Partition,State,ExitCode,Elapsed,Start,End,NodeList,JobName",
+    ]
+    result = {}
+    for r in parse.parse_delimited(run_slurm(argv).stdout, _SACCT_FIELDS):
+        state, by = parse.split_state(r["state"])
+        code, sig = parse.parse_exit_code(r["exit_code"])
+        result[r["job_id"]] = JobRecord(
+            job_id=r["job_id"],
+            name=r["name"],
+            partition=r["partition"],
+            state=state,
+            cancelled_by=by,
+            exit_code=code,
+            signal=sig,
+            elapsed_s=parse.parse_duration_s(r["elapsed"]),
+            nodes=tuple(parse.expand_hostlist(r["nodelist"]) if r["nodelist"] != "None assigned" else ()),
+            start=parse.parse_timestamp(r["start"]),
+            end=parse.parse_timestamp(r["end"]),
+        )
+    return result
+
+
+def show_job(job_id: str) -> dict[str, str] | None:
+    """`scontrol show job` as a dict; None once the controller has forgotten the job."""
+    out = run_slurm(["scontrol", "-o", "show", "job", str(job_id)], check=False)
+    if out.returncode != 0:
+        if "Invalid job id" in out.stderr:
+            return None
+        from hpcrl.slurm.command import SlurmCommandError
+
+        raise SlurmCommandError(list(out.argv), out.returncode, out.stderr)
+    records = parse.parse_scontrol_records(out.stdout)
+    return records[0] if records else None
+
+
+def queue(user: str | None = None, job_ids: list[str] | tuple[str, ...] = ()) -> list[dict[str, str]]:
+    """Jobs the controller holds now (`squeue`), as parsed rows with state, node and times."""
+    argv = ["squeue", "-h", "-o", "%i|%P|%T|%M|%L|%D|%R|%j"]
+    if user:
+        argv += ["-u", user]
+    if job_ids:
+        argv += ["-j", ",".join(job_ids)]
+    out = run_slurm(argv, check=not job_ids)
+    if out.returncode != 0:  # squeue -j of jobs that all left the queue exits 1
+        return []
+    return parse.parse_delimited(out.stdout, ("job_id", "partition", "state", "elapsed", "time_left", "nodes", "reason_or_nodelist", "name"))
+
+
+def cancel(job_ids: list[str] | tuple[str, ...], signal: str | None = None) -> None:
+    """`scancel` these jobs (all of an array's tasks when given the array id)."""
+    if not job_ids:
+        return
+    argv = ["scancel"]
+    if signal:
+        argv += ["--signal", signal]
+    run_slurm(argv + list(job_ids))

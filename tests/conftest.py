@@ -1,0 +1,62 @@
+"""Shared fixtures. `slurm_cluster` brings up the dev Slurm cluster (slurm/devcluster/devcluster.sh)
+and exports SLURM_CONF; with HPCRL_REQUIRE_SLURM=1 (set by `make test`) a cluster that cannot
+be started fails the suite instead of skipping it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVCLUSTER = ROOT / "slurm" / "devcluster" / "devcluster.sh"
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("HPCRL_REQUIRE_SLURM") == "1":
+        pytest.fail(f"Slurm dev cluster required (HPCRL_REQUIRE_SLURM=1) but unavailable: {reason}", pytrace=False)
+    pytest.skip(f"Slurm dev cluster unavailable: {reason} (run `make devcluster`)")
+
+
+def _env_exports(text: str) -> dict[str, str]:
+    env = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("export ") and "=" in line:
+            key, value = line[len("export "):].split("=", 1)
+            env[key] = value.strip().strip("'\"")
+    return env
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> dict[str, str]:
+    """The dev cluster's client environment (SLURM_CONF, ...), also exported into os.environ."""
+    for tool in ("slurmctld", "slurmd", "slurmdbd", "munged", "sbatch", "sacct"):
+        if shutil.which(tool) is None:
+            _unavailable(f"{tool} not on PATH (install with `make sysdeps`)")
+    t0 = time.monotonic()
+    up = subprocess.run(["bash", str(DEVCLUSTER), "up"], capture_output=True, text=True, timeout=180)
+    if up.returncode != 0:
+        _unavailable(f"`devcluster.sh up` exited {up.returncode}:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
+    env = _env_exports(subprocess.run(["bash", str(DEVCLUSTER), "env"], capture_output=True, text=True, check=True).stdout)
+    if "SLURM_CONF" not in env:
+        _unavailable("`devcluster.sh env` printed no SLURM_CONF")
+    os.environ.update(env)
+    print(f"dev cluster ready in {time.monotonic() - t0:.1f} s")
+    return env
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value or fail naming what was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)

@@ -1,0 +1,243 @@
+"""The strict config loader, config.yaml's documentation, and `hpcrl validate`'s errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpcrl.jobs.config import RESOLVED_NAME, Config, load_config
+from hpcrl.jobs.rundir import create_run_dir
+from hpcrl.jobs.schema import ConfigError, leaf_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "config.yaml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "exp.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def error_of(tmp_path: Path, text: str, overrides=()) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), list(overrides))
+    return info.value
+
+
+def test_default_config_loads_and_equals_schema_defaults():
+    cfg = load_config(CONFIG)
+    defaults = load_config(None)
+    # config.yaml spells out the schema's defaults; only the anchored run_root may differ.
+    assert dataclasses.replace(cfg, experiment=defaults.experiment) == defaults
+    assert Path(cfg.experiment.run_root) == ROOT / "runs"
+
+
+def documented_paths(text: str) -> dict[str, bool]:
+    """Dotted path of every key in a YAML file (list items without index) -> has a comment."""
+    out: dict[str, bool] = {}
+    stack: list[tuple[int, str]] = []
+    for line in text.splitlines():
+        m = re.match(r"^(\s*)(- )?([A-Za-z_][\w]*):(.*)$", line)
+        if not m:
+            continue
+        indent = len(m.group(1)) + (2 if m.group(2) else 0)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([k for _, k in stack] + [m.group(3)])
+        out[path] = bool(re.search(r"#\s*\S", m.group(4)))
+        stack.append((indent, m.group(3)))
+    return out
+
+
+def test_config_yaml_documents_every_field_with_a_comment():
+    documented = documented_paths(CONFIG.read_text())
+    for path, help_text in leaf_paths(Config):
+        assert help_text, f"schema field {path} has no help text"
+        assert path in documented, f"config.yaml does not show {path}"
+        assert documented[path], f"config.yaml has no comment on {path}"
+    # ...and nothing in config.yaml is unknown to the schema (strict load proves it).
+    load_config(CONFIG)
+
+
+@pytest.mark.parametrize(
+    "text, path, fragment",
+    [
+        ("learner:\n  lr: -1\n", "learner.lr", "must be > 0 (got -1)"),
+        ("learner:\n  lr: abc\n", "learner.lr", "expected float (got str 'abc')"),
+        ("learner:\n  lrr: 0.1\n", "learner.lrr", "unknown key (did you mean 'lr'?); valid keys: lr, max_staleness"),
+        ("bogus: 1\n", "bogus", "unknown key; valid keys: experiment, executor, slurm"),
+        ("slurm:\n  learner:\n    gpus_per_nod: 2\n", "slurm.learner.gpus_per_nod", "did you mean 'gpus_per_node'?"),
+        ("executor: slurmm\n", "executor", "must be one of local, slurm (got 'slurmm')"),
+        ("sandbox:\n  backend: docker\n", "sandbox.backend", "must be one of bwrap, apptainer"),
+        ("experiment:\n  seed: 1.5\n", "experiment.seed", "expected int (got float 1.5)"),
+        ("experiment:\n  seed: true\n", "experiment.seed", "expected int (got bool True)"),
+        ("experiment:\n  seed: -3\n", "experiment.seed", "must be >= 0"),
+        ("experiment:\n  name: 'a b'\n", "experiment.name", "must match"),
+        ("learner: 5\n", "learner", "expected a mapping"),
+        ("domains: []\n", "domains", "at least 1"),
+        ("domains:\n  - weight: 2\n", "domains.0.name", "required key is missing"),
+        ("domains:\n  - name: a\n  - name: a\n", "domains.1.name", "duplicate domain 'a'"),
+        ("domains:\n  - name: a\n    weight: 0\n", "domains.0.weight", "must be > 0"),
+        ("domains:\n  - name: a\n    module: notamodule\n", "domains.0.module", "must match"),
+        ("slurm:\n  setup: echo hi\n", "slurm.setup", "expected list of str"),
+        ("slurm:\n  extra_directives: {constraint: 5}\n", "slurm.extra_directives.constraint", "expected str"),
+        ("slurm:\n  account: 12\n", "slurm.account", "expected str"),
+        ("slurm:\n  learner:\n    time_min: 1\n    signal_delay_s: 90\n", "slurm.learner.signal_delay_s", "shorter than the time limit"),
+        ("store:\n  compression: zstd\n", "store.compression", "must be one of none, gzip, lzf"),
+        ("generators:\n  count: 0\n", "generators.count", "must be >= 1"),
+    ],
+)
+def test_malformed_config_names_dotted_path(tmp_path, text, path, fragment):
+    err = error_of(tmp_path, text)
+    assert err.path == path
+    assert fragment in str(err), str(err)
+
+
+def test_yaml_syntax_and_shape_errors(tmp_path):
+    err = error_of(tmp_path, "learner:\n  lr: [1, 2\n")
+    assert "invalid YAML" in str(err) and "exp.yaml:" in str(err)
+    err = error_of(tmp_path, "learner:\n  lr: 1\n  lr: 2\n")
+    assert "duplicate key 'lr'" in str(err)
+    err = error_of(tmp_path, "- a\n- b\n")
+    assert "top level must be a mapping" in str(err)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_exponent_floats_without_dot_are_floats(tmp_path):
+    cfg = load_config(write(tmp_path, "learner:\n  lr: 3e-4\n"))
+    assert cfg.learner.lr == pytest.approx(3e-4)
+    assert load_config(None, ["learner.lr=5E-5"]).learner.lr == pytest.approx(5e-5)
+
+
+def test_ints_widen_to_float_but_not_the_reverse(tmp_path):
+    assert load_config(write(tmp_path, "learner:\n  lr: 1\n")).learner.lr == 1.0
+    assert isinstance(load_config(write(tmp_path, "learner:\n  lr: 1\n")).learner.lr, float)
+
+
+def test_overrides_go_through_the_schema():
+    cfg = load_config(CONFIG, ["learner.lr=3e-4", "executor=slurm", "slurm.learner.gpus_per_node=2",
+                               "slurm.account=proj42", "domains.0.weight=2.5", "slurm.setup=[module load cuda]"])
+    assert cfg.learner.lr == pytest.approx(3e-4)
+    assert cfg.executor == "slurm"
+    assert cfg.slurm.learner.gpus_per_node == 2
+    assert cfg.slurm.account == "proj42"
+    assert cfg.domains[0].weight == 2.5
+    assert cfg.slurm.setup == ("module load cuda",)
+
+
+@pytest.mark.parametrize(
+    "override, path, fragment",
+    [
+        ("learner.lr=-1", "learner.lr", "must be > 0 (got -1) [from override learner.lr=-1]"),
+        ("learner.lr=fast", "learner.lr", "expected float"),
+        ("learner.nope=1", "learner.nope", "unknown key"),
+        ("nosuch.section.key=1", "nosuch", "unknown key"),
+        ("executor=k8s", "executor", "must be one of local, slurm"),
+        ("generators.count=0", "generators.count", "must be >= 1"),
+        ("learner.lr.x=1", "learner.lr", "cannot set a sub-key"),
+        ("domains.7.weight=1", "domains.7", "list index must be 0..0"),
+    ],
+)
+def test_bad_overrides_name_path_and_origin(override, path, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG, [override])
+    assert info.value.path == path
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("override", ["learner.lr", "=3", "learner..lr=1", ".lr=1"])
+def test_malformed_override_syntax(override):
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(CONFIG, [override])
+
+
+def test_loaded_tree_is_frozen():
+    cfg = load_config(CONFIG)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.learner.lr = 1.0  # type: ignore[misc]
+    assert isinstance(cfg.domains, tuple) and isinstance(cfg.slurm.setup, tuple)
+
+
+def test_resolved_config_is_written_and_round_trips(tmp_path):
+    cfg = load_config(CONFIG, [f"experiment.run_root={tmp_path}", "learner.lr=2e-3", "slurm.setup=[echo a]"])
+    run_dir = create_run_dir(cfg)
+    assert run_dir.parent == tmp_path
+    resolved = run_dir / RESOLVED_NAME
+    assert yaml.safe_load(resolved.read_text())["learner"]["lr"] == pytest.approx(2e-3)
+    assert load_config(resolved) == cfg
+    with pytest.raises(FileExistsError, match="already exists"):
+        create_run_dir(cfg, run_id=run_dir.name)
+
+
+def hpcrl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcrl.jobs.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_validate_ok_and_print():
+    ok = hpcrl("validate", "config.yaml")
+    assert ok.returncode == 0, ok.stderr
+    assert "config OK" in ok.stdout
+    printed = hpcrl("validate", "config.yaml", "learner.lr=3e-4", "--print")
+    assert printed.returncode == 0
+    assert yaml.safe_load(printed.stdout)["learner"]["lr"] == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["learner.lr=-1"], "config error: learner.lr: must be > 0 (got -1) [from override learner.lr=-1]"),
+        (["executor=slurmm"], "config error: executor: must be one of local, slurm (got 'slurmm') [from override executor=slurmm]"),
+        (["learner.lrr=1"], "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness [from override learner.lrr=1]"),
+        (["oops"], "config error: override 'oops': expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4"),
+    ],
+)
+def test_cli_validate_errors_are_one_line_exit_2(args, expected):
+    proc = hpcrl("validate", "config.yaml", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == expected
+    assert proc.stdout == ""
+
+
+def test_cli_validate_bad_file(tmp_path):
+    bad = write(tmp_path, "learner:\n  lr: 0\n")
+    proc = hpcrl("validate", str(bad))
+    assert proc.returncode == 2 and proc.stderr.strip() == "config error: learner.lr: must be > 0 (got 0)"
+    proc = hpcrl("validate", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "no such config file" in proc.stderr
+
+
+def test_cli_help_for_every_verb():
+    from hpcrl.jobs.cli import VERBS
+
+    top = hpcrl("--help")
+    assert top.returncode == 0
+    for verb in VERBS:
+        assert verb in top.stdout
+        sub = hpcrl(verb, "--help")
+        assert sub.returncode == 0 and "usage: hpcrl " + verb in sub.stdout
+    assert hpcrl().returncode == 2
+    assert hpcrl("nosuchverb").returncode == 2
+
+
+def test_console_script_installed():
+    exe = Path(sys.executable).parent / "hpcrl"
+    assert exe.exists(), "pip install -e . should install the `hpcrl` console script"
+    proc = subprocess.run([str(exe), "validate", str(CONFIG)], capture_output=True, text=True, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_partial_section_keeps_the_fields_own_defaults(tmp_path):
+    # SlurmRoleConfig's class default is the cpu partition; the learner field's default is gpu.
+    cfg = load_config(write(tmp_path, "slurm:\n  learner:\n    time_min: 5\n    signal_delay_s: 30\n"))
+    assert (cfg.slurm.learner.partition, cfg.slurm.learner.gpus_per_node, cfg.slurm.learner.time_min) == ("gpu", 1, 5)
+    assert load_config(None, ["slurm.generator.mem_gb=8"]).slurm.generator.partition == "gpu"

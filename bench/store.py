@@ -1,0 +1,158 @@
+"""Trajectory store throughput: HDF5 shard writer vs raw numpy vs JSONL, and the reader.
+
+    .venv/bin/python bench/store.py [--count 1536] [--flush-every 64] [--repeat 5] [--dir /tmp]
+
+All three writers get the same trajectories (synthetic multi-step episodes of ~4k tokens) and
+the same durability: data fsynced once per flush of `--flush-every` trajectories.
+
+* hdf5:  the real ShardWriter (append -> one immutable segment per flush -> fsync, rename,
+         fsync dir; manifest at close).
+* raw:   the same columns (same encoder, same bytes) appended with ndarray.tofile to one file.
+* jsonl: one json.dumps(trajectory.to_dict()) line per trajectory (what many RL frameworks dump).
+
+"payload" is the bytes of the flat arrays and record tables (what raw writes); every rate is
+payload MB/s so the figures compare. Each variant runs `--repeat` times, interleaved, and the
+median is reported. The storage-only lines time pre-encoded columns, isolating the file format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hpcrl.jobs.config import StoreConfig
+from hpcrl.rl.shards import write_segment
+from hpcrl.rl.store_reader import StoreReader
+from hpcrl.rl.store_writer import ShardWriter
+from hpcrl.rl.synth import synth_trajectory
+from hpcrl.rl.traj_columns import Columns
+
+
+def batches(trajs, n):
+    return [trajs[i:i + n] for i in range(0, len(trajs), n)]
+
+
+def run_hdf5(trajs, flush_every, root: Path) -> float:
+    t0 = time.perf_counter()
+    with ShardWriter(root, "bench", StoreConfig(flush_every=flush_every, flush_interval_s=3600)) as w:
+        for t in trajs:
+            w.append(t)
+    return time.perf_counter() - t0
+
+
+def run_raw(trajs, flush_every, root: Path) -> float:
+    t0 = time.perf_counter()
+    with open(root / "raw.bin", "wb") as fh:
+        for batch in batches(trajs, flush_every):
+            for _, arr in Columns.encode(batch).arrays():
+                arr.tofile(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return time.perf_counter() - t0
+
+
+def run_jsonl(trajs, flush_every, root: Path) -> float:
+    t0 = time.perf_counter()
+    with open(root / "trajs.jsonl", "w") as fh:
+        for batch in batches(trajs, flush_every):
+            for t in batch:
+                fh.write(json.dumps(t.to_dict()) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    return time.perf_counter() - t0
+
+
+def run_hdf5_storage(cols_list, root: Path) -> float:
+    t0 = time.perf_counter()
+    for i, cols in enumerate(cols_list):
+        write_segment(root / f"seg-{i:06d}-{0:016d}.h5", cols, {"seq": i + 1})
+    return time.perf_counter() - t0
+
+
+def run_raw_storage(cols_list, root: Path) -> float:
+    t0 = time.perf_counter()
+    with open(root / "raw.bin", "wb") as fh:
+        for cols in cols_list:
+            for _, arr in cols.arrays():
+                arr.tofile(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return time.perf_counter() - t0
+
+
+def run_reader(root: Path) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    reader = StoreReader(root)
+    n = 0
+    while batch := reader.next_batch(256).trajectories:
+        n += len(batch)
+    return time.perf_counter() - t0, n
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--count", type=int, default=1536)
+    p.add_argument("--flush-every", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir; use the filesystem you care about)")
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    trajs = [synth_trajectory(rng, "bench", "gen-0", i) for i in range(args.count)]
+    cols_list = [Columns.encode(b) for b in batches(trajs, args.flush_every)]
+    payload = sum(c.nbytes for c in cols_list)
+    tokens = sum(t.n_tokens for t in trajs)
+    base = Path(tempfile.mkdtemp(prefix="hpcrl-bench-store-", dir=args.dir))
+    print(f"{args.count} trajectories, {tokens / args.count:.0f} tokens and {payload / args.count / 1e3:.1f} kB each, "
+          f"{sum(len(t.steps) for t in trajs) / args.count:.1f} steps; flush every {args.flush_every}; "
+          f"payload {payload / 1e6:.1f} MB; dir {base}")
+    times: dict[str, list[float]] = {}
+    variants = {
+        "hdf5": lambda d: run_hdf5(trajs, args.flush_every, d),
+        "raw": lambda d: run_raw(trajs, args.flush_every, d),
+        "jsonl": lambda d: run_jsonl(trajs, args.flush_every, d),
+        "hdf5 storage-only": lambda d: run_hdf5_storage(cols_list, d),
+        "raw storage-only": lambda d: run_raw_storage(cols_list, d),
+    }
+    read_times = []
+    sizes = {}
+    try:
+        for r in range(args.repeat):
+            for name, fn in variants.items():
+                d = base / f"{name.replace(' ', '_')}-{r}"
+                d.mkdir()
+                times.setdefault(name, []).append(fn(d))
+                sizes[name] = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+                if name == "hdf5":
+                    dt, n = run_reader(d)
+                    assert n == args.count, f"reader returned {n} of {args.count}"
+                    read_times.append(dt)
+                shutil.rmtree(d)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rate = {k: payload / v / 1e6 for k, v in med.items()}
+    print(f"{'variant':<20} {'median s':>9} {'payload MB/s':>13} {'traj/s':>9} {'on-disk MB':>11}")
+    for k in variants:
+        print(f"{k:<20} {med[k]:>9.3f} {rate[k]:>13.1f} {args.count / med[k]:>9.0f} {sizes[k] / 1e6:>11.1f}")
+    rd = statistics.median(read_times)
+    print(f"{'reader (hdf5)':<20} {rd:>9.3f} {payload / rd / 1e6:>13.1f} {args.count / rd:>9.0f}")
+    best = {k: min(v) for k, v in times.items()}
+    print(f"ratio hdf5/raw               {med['raw'] / med['hdf5']:.2f}   (target >= 0.70; best-of-{args.repeat}: "
+          f"{best['raw'] / best['hdf5']:.2f})")
+    print(f"ratio hdf5/jsonl             {med['jsonl'] / med['hdf5']:.2f}   (target >= 5)")
+    print(f"ratio storage-only hdf5/raw  {med['raw storage-only'] / med['hdf5 storage-only']:.2f}")
+    print(f"ratio reader/hdf5 writer     {med['hdf5'] / rd:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

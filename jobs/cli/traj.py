@@ -1,0 +1,258 @@
+"""`hpcrl traj ls|stats|verify|export RUN_OR_DIR [--json]` and `hpcrl traj synth DIR --count N`.
+
+    hpcrl traj ls runs/quickstart-20261202-101500-ab12        # shards: status, segments, rows, bytes
+    hpcrl traj stats runs/...  --json                          # counts, reward by domain, policy versions
+    hpcrl traj verify runs/... [--repair]                       # exit 1 if any segment/manifest is bad
+    hpcrl traj export runs/... -o trajs.jsonl                   # one JSON object per trajectory
+    hpcrl traj synth /tmp/store --count 1000 --seed 1          # prints "acked <total>" after each flush
+
+RUN_OR_DIR is a run directory (its `trajectories/` store is used) or a store directory.
+`synth` writes through the real ShardWriter, so it doubles as a benchmark load and a fault
+drill: every total it prints is durable, whatever happens to the process afterwards.
+Exit codes: 0 ok, 1 verify found damage, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hpcrl.jobs.cli import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("traj", help="inspect, verify, export or synthesize trajectory shards",
+                       description=__doc__.split("\n\n")[0])
+    verbs = p.add_subparsers(dest="traj_verb", metavar="ACTION", required=True)
+
+    def store_cmd(name: str, help_: str):
+        q = verbs.add_parser(name, help=help_, description=help_)
+        q.add_argument("path", metavar="RUN_OR_DIR", help="run directory or trajectory store directory")
+        q.add_argument("--json", action="store_true", help="machine-readable JSON output")
+        return q
+
+    store_cmd("ls", "list shards: status, segments, rows, bytes").set_defaults(func=run_ls)
+    store_cmd("stats", "counts, reward by domain, policy-version spread, bytes").set_defaults(func=run_stats)
+    q = store_cmd("verify", "check every segment against its checksum and manifest; exit 1 on damage")
+    q.add_argument("--repair", action="store_true",
+                   help="finalize shards whose writer died (keep verified segments, quarantine the rest)")
+    q.set_defaults(func=run_verify)
+    q = store_cmd("export", "write every verified trajectory as JSON lines")
+    q.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
+    q.set_defaults(func=run_export)
+    q = verbs.add_parser("synth", help="write N synthetic trajectories through the real writer",
+                         description="Write synthetic multi-step trajectories with the shard writer, printing "
+                                     "'acked <total>' after each durable flush.")
+    q.add_argument("path", metavar="DIR", help="run directory or store directory (created if missing)")
+    q.add_argument("--count", type=int, required=True, help="number of trajectories")
+    q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    q.add_argument("--writer", default="synth", help="writer name; also the generator id in trajectory ids")
+    q.add_argument("--first-episode", type=int, default=0, help="episode number of the first trajectory")
+    q.add_argument("--flush-every", type=int, help="override store.flush_every")
+    q.add_argument("--flush-interval", type=float, help="override store.flush_interval_s")
+    q.add_argument("--shard-max-rows", type=int, help="override store.shard_max_rows")
+    q.add_argument("--compression", choices=("none", "gzip", "lzf"), help="override store.compression")
+    q.add_argument("--tiny", action="store_true", help="tiny trajectories (tens of tokens) for fast fault drills")
+    q.set_defaults(func=run_synth)
+
+
+def _store(args: argparse.Namespace) -> Path:
+    from hpcrl.rl.store_reader import resolve_store
+
+    store = resolve_store(args.path)
+    if not store.is_dir():
+        raise UsageError(f"{args.path}: no such directory; pass a run directory or a trajectory store")
+    return store
+
+
+def _emit(args: argparse.Namespace, data, lines: list[str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=1, sort_keys=True))
+    else:
+        print("\n".join(lines))
+
+
+def _shard_rows(state) -> tuple[int, int, list[str]]:
+    """(rows, bytes, problems) of a shard from its manifest, or its visible segments if open."""
+    from hpcrl.rl.shards import SegmentError, read_segment
+
+    if state.manifest is not None:
+        return state.manifest.rows, sum(s.bytes for s in state.manifest.segments), []
+    rows = size = 0
+    problems = []
+    for name in state.segment_names:
+        path = state.path / name
+        try:
+            rows += read_segment(path, fields=("traj",)).rows
+            size += path.stat().st_size
+        except (SegmentError, OSError) as exc:
+            problems.append(f"{name}: {exc}")
+    return rows, size, problems
+
+
+def _status(state) -> str:
+    from hpcrl.rl.store_writer import owner_alive
+
+    if state.manifest is not None:
+        return state.manifest.status
+    return "open" if owner_alive(state, lease_s=60.0) else "orphaned"
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    from hpcrl.rl.shards import list_shards
+
+    shards = []
+    for state in list_shards(_store(args)):
+        rows, size, problems = _shard_rows(state)
+        nseg = len(state.manifest.segments) if state.manifest else len(state.segment_names)
+        shards.append({"shard": state.name, "writer": state.writer, "status": _status(state), "segments": nseg,
+                       "rows": rows, "bytes": size, "problems": problems})
+    lines = [f"{'shard':<56} {'status':<10} {'segments':>8} {'rows':>9} {'bytes':>13}"]
+    lines += [f"{s['shard']:<56} {s['status']:<10} {s['segments']:>8} {s['rows']:>9} {s['bytes']:>13}" for s in shards]
+    lines.append(f"{len(shards)} shard(s), {sum(s['rows'] for s in shards)} trajectories, "
+                 f"{sum(s['bytes'] for s in shards)} bytes")
+    _emit(args, {"shards": shards}, lines)
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hpcrl.rl.store_reader import iter_segments
+
+    bad: list[str] = []
+    n = steps = tokens = size = 0
+    by_domain: dict[str, list[float]] = {}
+    versions: dict[int, int] = {}
+    truncation: dict[str, int] = {}
+    for state, name, cols in iter_segments(_store(args), on_error=lambda st, nm, why: bad.append(f"{st.name}/{nm}: {why}")):
+        t = cols.traj
+        n += cols.rows
+        steps += len(cols.steps)
+        tokens += len(cols.tokens)
+        size += (state.path / name).stat().st_size
+        for dom, reward in zip(t["domain"], t["final_reward"]):
+            by_domain.setdefault(dom.decode(), []).append(float(reward))
+        for v, c in zip(*np.unique(cols.steps["policy_version"], return_counts=True)):
+            versions[int(v)] = versions.get(int(v), 0) + int(c)
+        for code, c in zip(*np.unique(t["truncation"], return_counts=True)):
+            key = cols.truncation_names[code]
+            truncation[key] = truncation.get(key, 0) + int(c)
+    domains = {d: {"count": len(r), "mean_reward": float(np.mean(r)), "min": float(np.min(r)), "max": float(np.max(r))}
+               for d, r in sorted(by_domain.items())}
+    spread = {"min": min(versions, default=None), "max": max(versions, default=None),
+              "steps_by_version": {str(k): versions[k] for k in sorted(versions)}}
+    data = {"trajectories": n, "steps": steps, "tokens": tokens, "bytes": size, "reward_by_domain": domains,
+            "policy_versions": spread, "truncation": truncation, "unreadable_segments": bad}
+    lines = [f"trajectories {n}   steps {steps}   tokens {tokens}   bytes {size}"]
+    lines += [f"  {d:<16} n={v['count']:<8} mean_reward={v['mean_reward']:.4f}" for d, v in domains.items()]
+    lines.append(f"policy versions {spread['min']}..{spread['max']}: "
+                 + ", ".join(f"v{k}:{c}" for k, c in sorted(versions.items())))
+    lines.append("truncation " + ", ".join(f"{k}:{c}" for k, c in sorted(truncation.items())))
+    lines += [f"unreadable {b}" for b in bad]
+    _emit(args, data, lines)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from hpcrl.rl.shards import SegmentError, list_shards, read_segment, read_shard, recover_shard
+    from hpcrl.rl.store_writer import owner_alive
+
+    store = _store(args)
+    report = []
+    for state in list_shards(store):
+        if args.repair and state.manifest is None and not owner_alive(state, lease_s=60.0):
+            if recover_shard(store, state.path).removed:
+                continue
+            state = read_shard(state.path)
+        problems = []
+        if state.manifest_error:
+            problems.append(state.manifest_error)
+        if state.manifest is not None:
+            listed = {s.name: s for s in state.manifest.segments}
+            problems += [f"{n}: not listed in the manifest" for n in state.segment_names if n not in listed]
+            checks = [(n, info) for n, info in listed.items()]
+        else:
+            checks = [(n, None) for n in state.segment_names]
+        rows = 0
+        for name, expect in checks:
+            if not (state.path / name).exists():
+                problems.append(f"{name}: listed in the manifest but missing")
+                continue
+            try:
+                rows += read_segment(state.path / name, expect).rows
+            except SegmentError as exc:
+                problems.append(f"{name}: {exc}")
+        report.append({"shard": state.name, "status": _status(state), "segments": len(checks), "rows": rows,
+                       "ok": not problems, "problems": problems})
+    ok = all(r["ok"] for r in report)
+    lines = [f"{'OK ' if r['ok'] else 'BAD'} {r['shard']} ({r['status']}, {r['segments']} segments, {r['rows']} rows)"
+             + "".join(f"\n    {p}" for p in r["problems"]) for r in report]
+    orphaned = sum(r["status"] == "orphaned" for r in report)
+    lines.append(f"{'all' if ok else 'NOT all'} {len(report)} shard(s) verified"
+                 + (f"; {orphaned} orphaned (writer dead): `hpcrl traj verify --repair` finalizes them" if orphaned else ""))
+    _emit(args, {"ok": ok, "shards": report}, lines)
+    return 0 if ok else 1
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from hpcrl.rl.store_reader import iter_segments
+
+    store = _store(args)
+    bad: list[str] = []
+    out = sys.stdout if args.output == "-" else open(args.output, "w")
+    n = 0
+    try:
+        for _, _, cols in iter_segments(store, on_error=lambda st, nm, why: bad.append(f"{st.name}/{nm}: {why}")):
+            for i in range(cols.rows):
+                out.write(json.dumps(cols.trajectory(i, trusted=True).to_dict(), separators=(",", ":")) + "\n")
+                n += 1
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    summary = {"exported": n, "output": args.output, "skipped_segments": bad}
+    print(json.dumps(summary) if args.json else f"exported {n} trajectories to {args.output}"
+          + "".join(f"\nskipped {b}" for b in bad), file=sys.stderr)
+    return 1 if bad else 0
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import numpy as np
+
+    from hpcrl.jobs.config import StoreConfig
+    from hpcrl.jobs.schema import from_dict
+    from hpcrl.rl.shards import StoreError
+    from hpcrl.rl.store_reader import resolve_store
+    from hpcrl.rl.store_writer import ShardWriter
+    from hpcrl.rl.synth import DEFAULT_SHAPE, TINY_SHAPE, synth_trajectory
+
+    if args.count < 1:
+        raise UsageError(f"--count must be >= 1 (got {args.count})")
+    if args.first_episode < 0:
+        raise UsageError(f"--first-episode must be >= 0 (got {args.first_episode})")
+    overrides = {k: v for k, v in (("flush_every", args.flush_every), ("flush_interval_s", args.flush_interval),
+                                   ("shard_max_rows", args.shard_max_rows), ("compression", args.compression))
+                 if v is not None}
+    cfg = from_dict(StoreConfig, {**dataclasses.asdict(StoreConfig()), **overrides}, "store")
+    rng = np.random.default_rng(args.seed)
+    shape = TINY_SHAPE if args.tiny else DEFAULT_SHAPE
+    try:
+        # Synthetic episode numbers never repeat, so the dedup index (one read of every
+        # segment the writer name ever wrote) would only slow down fault drills.
+        writer = ShardWriter(resolve_store(args.path), args.writer, cfg, dedup=False)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    with writer:
+        for i in range(args.count):
+            traj = synth_trajectory(rng, "synth", args.writer, args.first_episode + i, shape)
+            flushed = writer.append(traj) or writer.poll()
+            if flushed:
+                print(f"acked {flushed.total_rows}", flush=True)
+        flushed = writer.close()
+        if flushed:
+            print(f"acked {flushed.total_rows}", flush=True)
+    return 0

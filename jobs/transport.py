@@ -1,0 +1,495 @@
+"""ZeroMQ message layer: msgpack envelopes, zero-copy numpy frames, CURVE on every socket.
+
+Components of one run talk over TCP; everything below is shared by the trajectory path,
+control requests (e.g. the sandbox server) and policy-version announcements.
+
+API
+---
+Envelopes (no sockets involved; never pickle, nowhere)::
+
+    frames = encode("exec", {"lang": "py"}, arrays=[tokens], msg_id="r-1")
+    send_frames(sock, frames)           # one multipart message (big arrays zero-copy)
+    env = decode(frames, limits)        # Envelope(kind, body, arrays, msg_id); raises BadMessage
+    # frame 0: msgpack {"v": 1, "k": kind, "b": body, "i": msg_id, "a": [[dtype, shape], ...]}
+    # frames 1..n: the raw bytes of each array, sent without a copy, received as read-only views
+
+Per-run security and discovery (files in the run directory)::
+
+    keys = RunKeys(run_dir)             # <run>/keys/ (0700): <name>.key public, <name>.key_secret (0600)
+    pair = keys.ensure("gen-0")         # KeyPair(public, secret): created once, then reused
+    keys.allowed()                      # every public key in keys/: the ZAP allow-list
+    publish_endpoint(run_dir, "store", "tcp://host:5555", pair.public)   # <run>/endpoints/store.json, atomic
+    ep = read_endpoint(run_dir, "store", timeout_s=30)                  # Endpoint(address, public_key, instance)
+
+Sockets, one Node per process (owns the context and the ZAP authenticator thread)::
+
+    node = Node(run_dir, "gen-0", limits=Limits(), bind_host="*")
+    sock, ep = node.bind(zmq.ROUTER, "store")      # CURVE server on a free port, endpoint published
+    sock, ep = node.connect(zmq.DEALER, "store")   # CURVE client of the published endpoint
+    node.log_events()                              # log handshake failures/disconnects seen on bound sockets
+    node.close()
+
+Patterns built on these: `hpcrl.jobs.transport_rpc` (RequestServer/RequestClient with
+timeouts, retries and idempotent replays; VersionPublisher/VersionSubscriber over PUB/SUB)
+and `hpcrl.jobs.transport_traj` (TrajectorySender/TrajectoryReceiver: acknowledged, lossless,
+deduplicated delivery to the shard writer).
+
+Security model: every server socket is a CURVE server with the ZAP domain "hpcrl"; a client
+is admitted only if its public key is one of the run's `keys/*.key` files (the directory is
+0700, so only the run's owner can add one). A client with an unknown key, or one that does
+not know the server's key, never completes the handshake; the server logs it and carries on.
+Inbound frames over `max_message_bytes` make libzmq drop the connection (ZMQ_MAXMSGSIZE);
+messages whose frames add up to more, malformed envelopes, disallowed dtypes and unknown
+kinds are dropped by `decode` callers with a log line. Heartbeats (ZMQ_HEARTBEAT_*) detect
+dead peers; high-water marks bound queues.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import socket
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["TransportError", "BadMessage", "Limits", "Envelope", "encode", "decode", "send_frames", "KeyPair",
+           "RunKeys", "Endpoint", "publish_endpoint", "read_endpoint", "Node"]
+
+log = logging.getLogger("hpcrl.transport")
+
+ENVELOPE_VERSION = 1
+ZAP_DOMAIN = "hpcrl"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_ALLOWED_KINDS = "biuf"  # bool, ints, floats: no object, string or void dtypes on the wire
+
+
+class TransportError(Exception):
+    """The transport cannot do what was asked (keys, endpoints); the message says what to fix."""
+
+
+class BadMessage(ValueError):
+    """An inbound message is malformed, oversized or not allowed; str() is the reason to log."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = 256 << 20  # per frame (ZMQ_MAXMSGSIZE) and per message (decode)
+    max_frames: int = 4096
+    max_header_bytes: int = 1 << 20
+    sndhwm: int = 1000  # messages queued per peer before send blocks / EAGAIN
+    rcvhwm: int = 1000
+    heartbeat_ivl_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    heartbeat_ttl_s: float = 10.0
+    linger_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Envelope:
+    kind: str
+    body: Any
+    arrays: tuple[np.ndarray, ...] = ()
+    msg_id: str | None = None
+
+
+def encode(kind: str, body: Any = None, arrays: Sequence[np.ndarray] = (), msg_id: str | None = None) -> list:
+    """Frames for one message: a msgpack header, then each array's bytes (not copied)."""
+    out = []
+    specs = []
+    for i, arr in enumerate(arrays):
+        if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        if arr.dtype.kind not in _ALLOWED_KINDS:
+            raise TypeError(f"array {i}: dtype {arr.dtype} cannot travel; use bool, int or float arrays")
+        specs.append([arr.dtype.str, list(arr.shape)])
+        out.append(arr)
+    header = {"v": ENVELOPE_VERSION, "k": kind, "b": body, "a": specs}
+    if msg_id is not None:
+        header["i"] = msg_id
+    return [msgpack.packb(header, use_bin_type=True), *out]
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise BadMessage(f"msgpack extension type {code} is not accepted")
+
+
+_DTYPES: dict[str, np.dtype] = {}  # wire dtype strings seen and accepted (a few recur)
+
+
+def _wire_dtype(spec: str) -> np.dtype:
+    """The dtype for a wire spec string, or BadMessage."""
+    try:
+        dtype = np.dtype(spec)
+    except (TypeError, ValueError) as exc:
+        raise BadMessage(f"bad dtype {spec!r}: {exc}") from None
+    if dtype.kind not in _ALLOWED_KINDS or dtype.hasobject or dtype.shape:
+        raise BadMessage(f"dtype {dtype} not allowed")
+    if len(_DTYPES) < 256:
+        _DTYPES[spec] = dtype
+    return dtype
+
+
+def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Envelope:
+    """Parse and check one message; arrays are zero-copy read-only views of the frames.
+
+    This runs once per trajectory on the store writer, so it avoids per-frame allocations
+    (numpy reads zmq.Frame and bytes through the buffer protocol directly).
+    """
+    n = len(frames)
+    if not n:
+        raise BadMessage("empty message")
+    if n > limits.max_frames:
+        raise BadMessage(f"{n} frames (limit {limits.max_frames})")
+    if not all(type(f) in (zmq.Frame, bytes) for f in frames):
+        frames = [memoryview(f) for f in frames]  # anything else with a buffer (arrays, memoryviews)
+    sizes = [memoryview(f).nbytes if type(f) is memoryview else len(f) for f in frames]
+    total = sum(sizes)
+    if total > limits.max_message_bytes:
+        raise BadMessage(f"oversized: {total} bytes (limit {limits.max_message_bytes})")
+    if sizes[0] > limits.max_header_bytes:
+        raise BadMessage(f"header of {sizes[0]} bytes (limit {limits.max_header_bytes})")
+    try:
+        # ext_hook refuses every extension type and timestamp=1 turns msgpack's one built-in
+        # extension into a float: the result holds only maps, lists, str, bytes, numbers.
+        header = msgpack.unpackb(frames[0], raw=False, ext_hook=_no_ext, strict_map_key=False, timestamp=1)
+    except BadMessage:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise BadMessage(f"header is not msgpack: {type(exc).__name__}: {exc}") from None
+    if type(header) is not dict or header.get("v") != ENVELOPE_VERSION:
+        raise BadMessage(f"not an hpcrl v{ENVELOPE_VERSION} envelope")
+    kind, body, specs, msg_id = header.get("k"), header.get("b"), header.get("a"), header.get("i")
+    if type(kind) is not str or type(specs) is not list or not (msg_id is None or type(msg_id) is str):
+        raise BadMessage("envelope fields k (str), a (list), i (str) have wrong types")
+    if len(specs) != n - 1:
+        raise BadMessage(f"header announces {len(specs)} array(s), message carries {n - 1}")
+    arrays = []
+    for i, spec in enumerate(specs):
+        if type(spec) is not list or len(spec) != 2 or type(spec[1]) is not list:
+            raise BadMessage(f"array {i}: bad spec {spec!r}")
+        dtype = _DTYPES.get(spec[0]) if type(spec[0]) is str else None
+        if dtype is None:
+            try:
+                dtype = _wire_dtype(spec[0])
+            except BadMessage as exc:
+                raise BadMessage(f"array {i}: {exc}") from None
+        shape = spec[1]
+        if len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:
+            count = shape[0]
+        elif len(shape) <= 8 and all(type(d) is int and d >= 0 for d in shape):
+            count = math.prod(shape)
+        else:
+            raise BadMessage(f"array {i}: shape {shape} not allowed")
+        if count * dtype.itemsize != sizes[i + 1]:
+            raise BadMessage(f"array {i}: {sizes[i + 1]} bytes do not fill {dtype} {shape}")
+        arr = np.frombuffer(frames[i + 1], dtype=dtype)
+        # Read-only: the memory may be the sender's own (inproc) or zmq's receive buffer.
+        arr.flags.writeable = False
+        arrays.append(arr if len(shape) == 1 else arr.reshape(shape))
+    return Envelope(kind, body, tuple(arrays), msg_id)
+
+
+_MORE = int(zmq.SNDMORE)
+ZERO_COPY_MIN_BYTES = 1 << 16
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+    """Send one multipart message. Frames of 64 KiB and more go zero-copy; smaller ones are
+    copied by libzmq, which costs less than tracking them (pyzmq's own copy_threshold rule),
+    and flags stay plain ints (pyzmq's send_multipart spends microseconds on enum ops per frame).
+    Raises zmq.Again (nothing sent) if `flags` has NOBLOCK and the message cannot be queued."""
+    flags = int(flags)
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        size = f.nbytes if isinstance(f, (np.ndarray, memoryview)) else len(f)
+        sock.send(f, flags | _MORE if i < last else flags, copy=size < ZERO_COPY_MIN_BYTES)
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    public: bytes  # z85, 40 bytes
+    secret: bytes
+
+
+class RunKeys:
+    """The run's CURVE keys: one pair per component name, public halves form the allow-list."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.dir = Path(run_dir) / "keys"
+
+    def _ensure_dir(self) -> None:
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        mode = stat.S_IMODE(self.dir.stat().st_mode)
+        if mode & 0o077:
+            raise TransportError(f"{self.dir} has mode {mode:04o}; run `chmod 700 {self.dir}`: other users must "
+                                 "not read the run's secret keys")
+
+    def ensure(self, name: str) -> KeyPair:
+        """Load `name`'s key pair, creating it (secret file 0600, written atomically) if absent."""
+        if not _NAME_RE.fullmatch(name):
+            raise TransportError(f"component name {name!r}: use letters, digits, '_', '.', '-' (max 64)")
+        self._ensure_dir()
+        secret_path = self.dir / f"{name}.key_secret"
+        public_path = self.dir / f"{name}.key"
+        if not secret_path.exists():
+            public, secret = zmq.curve_keypair()
+            try:
+                self._write(secret_path, public, secret, 0o600)
+            except FileExistsError:
+                pass  # another process of the same component won the race: use its keys
+        mode = stat.S_IMODE(secret_path.stat().st_mode)
+        if mode & 0o077:
+            raise TransportError(f"secret key {secret_path} has mode {mode:04o}; run `chmod 600 {secret_path}`")
+        public, secret = zmq.auth.load_certificate(str(secret_path))
+        if secret is None:
+            raise TransportError(f"{secret_path} holds no secret key; delete it to generate a new pair")
+        # The public half is derived from the secret file, so a crash or a race between two
+        # processes of one component can never leave a public key that does not match.
+        if not public_path.exists() or zmq.auth.load_certificate(str(public_path))[0] != public:
+            self._write(public_path, public, None, 0o644)
+        return KeyPair(public, secret)
+
+    @staticmethod
+    def _write(path: Path, public: bytes, secret: bytes | None, mode: int) -> None:
+        lines = ["#   hpcrl run CURVE " + ("secret key: keep it 0600" if secret else "public key"), "metadata", "curve",
+                 f'    public-key = "{public.decode()}"']
+        if secret:
+            lines.append(f'    secret-key = "{secret.decode()}"')
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        if secret is None:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)  # raises FileExistsError: a secret in use is never overwritten
+        finally:
+            os.unlink(tmp)
+
+    def allowed(self) -> set[bytes]:
+        out = set()
+        if self.dir.is_dir():
+            for p in self.dir.glob("*.key"):
+                try:
+                    out.add(zmq.auth.load_certificate(str(p))[0])
+                except (OSError, ValueError) as exc:
+                    log.warning("ignoring unreadable public key %s: %s", p, exc)
+        return out
+
+
+class _AllowList:
+    """ZAP credentials provider: admits the run's public keys, re-reading keys/ for newcomers.
+
+    An unknown key triggers a re-read of keys/ (a component writes its key before it
+    connects, so a legitimate newcomer is always found); a key found unknown is not looked
+    up again for `negative_ttl_s`, so one rejected peer cannot make us rescan in a loop.
+    """
+
+    def __init__(self, keys: RunKeys, negative_ttl_s: float = 1.0):
+        self.keys = keys
+        self.negative_ttl_s = negative_ttl_s
+        self._allowed = keys.allowed()
+        self._rejected: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        with self._lock:
+            if key in self._allowed:
+                return True
+            now = time.monotonic()
+            if now - self._rejected.get(key, float("-inf")) >= self.negative_ttl_s:
+                self._allowed = self.keys.allowed()
+                if key in self._allowed:
+                    self._rejected.pop(key, None)
+                    return True
+                if len(self._rejected) > 10_000:
+                    self._rejected.clear()
+                self._rejected[key] = now
+        log.warning("rejected CURVE client key %s...: not in the run's allow-list (%s)", key[:8].decode(), self.keys.dir)
+        return False
+
+
+# -- endpoints -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    service: str
+    address: str
+    public_key: bytes
+    instance: str  # changes each time the service starts: clients reconnect and resend
+
+
+def _endpoint_path(run_dir: str | os.PathLike, service: str) -> Path:
+    if not _NAME_RE.fullmatch(service):
+        raise TransportError(f"service name {service!r}: use letters, digits, '_', '.', '-' (max 64)")
+    return Path(run_dir) / "endpoints" / f"{service}.json"
+
+
+def publish_endpoint(run_dir: str | os.PathLike, service: str, address: str, public_key: bytes) -> Endpoint:
+    """Write endpoints/<service>.json atomically (tmp + fsync + rename): readers never see half."""
+    path = _endpoint_path(run_dir, service)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ep = Endpoint(service, address, public_key, os.urandom(8).hex())
+    data = {"service": service, "address": address, "public_key": public_key.decode(), "instance": ep.instance,
+            "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return ep
+
+
+def read_endpoint(run_dir: str | os.PathLike, service: str, timeout_s: float = 0.0) -> Endpoint:
+    """The published endpoint of `service`, waiting up to `timeout_s` for it to appear."""
+    path = _endpoint_path(run_dir, service)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            data = json.loads(path.read_text())
+            return Endpoint(service, data["address"], data["public_key"].encode(), data["instance"])
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise TransportError(f"service {service!r} has not published an endpoint ({path} is missing "
+                                     f"after {timeout_s:.0f} s); is it running in this run directory?") from None
+        except (ValueError, KeyError) as exc:
+            raise TransportError(f"endpoint file {path} is damaged ({exc}); restart service {service!r}") from None
+        time.sleep(0.05)
+
+
+# -- sockets ---------------------------------------------------------------------------------
+
+
+_EVENT_NAMES = {getattr(zmq, n): n[6:] for n in dir(zmq) if n.startswith("EVENT_") and isinstance(getattr(zmq, n), int)}
+_LOGGED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+
+class Node:
+    """One process's transport: a context, its CURVE identity, the ZAP allow-list, sockets."""
+
+    def __init__(self, run_dir: str | os.PathLike, name: str, limits: Limits = Limits(), *,
+                 bind_host: str = "*", advertise_host: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.name = name
+        self.limits = limits
+        self.keys = RunKeys(run_dir)
+        self.pair = self.keys.ensure(name)
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host or (bind_host if bind_host not in ("*", "0.0.0.0") else socket.gethostname())
+        self.ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self._monitors: list[tuple[zmq.Socket, str]] = []
+        self._closed = False
+
+    def _options(self, sock: zmq.Socket) -> None:
+        lim = self.limits
+        sock.linger = int(lim.linger_s * 1000)
+        sock.sndhwm, sock.rcvhwm = lim.sndhwm, lim.rcvhwm
+        sock.maxmsgsize = lim.max_message_bytes
+        sock.heartbeat_ivl = int(lim.heartbeat_ivl_s * 1000)
+        sock.heartbeat_timeout = int(lim.heartbeat_timeout_s * 1000)
+        sock.heartbeat_ttl = int(lim.heartbeat_ttl_s * 1000)
+
+    def _start_auth(self) -> None:
+        if self._auth is None:
+            self._auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hpcrl.transport.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_AllowList(self.keys))
+
+    def bind(self, socket_type: int, service: str, publish: bool = True) -> tuple[zmq.Socket, Endpoint]:
+        """A CURVE server socket on a free port, its endpoint published for clients to find."""
+        self._start_auth()
+        sock = self.ctx.socket(socket_type)
+        self._options(sock)
+        sock.curve_server = True
+        sock.curve_secretkey = self.pair.secret
+        sock.curve_publickey = self.pair.public
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        if socket_type == zmq.ROUTER:
+            sock.router_handover = 1  # a reconnecting peer with a fixed routing id takes over its slot
+        mon = sock.get_monitor_socket(_LOGGED_EVENTS)
+        self._monitors.append((mon, service))
+        sock.bind(f"tcp://{self.bind_host}:*")
+        port = sock.last_endpoint.decode().rsplit(":", 1)[1]
+        address = f"tcp://{self.advertise_host}:{port}"
+        if publish:
+            ep = publish_endpoint(self.run_dir, service, address, self.pair.public)
+        else:
+            ep = Endpoint(service, address, self.pair.public, "")
+        log.info("%s: %s bound at %s", self.name, service, address)
+        return sock, ep
+
+    def connect(self, socket_type: int, target: str | Endpoint, timeout_s: float = 30.0,
+                routing_id: bytes | None = None) -> tuple[zmq.Socket, Endpoint]:
+        """A CURVE client socket connected to `target` (a service name or an Endpoint)."""
+        ep = target if isinstance(target, Endpoint) else read_endpoint(self.run_dir, target, timeout_s)
+        sock = self.ctx.socket(socket_type)
+        self._options(sock)
+        sock.curve_serverkey = ep.public_key
+        sock.curve_publickey = self.pair.public
+        sock.curve_secretkey = self.pair.secret
+        if routing_id is not None:
+            sock.routing_id = routing_id
+        sock.connect(ep.address)
+        return sock, ep
+
+    def monitor_sockets(self) -> list[zmq.Socket]:
+        return [m for m, _ in self._monitors]
+
+    def log_events(self) -> None:
+        """Log (without blocking) the security and connection events of bound sockets."""
+        for mon, service in self._monitors:
+            while mon.poll(0):
+                try:
+                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                name = _EVENT_NAMES.get(ev["event"], str(ev["event"]))
+                peer = ev.get("endpoint", b"").decode(errors="replace")
+                if name.startswith("HANDSHAKE_FAILED"):
+                    log.warning("%s: rejected a peer at %s during the CURVE handshake (%s, code %s)",
+                                service, peer, name, ev["value"])
+                elif name == "DISCONNECTED":
+                    log.info("%s: peer at %s disconnected (or was dropped: oversized frame, dead heartbeat)",
+                             service, peer)
+                else:
+                    log.debug("%s: %s %s", service, name, peer)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for mon, _ in self._monitors:
+            mon.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.destroy(linger=int(self.limits.linger_s * 1000))
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: Iterable) -> None:
+        self.close()

@@ -1,0 +1,245 @@
+"""Control requests with timeouts and retries, and policy-version announcements (PUB/SUB).
+
+    # server side (e.g. a sandbox server)
+    def handle(env: Envelope) -> Reply:
+        if env.kind != "exec":
+            raise ValueError(f"unknown request {env.kind!r}")
+        return Reply("result", {"exit_code": 0}, arrays=[stdout_tokens])
+    server = RequestServer(node, "sandbox-0", handle)
+    server.serve(stop_event)                     # or server.poll_once(timeout_s) in your own loop
+
+    # client side
+    client = RequestClient(node, "sandbox-0", timeout_s=5, retries=2)
+    reply = client.request("exec", {"code": "print(1)"})   # Envelope; RequestTimeout / RemoteError
+
+    # policy versions
+    pub = VersionPublisher(node); pub.publish(12); pub.tick()   # tick() republishes for late joiners
+    sub = VersionSubscriber(node); sub.poll(0.1)               # newest version seen, or None
+
+Retries are idempotent: a request keeps its id across attempts and the server replays the
+cached reply of an id it has already answered instead of running the handler twice. Each
+retry uses a fresh socket and re-reads the endpoint file, so a restarted server (new port,
+new instance) is found. A handler exception becomes an "error" reply (RemoteError on the
+client); malformed requests are dropped with a log line; the server never dies of input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import zmq
+
+from hpcrl.jobs.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
+
+__all__ = ["Reply", "RequestServer", "RequestClient", "RequestTimeout", "RemoteError",
+           "VersionPublisher", "VersionSubscriber"]
+
+log = logging.getLogger("hpcrl.transport")
+POLICY_TOPIC = b"policy"
+
+
+class RequestTimeout(TransportError):
+    """No reply after every attempt; the message names the service, address and what to check."""
+
+
+class RemoteError(TransportError):
+    """The server's handler raised; the message carries its error text."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    kind: str
+    body: Any = None
+    arrays: Sequence[np.ndarray] = field(default_factory=tuple)
+
+
+class RequestServer:
+    """ROUTER-based request server; `handler(Envelope) -> Reply` runs in the serving thread."""
+
+    def __init__(self, node: Node, service: str, handler: Callable[[Envelope], Reply], *, replay_cache: int = 4096):
+        self.node = node
+        self.handler = handler
+        self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
+        self._replies: OrderedDict[str, list] = OrderedDict()
+        self._replay_cache = replay_cache
+        self.served = self.replayed = self.dropped = 0
+
+    def poll_once(self, timeout_s: float = 0.1) -> int:
+        """Serve every request that arrives within `timeout_s`; returns how many were handled."""
+        n = 0
+        if self.sock.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._serve(frames)
+                n += 1
+        self.node.log_events()
+        return n
+
+    def _serve(self, frames: list) -> None:
+        peer, rest = frames[0].bytes, frames[1:]
+        try:
+            env = decode(rest, self.node.limits)
+            if not env.msg_id:
+                raise BadMessage("request without an id")
+        except BadMessage as exc:
+            self.dropped += 1
+            log.warning("%s: dropped a request: %s", self.endpoint.service, exc)
+            return
+        cached = self._replies.get(env.msg_id)
+        if cached is not None:
+            self.replayed += 1
+            send_frames(self.sock, [peer, *cached])
+            return
+        try:
+            reply = self.handler(env)
+            if not isinstance(reply, Reply):
+                raise TypeError(f"handler returned {type(reply).__name__}, expected Reply")
+            out = encode(reply.kind, reply.body, reply.arrays, msg_id=env.msg_id)
+        except Exception as exc:  # noqa: BLE001 - a handler bug must not take the server down
+            log.exception("%s: handler failed on %r", self.endpoint.service, env.kind)
+            out = encode("error", {"message": f"{type(exc).__name__}: {exc}"}, msg_id=env.msg_id)
+        self._replies[env.msg_id] = out
+        if len(self._replies) > self._replay_cache:
+            self._replies.popitem(last=False)
+        self.served += 1
+        send_frames(self.sock, [peer, *out])
+
+    def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
+        while not stop.is_set():
+            self.poll_once(poll_s)
+
+
+class RequestClient:
+    """DEALER-based request client with per-attempt timeout and retries (a socket per attempt)."""
+
+    def __init__(self, node: Node, service: str, *, timeout_s: float = 5.0, retries: int = 2,
+                 discover_timeout_s: float = 30.0):
+        self.node = node
+        self.service = service
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.discover_timeout_s = discover_timeout_s
+        self._sock: zmq.Socket | None = None
+        self._ep = None
+
+    def _socket(self, fresh: bool) -> zmq.Socket:
+        if fresh and self._sock is not None:
+            self._sock.close(0)  # drop whatever the old connection still queues
+            self._sock = None
+        if self._sock is None:
+            ep = read_endpoint(self.node.run_dir, self.service, self.discover_timeout_s)
+            self._sock, self._ep = self.node.connect(zmq.DEALER, ep)
+        return self._sock
+
+    def request(self, kind: str, body: Any = None, arrays: Sequence[np.ndarray] = (), *,
+                timeout_s: float | None = None, retries: int | None = None) -> Envelope:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        retries = self.retries if retries is None else retries
+        rid = os.urandom(12).hex()
+        frames = encode(kind, body, arrays, msg_id=rid)
+        for attempt in range(retries + 1):
+            sock = self._socket(fresh=attempt > 0)
+            send_frames(sock, frames)
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(int(left * 1000) + 1):
+                    break
+                try:
+                    env = decode(sock.recv_multipart(copy=False), self.node.limits)
+                except BadMessage as exc:
+                    log.warning("%s: dropped a malformed reply: %s", self.service, exc)
+                    continue
+                if env.msg_id != rid:
+                    continue  # a late reply to an earlier request
+                if env.kind == "error":
+                    raise RemoteError(f"{self.service} failed on {kind!r}: {(env.body or {}).get('message')}")
+                return env
+            if attempt < retries:
+                log.info("%s: no reply to %r within %.1f s (attempt %d/%d); retrying",
+                         self.service, kind, timeout_s, attempt + 1, retries + 1)
+        address = self._ep.address if self._ep else "?"
+        raise RequestTimeout(f"{self.service} at {address}: no reply to {kind!r} after {retries + 1} attempt(s) of "
+                             f"{timeout_s:.1f} s; is the service running, and does endpoints/{self.service}.json "
+                             "name it?")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+
+class VersionPublisher:
+    """PUB socket announcing the learner's policy version; republishes for late subscribers."""
+
+    def __init__(self, node: Node, service: str = "policy", republish_s: float = 1.0):
+        self.sock, self.endpoint = node.bind(zmq.PUB, service)
+        self.node = node
+        self.republish_s = republish_s
+        self.version: int | None = None
+        self._info: dict = {}
+        self._sent_at = 0.0
+
+    def publish(self, version: int, info: dict | None = None) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"policy version must be an int >= 0 (got {version!r})")
+        self.version, self._info = version, dict(info or {})
+        self._send()
+
+    def _send(self) -> None:
+        frames = encode("policy_version", {"version": self.version, **self._info})
+        try:
+            send_frames(self.sock, [POLICY_TOPIC, *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # PUB drops for slow subscribers anyway; the next tick repeats the version
+        self._sent_at = time.monotonic()
+
+    def tick(self) -> None:
+        """Call periodically: repeats the current version every `republish_s` (SUB joins late)."""
+        self.node.log_events()
+        if self.version is not None and time.monotonic() - self._sent_at >= self.republish_s:
+            self._send()
+
+
+class VersionSubscriber:
+    """SUB socket tracking the newest policy version announced."""
+
+    def __init__(self, node: Node, service: str = "policy", discover_timeout_s: float = 30.0):
+        self.node = node
+        self.sock, self.endpoint = node.connect(zmq.SUB, service, discover_timeout_s)
+        self.sock.subscribe(POLICY_TOPIC)
+        self.version: int | None = None
+        self.info: dict = {}
+
+    def poll(self, timeout_s: float = 0.0) -> int | None:
+        """Drain announcements (waiting up to `timeout_s` for the first); the newest version."""
+        wait_ms = int(timeout_s * 1000)
+        while self.sock.poll(wait_ms):
+            wait_ms = 0
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                env = decode(frames[1:], self.node.limits)
+                version = env.body["version"]
+                if env.kind != "policy_version" or isinstance(version, bool) or not isinstance(version, int):
+                    raise BadMessage(f"not a policy version announcement ({env.kind!r})")
+            except (BadMessage, KeyError, TypeError) as exc:
+                log.warning("policy subscriber: dropped a message: %s", exc)
+                continue
+            if self.version is None or version >= self.version:
+                self.version, self.info = version, env.body
+        return self.version
+
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while (self.version is None or self.version < version) and time.monotonic() < deadline:
+            self.poll(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self.version is not None and self.version >= version

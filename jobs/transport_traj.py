@@ -1,0 +1,260 @@
+"""Acknowledged, lossless, deduplicated delivery of trajectories to the shard writer.
+
+    # generator side
+    sender = TrajectorySender(node, "store")
+    sender.send(traj)              # kept until acknowledged; never blocks longer than block_s
+    sender.pump()                  # call often: reads acks, resends what is due
+    sender.wait_acked(timeout_s=60)
+
+    # writer side (see `python -m hpcrl.rl.store_service`)
+    receiver = TrajectoryReceiver(node, "store", ShardWriter(store, "store-0", cfg.store))
+    receiver.serve(stop_event)     # or receiver.poll_once(timeout_s) in your own loop
+
+PUSH/PULL cannot carry acknowledgements back, so the sender is a DEALER with a fixed routing
+id and the writer a ROUTER (with ZMQ_ROUTER_HANDOVER, so a reconnecting sender keeps its
+slot). Message id = trajectory id.
+
+Guarantees:
+* The writer acknowledges an id only after the flush that stored it returned, i.e. the
+  segment is fsynced under its final name; a duplicate of a stored id is acknowledged at once.
+* The sender keeps every unacknowledged trajectory. It resends all of them when the writer's
+  endpoint file shows a new instance (writer restarted), and any one that waited
+  `resend_after_s` (lost in a dead connection). Resends are harmless: the writer drops an id
+  it has stored or buffered (its dedup index is rebuilt from disk on restart).
+* A trajectory the writer cannot accept (fails validation) is answered with "reject" and the
+  reason; the sender logs it and stops resending it (`rejected`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Protocol
+
+import zmq
+
+from hpcrl.jobs.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
+from hpcrl.rl.trajectory import Trajectory, TrajectoryError
+
+__all__ = ["TrajectorySender", "TrajectoryReceiver", "TrajectorySink"]
+
+log = logging.getLogger("hpcrl.transport")
+
+
+class TrajectorySink(Protocol):
+    """What the receiver stores into: the ShardWriter's interface."""
+
+    def append(self, traj: Trajectory): ...  # -> FlushResult | None (has .ids)
+    def poll(self): ...
+    def seconds_to_flush(self) -> float | None: ...
+    def is_stored(self, traj_id: str) -> bool: ...
+    def is_pending(self, traj_id: str) -> bool: ...
+    def close(self): ...
+
+
+class TrajectorySender:
+    def __init__(self, node: Node, service: str = "store", *, max_unacked: int = 4096, resend_after_s: float = 15.0,
+                 block_s: float = 60.0, discover_timeout_s: float = 60.0):
+        self.node = node
+        self.service = service
+        self.max_unacked = max_unacked
+        self.resend_after_s = resend_after_s
+        self.block_s = block_s
+        self.routing_id = f"{node.name}.{os.urandom(4).hex()}".encode()
+        self._frames: dict[str, list] = {}  # every unacknowledged id -> its encoded message
+        self._sent_at: OrderedDict[str, float] = OrderedDict()  # sent ids, oldest send first
+        self._unsent: deque[str] = deque()  # ids waiting for a send (never sent, or due again)
+        self._sock, self._ep = node.connect(zmq.DEALER, service, discover_timeout_s, routing_id=self.routing_id)
+        self._checked_at = time.monotonic()
+        self.sent = self.resent = self.acked = 0
+        self.rejected: list[tuple[str, str]] = []
+
+    @property
+    def unacked(self) -> int:
+        return len(self._frames)
+
+    def send(self, traj: Trajectory) -> None:
+        """Queue and send one trajectory; blocks (pumping acks) while `max_unacked` are in flight."""
+        deadline = time.monotonic() + self.block_s
+        while len(self._frames) >= self.max_unacked:
+            if time.monotonic() >= deadline:
+                raise TransportError(f"{len(self._frames)} trajectories unacknowledged by {self.service!r} for "
+                                     f"{self.block_s:.0f} s; is the store writer running?")
+            self.pump(0.05)
+        tid = traj.id
+        header, arrays = traj.to_wire()
+        self._frames[tid] = encode("traj", header, arrays, msg_id=tid)
+        self._unsent.append(tid)
+        self.sent += 1
+        self._send_due()
+
+    def _send_due(self) -> None:
+        """Send queued ids in order until the socket pushes back (no peer yet, or HWM)."""
+        while self._unsent:
+            tid = self._unsent[0]
+            frames = self._frames.get(tid)
+            if frames is not None:
+                try:
+                    send_frames(self._sock, frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    return  # pump() retries
+                self._sent_at[tid] = time.monotonic()
+                self._sent_at.move_to_end(tid)
+            self._unsent.popleft()
+
+    def pump(self, timeout_s: float = 0.0) -> int:
+        """Read acks (waiting up to `timeout_s` for the first), resend what is due; returns #acked."""
+        n = 0
+        wait_ms = int(timeout_s * 1000)
+        while self._sock.poll(wait_ms):
+            wait_ms = 0
+            n += self._on_reply(self._sock.recv_multipart(copy=False))
+        now = time.monotonic()
+        if self._frames and now - self._checked_at >= 0.5:
+            self._checked_at = now
+            self._check_endpoint()
+        # Oldest send first, so the scan stops at the first one that is not due.
+        while self._sent_at:
+            tid, sent_at = next(iter(self._sent_at.items()))
+            if now - sent_at < self.resend_after_s:
+                break
+            del self._sent_at[tid]
+            self._unsent.append(tid)
+            self.resent += 1
+        self._send_due()
+        return n
+
+    def _on_reply(self, frames: list) -> int:
+        try:
+            env = decode(frames, self.node.limits)
+            ids = env.body["ids"]
+            if env.kind not in ("ack", "reject") or not isinstance(ids, list):
+                raise BadMessage(f"unexpected reply kind {env.kind!r}")
+        except (BadMessage, KeyError, TypeError) as exc:
+            log.warning("%s: dropped a malformed reply from the writer: %s", self.service, exc)
+            return 0
+        n = 0
+        for tid in ids:
+            if type(tid) is str and self._frames.pop(tid, None) is not None:
+                self._sent_at.pop(tid, None)
+                n += 1
+                if env.kind == "reject":
+                    reason = str(env.body.get("reason", ""))
+                    self.rejected.append((tid, reason))
+                    log.error("%s rejected trajectory %s: %s", self.service, tid, reason)
+        if env.kind == "ack":
+            self.acked += n
+        return n
+
+    def _check_endpoint(self) -> None:
+        try:
+            ep = read_endpoint(self.node.run_dir, self.service)
+        except TransportError:
+            return
+        if ep.instance != self._ep.instance or ep.address != self._ep.address:
+            log.info("%s restarted (%s -> %s); reconnecting and resending %d unacknowledged trajectories",
+                     self.service, self._ep.address, ep.address, len(self._frames))
+            self._sock.close(0)
+            self._sock, self._ep = self.node.connect(zmq.DEALER, ep, routing_id=self.routing_id)
+            self.resent += len(self._sent_at)
+            self._sent_at.clear()
+            self._unsent = deque(self._frames)  # everything, in the original order
+
+    def wait_acked(self, timeout_s: float) -> bool:
+        """Pump until nothing is unacknowledged (True) or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self._frames and time.monotonic() < deadline:
+            self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
+        return not self._frames
+
+    def close(self) -> None:
+        if self._frames:
+            log.warning("%s: closing with %d unacknowledged trajectories", self.service, len(self._frames))
+        self._sock.close(0)
+
+
+class TrajectoryReceiver:
+    def __init__(self, node: Node, service: str, sink: TrajectorySink):
+        self.node = node
+        self.sink = sink
+        self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
+        self._waiting: dict[str, bytes] = {}  # buffered id -> routing id to acknowledge
+        self.received = self.duplicates = self.dropped = 0
+
+    def poll_once(self, timeout_s: float = 0.1) -> int:
+        """Receive what arrives within `timeout_s` (shorter if a flush falls due); returns #received."""
+        due = self.sink.seconds_to_flush()
+        wait = timeout_s if due is None else min(timeout_s, due)
+        n = 0
+        if self.sock.poll(int(wait * 1000)):
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._receive(frames)
+                n += 1
+        self._acknowledge(self._store(self.sink.poll))
+        self.node.log_events()
+        return n
+
+    def _store(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - e.g. disk full: nothing is acked, senders resend
+            log.error("%s: storing failed, nothing acknowledged, will retry: %s", self.endpoint.service, exc)
+            return None
+
+    def _receive(self, frames: list) -> None:
+        peer = frames[0].bytes
+        tid = None
+        try:
+            env = decode(frames[1:], self.node.limits)
+            tid = env.msg_id
+            if env.kind != "traj":
+                raise BadMessage(f"unexpected kind {env.kind!r}")
+            traj = Trajectory.from_wire(env.body, env.arrays)
+            if traj.id != tid:
+                raise BadMessage(f"message id {tid!r} is not the trajectory's id {traj.id!r}")
+        except (BadMessage, TrajectoryError) as exc:
+            self.dropped += 1
+            log.warning("%s: dropped a message from %r: %s", self.endpoint.service, peer[:32], exc)
+            if tid and isinstance(exc, TrajectoryError):
+                self._send(peer, "reject", {"ids": [tid], "reason": str(exc)})
+            return
+        self.received += 1
+        if self.sink.is_stored(tid):
+            self.duplicates += 1
+            self._send(peer, "ack", {"ids": [tid]})
+            return
+        if self.sink.is_pending(tid):
+            self.duplicates += 1
+        self._waiting[tid] = peer  # the newest connection of the sender gets the ack
+        if not self.sink.is_pending(tid):
+            self._acknowledge(self._store(self.sink.append, traj))
+
+    def _acknowledge(self, flushed) -> None:
+        if not flushed:
+            return
+        by_peer: dict[bytes, list[str]] = {}
+        for tid in flushed.ids:
+            peer = self._waiting.pop(tid, None)
+            if peer is not None:
+                by_peer.setdefault(peer, []).append(tid)
+        for peer, ids in by_peer.items():
+            self._send(peer, "ack", {"ids": ids})
+
+    def _send(self, peer: bytes, kind: str, body: dict) -> None:
+        try:
+            send_frames(self.sock, [peer, *encode(kind, body)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will resend and be acked then
+            log.info("%s: could not send %s to %r: %s", self.endpoint.service, kind, peer[:32], exc)
+
+    def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
+        """Serve until `stop` is set, then flush and finalize the sink, acknowledging the rest."""
+        while not stop.is_set():
+            self.poll_once(poll_s)
+        self._acknowledge(self.sink.close())

@@ -1,0 +1,387 @@
+"""The trajectory shard writer: buffer, flush by count or age, acknowledge only what is durable.
+
+    from hpcrl.rl.store_writer import ShardWriter
+    with ShardWriter(run_dir / "trajectories", writer="store-0", cfg=cfg.store) as w:
+        for traj in trajectories:
+            flushed = w.append(traj)          # FlushResult: segments that became durable since the last call
+            if flushed:
+                ack(flushed.ids)              # these ids are on disk, fsynced, under final names
+        ...
+        w.poll()                              # call when idle: flushes records older than flush_interval_s
+        w.flush()                             # write the buffer and wait until all of it is durable
+
+A flush writes one immutable HDF5 segment (see `hpcrl.rl.shards` for why and for the crash
+argument); `FlushResult.ids` are exactly the trajectories that became durable. Nothing in
+`append` is durable until a FlushResult names it.
+
+Pipelining: the CPU part of a flush (encoding, checksum, HDF5 writes into `seg-*.h5.tmp`) runs
+in the caller's thread; the I/O part (fsync the file, rename, fsync the directory) runs on a
+background thread, so the next batch is encoded while the previous one syncs. At most
+`MAX_INFLIGHT` segments wait for their sync; segments become visible strictly in sequence
+order, and a FlushResult (the acknowledgement) is only returned for segments whose rename
+and directory fsync completed. If a sync fails, no later segment is renamed; their records
+go back into the buffer (nothing acknowledged, nothing lost) and the next call raises
+StoreError. `append`/`poll` therefore return the segments that completed since the last
+call (possibly several, merged into one FlushResult); `flush()`/`close()` wait for all.
+
+On start the writer finalizes the shards that an earlier, dead process with the same writer
+name left open (`recover_shard`), and loads the ids already stored under that name, so a
+sender that resends after a crash cannot create duplicates: `append` drops a trajectory whose
+id is stored or buffered (`duplicates` counts them). Two live writers must not share a name;
+on the same host this is detected from the pid in the shard name, across hosts from the
+OWNER.json heartbeat (mtime, refreshed at each flush and at least every lease/3 seconds).
+"""
+
+from __future__ import annotations
+
+import calendar
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from hpcrl.jobs.config import StoreConfig
+from hpcrl.rl.shards import (
+    OWNER_NAME,
+    WRITER_NAME_RE,
+    SegmentError,
+    SegmentInfo,
+    ShardState,
+    StoreError,
+    atomic_write_json,
+    finalize_shard,
+    list_shards,
+    new_shard_dir,
+    parse_segment_name,
+    publish_segment,
+    read_segment,
+    recover_shard,
+    segment_name,
+    short_host,
+    write_segment_file,
+)
+from hpcrl.rl.traj_columns import Columns
+from hpcrl.rl.trajectory import Trajectory
+
+__all__ = ["ShardWriter", "FlushResult", "owner_alive"]
+
+log = logging.getLogger("hpcrl.store")
+
+
+MAX_INFLIGHT = 2
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    """Durable flushes: these ids are on disk (fsynced, final names) and may be acknowledged."""
+
+    segments: tuple[str, ...]  # "shard/segment" of each segment that became durable
+    ids: tuple[str, ...]
+    bytes: int
+    total_rows: int  # acknowledged by this writer since it started
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+
+def owner_alive(state: ShardState, lease_s: float) -> str | None:
+    """Why the shard's writer may still be alive (None: it is dead, the shard may be recovered)."""
+    try:
+        _, stamp, host, pid, _ = state.name.split(".")
+        started = calendar.timegm(time.strptime(stamp.split("u")[0], "%Y%m%dT%H%M%S"))
+        pid = int(pid)
+    except ValueError:
+        return None  # not a name this code makes: no owner to protect
+    if host == short_host():
+        try:
+            proc = psutil.Process(pid)
+            # A pid reused by a process started after the shard cannot be its writer.
+            if proc.create_time() <= started + 1 and proc.status() != psutil.STATUS_ZOMBIE:
+                return f"pid {pid} on this host is still running"
+        except psutil.Error:
+            pass
+        return None
+    owner = state.path / OWNER_NAME
+    try:
+        beat = (owner if owner.exists() else state.path).stat().st_mtime
+    except OSError:
+        return None
+    age = time.time() - beat
+    if age < lease_s:
+        return f"host {host} sent a heartbeat {age:.0f} s ago (lease {lease_s:.0f} s)"
+    return None
+
+
+class _InFlight:
+    """A segment written to its .tmp file, waiting for fsync + rename on the sync thread."""
+
+    def __init__(self, shard: Path, info: SegmentInfo, tmp: Path, batch: list[Trajectory], future: Future):
+        self.shard, self.info, self.tmp, self.batch, self.future = shard, info, tmp, batch, future
+
+
+class ShardWriter:
+    """Writes one writer's shards under `store`; see the module docstring for the protocol."""
+
+    def __init__(self, store: str | os.PathLike, writer: str, cfg: StoreConfig | None = None, *, dedup: bool = True):
+        if not isinstance(writer, str) or not WRITER_NAME_RE.fullmatch(writer):
+            raise StoreError(f"writer name {writer!r}: use 1-64 letters, digits, '_' or '-' (no dots), e.g. store-0")
+        self.store = Path(store)
+        self.writer = writer
+        self.cfg = cfg or StoreConfig()
+        self.lease_s = max(30.0, 3 * self.cfg.flush_interval_s)
+        try:
+            self.store.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create store directory {self.store}: {exc.strerror}") from None
+        self.recovered = self._recover_previous()
+        self._stored: set[str] | None = self._load_ids() if dedup else None
+        self._buffer: list[Trajectory] = []
+        self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
+        self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
+        self._shard: Path | None = None
+        self._segments: list[SegmentInfo] = []  # durable segments of the open shard
+        self._shard_rows = 0  # rows written to the open shard, durable or in flight
+        self._seq = 0
+        self._inflight: deque[_InFlight] = deque()
+        self._done: list[_InFlight] = []  # synced, not yet reported in a FlushResult
+        self._sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hpcrl-store-{writer}")
+        self._sync_failed = threading.Event()  # set on the sync thread: later segments stay .tmp
+        self._last_beat = 0.0
+        self.total_rows = 0
+        self.duplicates = 0
+        self.closed = False
+        # Opened now, not at the first flush: from this moment the name is visibly in use.
+        self._open_shard()
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def _recover_previous(self) -> list:
+        reports = []
+        for state in list_shards(self.store):
+            if state.writer != self.writer or state.finalized:
+                continue
+            alive = owner_alive(state, self.lease_s)
+            if alive:
+                raise StoreError(
+                    f"writer name {self.writer!r} is in use: shard {state.name} is open and {alive}; give each "
+                    "writer its own name, or wait for the lease to expire if that writer is dead"
+                )
+            reports.append(recover_shard(self.store, state.path))
+        return reports
+
+    def _load_ids(self) -> set[str]:
+        ids: set[str] = set()
+        for state in list_shards(self.store):
+            if state.writer != self.writer:
+                continue
+            names = [s.name for s in state.manifest.segments] if state.manifest else state.segment_names
+            for name in names:
+                try:
+                    ids.update(read_segment(state.path / name, fields=("traj",)).ids())
+                except SegmentError as exc:
+                    log.warning("dedup index: skipping %s/%s: %s", state.name, name, exc)
+        return ids
+
+    # -- appending --------------------------------------------------------------------------
+
+    def is_stored(self, traj_id: str) -> bool:
+        return self._stored is not None and traj_id in self._stored
+
+    def is_pending(self, traj_id: str) -> bool:
+        return traj_id in self._pending
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def append(self, traj: Trajectory) -> FlushResult | None:
+        """Buffer one trajectory; flush if the count or age bound is reached. Returns what became durable."""
+        if self.closed:
+            raise StoreError(f"writer {self.writer!r} is closed")
+        if not isinstance(traj, Trajectory):
+            raise TypeError(f"append() takes a Trajectory (got {type(traj).__name__})")
+        tid = traj.id
+        if tid in self._pending or self.is_stored(tid):
+            self.duplicates += 1
+            return None
+        self._buffer.append(traj)
+        self._pending.add(tid)
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+        if len(self._buffer) >= self.cfg.flush_every or self.seconds_to_flush() == 0.0:
+            self._submit()
+        return self._collect(block=False)
+
+    def seconds_to_flush(self) -> float | None:
+        """Seconds until `poll` has work: a due flush or a sync to collect (None: idle)."""
+        if self._inflight:
+            return 0.002
+        if self._oldest is None:
+            return None
+        return max(0.0, self.cfg.flush_interval_s - (time.monotonic() - self._oldest))
+
+    def poll(self) -> FlushResult | None:
+        """Flush if the oldest buffered record waited flush_interval_s; return what became durable."""
+        if self.closed:
+            return None
+        if time.monotonic() - self._last_beat > self.lease_s / 3:
+            self._heartbeat()
+        if self._oldest is not None and time.monotonic() - self._oldest >= self.cfg.flush_interval_s:
+            self._submit()
+        return self._collect(block=False)
+
+    def flush(self) -> FlushResult | None:
+        """Write the buffer and wait until everything written is durable; return what became so."""
+        self._submit()
+        return self._collect(block=True)
+
+    # -- the pipeline -------------------------------------------------------------------------
+
+    def _open_shard(self) -> None:
+        shard = new_shard_dir(self.store, self.writer)
+        atomic_write_json(shard / OWNER_NAME, {
+            "writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
+        })
+        self._shard, self._segments, self._shard_rows, self._seq = shard, [], 0, 0
+        self._last_beat = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        try:
+            os.utime(self._shard / OWNER_NAME)
+        except OSError as exc:
+            log.warning("heartbeat on %s failed: %s", self._shard, exc)
+        self._last_beat = time.monotonic()
+
+    def _submit(self) -> None:
+        """Write the buffer to a .tmp segment (this thread) and queue its sync (sync thread)."""
+        if not self._buffer:
+            return
+        while len(self._inflight) >= MAX_INFLIGHT:
+            self._wait_oldest()
+        shard, seq, now = self._shard, self._seq + 1, time.time()
+        path = shard / segment_name(seq, int(now * 1e6))
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            info = write_segment_file(tmp, path.name, Columns.encode(self._buffer),
+                                      {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
+                                      self.cfg.compression)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"flush to {path} failed: {exc}; {len(self._buffer)} record(s) kept in memory, "
+                             "free space or fix permissions and flush again") from exc
+        self._seq = seq
+        batch, self._buffer, self._oldest = self._buffer, [], None
+        self._inflight.append(_InFlight(shard, info, tmp, batch, self._sync.submit(self._publish, tmp, path)))
+        self._shard_rows += len(batch)
+        if self._shard_rows >= self.cfg.shard_max_rows:
+            self._drain()
+            self._finalize()
+            self._open_shard()
+
+    def _publish(self, tmp: Path, path: Path) -> None:
+        # Runs on the sync thread, in submission order. After one failure nothing else is
+        # renamed, so a visible seq is never followed by a missing smaller one.
+        if self._sync_failed.is_set():
+            raise StoreError("an earlier segment failed to sync")
+        try:
+            publish_segment(tmp, path)
+        except BaseException:
+            self._sync_failed.set()
+            raise
+
+    def _wait_oldest(self) -> None:
+        item = self._inflight[0]
+        try:
+            item.future.result()
+        except Exception as exc:  # noqa: BLE001 - any failure: take every unsynced batch back
+            self._rebuffer()
+            raise StoreError(f"syncing {item.tmp} failed: {exc}; {len(self._buffer)} record(s) kept in memory "
+                             "(none acknowledged), fix the filesystem and flush again") from exc
+        self._complete(self._inflight.popleft())
+
+    def _complete(self, item: _InFlight) -> None:
+        # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
+        self._segments.append(item.info)
+        self._done.append(item)
+
+    def _rebuffer(self) -> None:
+        """After a failed sync: unsynced batches return to the buffer front, their .tmp files go."""
+        batches: list[Trajectory] = []
+        while self._inflight:
+            item = self._inflight.popleft()
+            if item.future.exception() is None:
+                self._complete(item)  # synced before the failure
+                continue
+            item.tmp.unlink(missing_ok=True)
+            batches += item.batch
+        self._buffer = batches + self._buffer
+        self._oldest = time.monotonic() if self._buffer else None
+        # None of the failed sequence numbers became visible: reuse them.
+        self._seq = parse_segment_name(self._segments[-1].name)[0] if self._segments else 0
+        self._shard_rows = sum(s.rows for s in self._segments)
+        self._sync_failed.clear()
+
+    def _collect(self, block: bool) -> FlushResult | None:
+        """Acknowledge finished syncs (in order); with `block`, wait for all of them."""
+        while self._inflight and (block or self._inflight[0].future.done()):
+            self._wait_oldest()
+        return self._acknowledge()
+
+    def _acknowledge(self) -> FlushResult | None:
+        done, self._done = self._done, []
+        if not done:
+            return None
+        ids = tuple(t.id for item in done for t in item.batch)
+        if self._stored is not None:
+            self._stored.update(ids)
+        self._pending.difference_update(ids)
+        self.total_rows += len(ids)
+        self._heartbeat()
+        return FlushResult(tuple(f"{i.shard.name}/{i.info.name}" for i in done), ids,
+                           sum(i.info.bytes for i in done), self.total_rows)
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._wait_oldest()
+
+    def _finalize(self) -> None:
+        if self._shard is None:
+            return
+        if self._segments:
+            finalize_shard(self._shard, self.writer, self._segments, "closed")
+        else:
+            (self._shard / OWNER_NAME).unlink(missing_ok=True)
+            self._shard.rmdir()
+        self._shard, self._segments, self._shard_rows, self._seq = None, [], 0, 0
+
+    def close(self) -> FlushResult | None:
+        """Flush what is buffered, wait for every sync and finalize the open shard (its manifest)."""
+        if self.closed:
+            return None
+        self._submit()
+        self._drain()
+        result = self._acknowledge()
+        self._finalize()
+        self._sync.shutdown(wait=True)
+        self.closed = True
+        return result
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()  # what was appended is consistent whatever failed in the caller
+        except Exception:  # noqa: BLE001 - the caller's exception matters more
+            log.exception("closing writer %r during an error exit failed", self.writer)

@@ -1,0 +1,457 @@
+"""HDF5 shard writer and learner-side reader (issue 3, deliverables 2 and 4)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcrl.jobs.config import StoreConfig
+from hpcrl.rl.shards import (
+    MANIFEST_NAME,
+    QUARANTINE_DIR,
+    SegmentError,
+    StoreError,
+    list_shards,
+    new_shard_dir,
+    read_segment,
+    segment_meta,
+)
+from hpcrl.rl.store_reader import StoreReader
+from hpcrl.rl.store_writer import ShardWriter
+from hpcrl.rl.synth import SynthShape, synth_trajectory
+
+SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
+
+
+def make(n: int, *, generator="g", start=0, seed=0, versions=None, shape=SMALL):
+    rng = np.random.default_rng(seed)
+    return [synth_trajectory(rng, "r", generator, start + i, shape, policy_version=(versions[i] if versions else 0))
+            for i in range(n)]
+
+
+def cfg(**kw) -> StoreConfig:
+    base = dict(flush_every=4, flush_interval_s=30.0, compression="none", shard_max_rows=10_000)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def stored(store: Path) -> list:
+    out = []
+    for state in list_shards(store):
+        names = [s.name for s in state.manifest.segments] if state.manifest else state.segment_names
+        for name in names:
+            cols = read_segment(state.path / name)
+            out += [cols.trajectory(i) for i in range(cols.rows)]
+    return out
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+# -- writer -------------------------------------------------------------------------------------
+
+
+def test_flush_by_count_acknowledges_exactly_the_durable_ids(tmp_path):
+    trajs = make(10)
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=4))
+    results = []
+    for i, t in enumerate(trajs):
+        r = w.append(t)
+        assert w.buffered == (i + 1) % 4  # every 4th append hands the batch to a segment
+        if r:
+            results.append(r)
+            # Acknowledged means: renamed to the final name (and fsynced) already.
+            assert all((tmp_path / seg).exists() for seg in r.segments)
+    results.append(w.flush())
+    assert [i for r in results for i in r.ids] == [t.id for t in trajs]
+    assert [r.total_rows for r in results] == sorted({r.total_rows for r in results})
+    assert results[-1].total_rows == 10 and w.buffered == 0
+    assert w.close() is None
+    assert stored(tmp_path) == trajs
+
+
+def poll_until(w, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if r := w.poll():
+            return r
+        time.sleep(0.005)
+    return None
+
+
+def test_flush_by_age(tmp_path):
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=1000, flush_interval_s=0.05))
+    assert w.append(make(1)[0]) is None and w.poll() is None
+    assert 0 < w.seconds_to_flush() <= 0.05
+    time.sleep(0.06)
+    assert w.seconds_to_flush() == 0.0
+    assert poll_until(w).rows == 1
+    w.append(make(1, start=1)[0])
+    time.sleep(0.06)
+    w.append(make(1, start=2)[0])  # an append past the deadline flushes too
+    assert w.buffered == 0
+    assert poll_until(w).rows == 2
+    w.close()
+
+
+def test_finalized_shard_matches_manifest_and_layout_is_flat_and_chunked(tmp_path):
+    trajs = make(9)
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=4)) as w:
+        for t in trajs:
+            w.append(t)
+    [state] = list_shards(tmp_path)
+    m = state.manifest
+    assert m.status == "closed" and m.rows == 9 and [s.rows for s in m.segments] == [4, 4, 1]
+    assert state.segment_names == [s.name for s in m.segments]
+    raw = json.loads((state.path / MANIFEST_NAME).read_text())
+    assert raw["rows"] == 9 and raw["crc32"] == m.crc32 and raw["bytes"] == sum(s.bytes for s in m.segments)
+    for info in m.segments:
+        assert read_segment(state.path / info.name, info).crc32() == info.crc32
+        with h5py.File(state.path / info.name, "r") as f:
+            # Five flat datasets however many trajectories: no dataset per trajectory.
+            assert sorted(f) == ["logprobs", "loss_mask", "steps", "tokens", "traj"]
+            assert all(f[n].chunks is not None for n in f)
+            assert f["tokens"].maxshape == (None,)
+            assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["crc32"] == info.crc32
+
+
+def test_shards_rotate_at_shard_max_rows(tmp_path):
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=2, shard_max_rows=5)) as w:
+        for t in make(13):
+            w.append(t)
+    shards = list_shards(tmp_path)
+    assert [s.manifest.rows for s in shards] == [6, 6, 1]
+    assert all(s.manifest.status == "closed" for s in shards)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+def test_compression_round_trips_and_shrinks(tmp_path, compression):
+    trajs = make(20, shape=SynthShape(action=(200, 400)))
+    sizes = {}
+    for comp in ("none", compression):
+        with ShardWriter(tmp_path / comp, "w0", cfg(flush_every=20, compression=comp)) as w:
+            for t in trajs:
+                w.append(t)
+        [state] = list_shards(tmp_path / comp)
+        seg = state.path / state.segment_names[0]
+        with h5py.File(seg, "r") as f:
+            assert segment_meta(f)["compression"] == comp
+            assert (f["tokens"].compression is not None) == (comp != "none")
+        sizes[comp] = seg.stat().st_size
+        assert stored(tmp_path / comp) == trajs
+    assert sizes[compression] < 0.9 * sizes["none"]
+
+
+def test_shard_names_are_unique(tmp_path):
+    names = {new_shard_dir(tmp_path, "w0").name for _ in range(200)}
+    assert len(names) == 200
+
+
+def test_two_processes_write_one_store_without_file_locking(tmp_path):
+    env = {**os.environ, "HDF5_USE_FILE_LOCKING": "FALSE"}
+    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", "traj", "synth", str(tmp_path), "--count", "40",
+                               "--writer", name, "--tiny", "--flush-every", "3"], env=env, stdout=subprocess.PIPE)
+             for name in ("gen-a", "gen-b")]
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and out.split()[-1] == b"40"
+    shards = list_shards(tmp_path)
+    assert sorted(s.writer for s in shards) == ["gen-a", "gen-b"]
+    ids = [t.id for t in stored(tmp_path)]
+    assert len(ids) == len(set(ids)) == 80
+
+
+def test_a_live_writer_name_cannot_be_reused(tmp_path):
+    w = ShardWriter(tmp_path, "w0", cfg())
+    with pytest.raises(StoreError, match="writer name 'w0' is in use"):
+        ShardWriter(tmp_path, "w0", cfg())
+    w.close()
+    ShardWriter(tmp_path, "w0", cfg()).close()  # fine once the first one finalized its shard
+
+
+def test_bad_writer_name(tmp_path):
+    with pytest.raises(StoreError, match="no dots"):
+        ShardWriter(tmp_path, "w.0")
+
+
+def test_dedup_across_restart(tmp_path):
+    trajs = make(5)
+    with ShardWriter(tmp_path, "w0", cfg()) as w:
+        for t in trajs:
+            w.append(t)
+        assert w.append(trajs[0]) is None and w.duplicates == 1  # buffered duplicate
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=1))
+    assert w.is_stored(trajs[3].id)
+    assert all(w.append(t) is None for t in trajs)
+    assert w.duplicates == 5
+    w.close()
+    assert len(stored(tmp_path)) == 5
+
+
+def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path):
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=100))
+    trajs = make(3)
+    for t in trajs:
+        w.append(t)
+    shard = w._shard
+    for p in shard.iterdir():
+        p.unlink()
+    shard.rmdir()  # the filesystem loses the directory under the writer
+    with pytest.raises(StoreError, match="3 record\\(s\\) kept in memory"):
+        w.flush()
+    assert w.buffered == 3 and w.total_rows == 0
+    shard.mkdir()
+    assert w.flush().ids == tuple(t.id for t in trajs)
+    w.close()
+    assert stored(tmp_path) == trajs
+
+
+def test_failed_sync_takes_batches_back_and_acknowledges_nothing(tmp_path):
+    """The fsync/rename step fails on the sync thread while later segments wait behind it."""
+    import threading
+
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=2))
+    trajs = make(6)
+    gate = threading.Event()
+    w._sync.submit(gate.wait)  # hold the sync thread so two segments queue behind it
+    results = [w.append(t) for t in trajs[:4]]
+    assert results == [None] * 4 and w.buffered == 0
+    tmps = sorted(w._shard.glob("*.tmp"))
+    assert len(tmps) == 2
+    tmps[0].unlink()  # the first queued segment's file vanishes: its fsync fails
+    gate.set()
+    with pytest.raises(StoreError, match="4 record\\(s\\) kept in memory \\(none acknowledged\\)"):
+        w.flush()
+    assert w.buffered == 4 and w.total_rows == 0
+    assert not list(w._shard.glob("seg-*"))  # the second segment was not renamed after the failure
+    for t in trajs[4:]:
+        w.append(t)
+    assert w.flush().ids == tuple(t.id for t in trajs)
+    w.close()
+    assert stored(tmp_path) == trajs
+    [state] = list_shards(tmp_path)
+    # The failed sequence numbers never became visible, so they were reused: no gaps.
+    assert [(s.name.split("-")[1], s.rows) for s in state.manifest.segments] == [("000001", 5), ("000002", 1)]
+
+
+def test_recovery_keeps_flushed_segments_and_quarantines_damage(tmp_path):
+    """A writer process killed with open shard, a half-written segment and a damaged one."""
+    script = textwrap.dedent(f"""
+        import os, signal, numpy as np
+        from hpcrl.jobs.config import StoreConfig
+        from hpcrl.rl.store_writer import ShardWriter
+        from hpcrl.rl.synth import synth_trajectory, TINY_SHAPE
+        rng = np.random.default_rng(0)
+        w = ShardWriter({str(tmp_path)!r}, "w0", StoreConfig(flush_every=2))
+        for i in range(6):
+            w.append(synth_trajectory(rng, "r", "g", i, TINY_SHAPE))
+        w.flush()  # three durable segments
+        w.append(synth_trajectory(rng, "r", "g", 6, TINY_SHAPE))  # buffered only: lost, never acked
+        (w._shard / "seg-000004-0000000000000000.h5.tmp").write_bytes(b"half a file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    subprocess.run([sys.executable, "-c", script], timeout=60)
+    [state] = list_shards(tmp_path)
+    assert not state.finalized and len(state.segment_names) == 3
+    with open(state.path / state.segment_names[1], "r+b") as fh:  # disk damage in segment 2
+        fh.truncate(1000)
+    w = ShardWriter(tmp_path, "w0", cfg())
+    [report] = w.recovered
+    assert report.rows == 4 and report.segments == 2
+    reasons = {q["name"]: q["reason"] for q in report.quarantined}
+    assert "never acknowledged" in reasons["seg-000004-0000000000000000.h5.tmp"]
+    assert "cannot read" in reasons[state.segment_names[1]]
+    w.close()
+    recovered = next(s for s in list_shards(tmp_path) if s.name == state.name)
+    assert recovered.manifest.status == "recovered" and recovered.manifest.rows == 4
+    qdir = tmp_path / QUARANTINE_DIR / state.name
+    assert (qdir / f"{state.segment_names[1]}.reason.txt").read_text().startswith("cannot read")
+    assert [t.episode for t in stored(tmp_path)] == [0, 1, 4, 5]
+
+
+def test_orphan_of_another_dead_process_is_recovered_not_reused(tmp_path):
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=2)) as w:
+        for t in make(4):
+            w.append(t)
+    [state] = list_shards(tmp_path)
+    (state.path / MANIFEST_NAME).unlink()  # as if its writer died before finalizing
+    writer, stamp, host, _, rand = state.name.split(".")
+    orphan = state.path.rename(tmp_path / f"{writer}.{stamp}.{host}.{dead_pid()}.{rand}")
+    w = ShardWriter(tmp_path, "w0", cfg())
+    assert [r.shard for r in w.recovered] == [orphan.name]
+    w.close()
+    assert len(stored(tmp_path)) == 4
+
+
+# -- segment verification ---------------------------------------------------------------------
+
+
+def _flip_token_byte(path: Path) -> None:
+    with h5py.File(path, "r") as f:
+        offset = f["tokens"].id.get_chunk_info(0).byte_offset
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 5)
+        b = fh.read(1)
+        fh.seek(offset + 5)
+        fh.write(bytes([b[0] ^ 0x40]))
+
+
+def test_read_segment_detects_bit_flips_truncation_and_manifest_mismatch(tmp_path):
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=4)) as w:
+        for t in make(8):
+            w.append(t)
+    [state] = list_shards(tmp_path)
+    a, b = (state.path / n for n in state.segment_names)
+    info_a, info_b = state.manifest.segments
+    with pytest.raises(SegmentError, match="the manifest says 5"):
+        read_segment(a, type(info_a)(**{**info_a.__dict__, "rows": 5}))
+    with pytest.raises(SegmentError, match="manifest"):
+        read_segment(a, type(info_a)(**{**info_a.__dict__, "crc32": info_a.crc32 ^ 1}))
+    _flip_token_byte(a)
+    with pytest.raises(SegmentError, match="checksum mismatch"):
+        read_segment(a, info_a)
+    with open(b, "r+b") as fh:
+        fh.truncate(b.stat().st_size // 2)
+    with pytest.raises(SegmentError, match="cannot read"):
+        read_segment(b, info_b)
+
+
+# -- reader -------------------------------------------------------------------------------------
+
+
+def test_reader_merges_shards_in_arrival_order(tmp_path):
+    a = ShardWriter(tmp_path, "wa", cfg(flush_every=2))
+    b = ShardWriter(tmp_path, "wb", cfg(flush_every=2))
+    expected = []
+    ta, tb = make(6, generator="a"), make(6, generator="b")
+    for i in range(3):  # flushes alternate a, b, a, b, ...
+        for w, ts in ((a, ta), (b, tb)):
+            for t in ts[2 * i:2 * i + 2]:
+                w.append(t)
+            expected += ts[2 * i:2 * i + 2]
+            time.sleep(0.002)
+    a.close()
+    b.close()
+    got = list(StoreReader(tmp_path))
+    assert got == expected
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_cursor_resume_is_exactly_once(tmp_path, window):
+    trajs = make(100)
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=7, shard_max_rows=30)) as w:
+        for t in trajs:
+            w.append(t)
+    seen = []
+    reader = StoreReader(tmp_path, shuffle_window=window, seed=3)
+    rng = np.random.default_rng(0)
+    while True:
+        batch = reader.next_batch(int(rng.integers(1, 12)))
+        seen += [t.id for t in batch.trajectories]
+        if not batch.trajectories:
+            break
+        if rng.random() < 0.5:  # "crash": a new reader resumes from the saved state
+            state = json.loads(json.dumps(reader.state_dict()))
+            reader = StoreReader(tmp_path, shuffle_window=window, seed=99)
+            reader.load_state_dict(state)
+    assert sorted(seen) == sorted(t.id for t in trajs)
+    assert len(seen) == len(set(seen))
+    assert reader.consumed == 100
+    if window:
+        assert seen != [t.id for t in trajs]  # sampled, not plain arrival order
+
+
+def test_sampling_is_deterministic_given_seed(tmp_path):
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=10)) as w:
+        for t in make(40):
+            w.append(t)
+    runs = [[t.id for t in StoreReader(tmp_path, shuffle_window=8, seed=7).next_batch(20).trajectories]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_staleness_filter(tmp_path):
+    versions = [i % 10 for i in range(30)]
+    trajs = make(30, versions=versions, shape=SynthShape(steps=(1, 2)))
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=8)) as w:
+        for t in trajs:
+            w.append(t)
+    reader = StoreReader(tmp_path, max_staleness=2)
+    batch = reader.next_batch(100, learner_version=9)
+    assert [t.id for t in batch.trajectories] == [t.id for t in trajs if t.min_policy_version >= 7]
+    assert batch.dropped_stale == reader.dropped_stale == 21
+    assert reader.consumed == 30
+    # No learner version: no filter.
+    assert len(StoreReader(tmp_path, max_staleness=2).next_batch(100).trajectories) == 30
+
+
+def test_reader_follows_a_live_writer(tmp_path):
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=5))
+    reader = StoreReader(tmp_path, refresh_s=0.01)
+    assert len(reader.next_batch(5)) == 0
+    trajs = make(10)
+    for t in trajs[:5]:
+        w.append(t)
+    assert [t.id for t in reader.next_batch(5, timeout_s=5).trajectories] == [t.id for t in trajs[:5]]
+    for t in trajs[5:]:
+        w.append(t)
+    w.close()
+    assert [t.id for t in reader.next_batch(10, timeout_s=0.5).trajectories] == [t.id for t in trajs[5:]]
+
+
+def test_reader_rejects_damaged_segments_and_goes_on(tmp_path, caplog):
+    trajs = make(12)
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=4)) as w:
+        for t in trajs:
+            w.append(t)
+    [state] = list_shards(tmp_path)
+    _flip_token_byte(state.path / state.segment_names[0])
+    with open(state.path / state.segment_names[1], "r+b") as fh:
+        fh.truncate(500)
+    with caplog.at_level(logging.WARNING, logger="hpcrl.store"):
+        reader = StoreReader(tmp_path)
+        got = list(reader)
+    assert [t.id for t in got] == [t.id for t in trajs[8:]]
+    reasons = [r for _, r in reader.rejected]
+    assert "checksum mismatch" in reasons[0] and "cannot read" in reasons[1]
+    assert sum("rejected segment" in r.message for r in caplog.records) == 2
+
+
+def test_reader_with_unreadable_manifest_reads_segments(tmp_path, caplog):
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=4)) as w:
+        for t in make(8):
+            w.append(t)
+    [state] = list_shards(tmp_path)
+    (state.path / MANIFEST_NAME).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="hpcrl.store"):
+        assert len(list(StoreReader(tmp_path))) == 8
+    assert any("unreadable MANIFEST.json" in r.message for r in caplog.records)
+
+
+def test_reader_state_from_another_version_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="reader state version"):
+        StoreReader(tmp_path).load_state_dict({"version": 99})
+
+
+def test_store_service_sigterm_finalizes(tmp_path):
+    """`python -m hpcrl.rl.store_service` exits cleanly on SIGTERM with its shard finalized."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.rl.store_service", str(tmp_path), "--bind-host", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("ready tcp://127.0.0.1:")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert list_shards(tmp_path / "trajectories") == []  # nothing written, empty shard removed

@@ -1,0 +1,211 @@
+"""The trajectory record and its columnar form (issue 3, deliverable 1)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
+from hpcrl.rl.traj_columns import Columns, ColumnsError
+from hpcrl.rl.trajectory import SCHEMA_VERSION, SandboxOutcome, Step, Trajectory, TrajectoryError
+
+
+def step(**kw) -> Step:
+    args = dict(policy_version=3, prompt_tokens=[1, 2, 3], action_tokens=[4, 5], action_logprobs=[-0.5, -1.25],
+                loss_mask=[1, 0], observation_tokens=[7, 8, 9, 10], reward=0.25,
+                sandbox=SandboxOutcome("error", exit_code=1, duration_s=0.5), generate_s=1.5, env_s=0.75)
+    args.update(kw)
+    return Step(**args)
+
+
+def traj(steps=None, **kw) -> Trajectory:
+    if steps is None:
+        steps = (step(), step(policy_version=4, observation_tokens=[]))
+    args = dict(run="run1", domain="code", task="fizzbuzz", episode=12, generator="gen-0", steps=steps, final_reward=1.0,
+                truncation="none", started_at=100.0, finished_at=104.5)
+    args.update(kw)
+    return Trajectory(**args)
+
+
+def test_fields_ids_and_derived_values():
+    t = traj()
+    assert t.id == "run1/gen-0/12"
+    assert t.policy_versions == (3, 4) and t.min_policy_version == 3 and t.max_policy_version == 4
+    assert t.n_tokens == 9 + 5
+    assert t.step_rewards == (0.25, 0.25)
+    assert t.schema_version == SCHEMA_VERSION
+    s = t.steps[0]
+    assert s.prompt_tokens.dtype == np.int32 and s.action_logprobs.dtype == np.float32 and s.loss_mask.dtype == np.uint8
+
+
+def test_arrays_are_frozen_but_callers_arrays_are_not_touched():
+    mine = np.array([4, 5], dtype=np.int32)
+    s = step(action_tokens=mine)
+    assert mine.flags.writeable
+    with pytest.raises(ValueError):
+        s.action_tokens[0] = 9
+    with pytest.raises(AttributeError):
+        s.reward = 2.0  # frozen dataclass
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(action_logprobs=[-0.5]), "one value per action token (2)"),
+        (dict(action_logprobs=[-0.5, 0.5]), "finite and <= 0"),
+        (dict(action_logprobs=[-0.5, float("nan")]), "finite and <= 0"),
+        (dict(loss_mask=[1, 2]), "0 or 1"),
+        (dict(loss_mask=[1]), "one 0/1 value per action token"),
+        (dict(prompt_tokens=[1, -2]), "token ids must be in 0..2147483647 (got -2..1)"),
+        (dict(prompt_tokens=np.array([1, -2], np.int32)), "(got -2..1)"),
+        (dict(prompt_tokens=np.array([1, 2**40])), "0..2147483647"),
+        (dict(prompt_tokens=[1.5, 2.0]), "must be integers"),
+        (dict(prompt_tokens=[[1, 2]]), "1-D"),
+        (dict(policy_version=-1), "policy_version"),
+        (dict(policy_version=True), "expected an int"),
+        (dict(reward=float("inf")), "reward: must be finite"),
+        (dict(generate_s=-1.0), "generate_s: must be >= 0"),
+    ],
+)
+def test_bad_step_fields_name_the_field(kwargs, fragment):
+    with pytest.raises(TrajectoryError) as err:
+        step(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_bad_sandbox_outcome():
+    with pytest.raises(TrajectoryError, match="sandbox.status: must be one of none, ok"):
+        SandboxOutcome("exploded")
+    with pytest.raises(TrajectoryError, match="exit_code"):
+        SandboxOutcome("ok", exit_code=2**40)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(steps=()), "at least one step"),
+        (dict(steps=("x",)), "steps[0]: expected a Step"),
+        (dict(run="a/b"), "'/' is not allowed"),
+        (dict(generator=""), "non-empty string"),
+        (dict(task="t\x00"), "control characters"),
+        (dict(truncation="bored"), "truncation: must be one of"),
+        (dict(episode=-3), "episode"),
+        (dict(final_reward=float("nan")), "final_reward: must be finite"),
+        (dict(schema_version=SCHEMA_VERSION + 1), "upgrade hpcrl"),
+    ],
+)
+def test_bad_trajectory_fields_name_the_record_and_field(kwargs, fragment):
+    with pytest.raises(TrajectoryError) as err:
+        traj(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_equality_compares_arrays():
+    assert traj() == traj()
+    assert traj() != traj(steps=(step(action_tokens=[4, 6]),))
+    assert traj() != traj(final_reward=0.0)
+
+
+def test_dict_round_trip_through_json():
+    t = traj()
+    back = Trajectory.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back == t
+
+
+def test_from_dict_rejects_unknown_missing_and_mismatched():
+    d = traj().to_dict()
+    with pytest.raises(TrajectoryError, match="unknown field"):
+        Trajectory.from_dict({**d, "colour": "red"})
+    with pytest.raises(TrajectoryError, match=r"missing field\(s\) \['task'\]"):
+        Trajectory.from_dict({k: v for k, v in d.items() if k != "task"})
+    with pytest.raises(TrajectoryError, match="does not match"):
+        Trajectory.from_dict({**d, "id": "run1/gen-0/13"})
+    d["steps"][1]["loss_mask"] = [1, 1, 1]
+    with pytest.raises(TrajectoryError, match=r"steps\[1\]\.loss_mask"):
+        Trajectory.from_dict(d)
+
+
+def test_wire_round_trip_and_mismatch():
+    t = traj()
+    header, arrays = t.to_wire()
+    assert [a.dtype for a in arrays] == [np.int32, np.float32, np.uint8]
+    assert len(arrays[0]) == t.n_tokens and len(arrays[1]) == len(arrays[2]) == 4
+    back = Trajectory.from_wire(header, arrays)
+    assert back == t
+    assert np.shares_memory(back.steps[1].action_tokens, arrays[0])  # views of the received arrays
+    with pytest.raises(TrajectoryError, match="expected 3 arrays"):
+        Trajectory.from_wire(header, arrays[:-1])
+    with pytest.raises(TrajectoryError, match="arrays hold"):
+        Trajectory.from_wire(header, [arrays[0][:-1], arrays[1], arrays[2]])
+    bad = [arrays[0], arrays[1].copy(), arrays[2]]
+    bad[1][3] = 0.5
+    with pytest.raises(TrajectoryError, match=r"steps\[1\]: step.action_logprobs: log-probabilities"):
+        Trajectory.from_wire(header, bad)
+    header["steps"][0][2] = "exploded"
+    with pytest.raises(TrajectoryError, match=r"steps\[0\]"):
+        Trajectory.from_wire(header, arrays)
+
+
+def test_wire_slow_path_accepts_what_the_constructor_accepts():
+    t = traj()
+    header, arrays = t.to_wire()
+    wide = [arrays[0].astype(np.int64), arrays[1].astype(np.float64), arrays[2].astype(bool)]
+    assert Trajectory.from_wire(header, wide) == t
+    header["final_reward"] = float("nan")
+    with pytest.raises(TrajectoryError, match="final_reward: must be finite"):
+        Trajectory.from_wire(header, arrays)
+
+
+def test_columns_round_trip_many_shapes():
+    rng = np.random.default_rng(5)
+    trajs = [synth_trajectory(rng, "r", "g", i, TINY_SHAPE if i % 2 else synth_shape_small()) for i in range(40)]
+    trajs.append(traj(steps=(step(prompt_tokens=[], observation_tokens=[], action_tokens=[], action_logprobs=[],
+                                  loss_mask=[]),), episode=99))
+    cols = Columns.encode(trajs)
+    cols.validate()
+    assert cols.rows == 41 and cols.ids()[0] == "r/g/0"
+    assert len(cols.tokens) == sum(t.n_tokens for t in trajs)
+    assert [cols.trajectory(i) for i in range(cols.rows)] == trajs
+    assert list(cols.traj["min_policy_version"]) == [t.min_policy_version for t in trajs]
+
+
+def synth_shape_small():
+    from hpcrl.rl.synth import SynthShape
+
+    return SynthShape(first_prompt=(10, 50), action=(5, 40), observation=(0, 30))
+
+
+def test_columns_checksum_sees_every_byte():
+    cols = Columns.encode([traj(), traj(episode=13)])
+    crc = cols.crc32()
+    for name in ("tokens", "logprobs", "loss_mask"):
+        arr = getattr(cols, name)
+        arr.view(np.uint8)[-1] ^= 1
+        assert cols.crc32() != crc, name
+        arr.view(np.uint8)[-1] ^= 1
+    cols.steps["reward"][0] += 1
+    assert cols.crc32() != crc
+
+
+def test_columns_validate_refuses_out_of_range_offsets():
+    cols = Columns.encode([traj()])
+    cols.steps["token_start"][1] = len(cols.tokens)
+    with pytest.raises(ColumnsError, match="token ranges"):
+        cols.validate()
+    cols = Columns.encode([traj()])
+    cols.traj["n_steps"][0] = 5
+    with pytest.raises(ColumnsError, match="step ranges"):
+        cols.validate()
+    cols = Columns.encode([traj()])
+    cols.steps["sandbox_status"][0] = 200
+    with pytest.raises(ColumnsError, match="sandbox status"):
+        cols.validate()
+
+
+def test_columns_decode_detects_id_mismatch():
+    cols = Columns.encode([traj()])
+    cols.traj["episode"][0] = 77
+    with pytest.raises(ColumnsError, match="does not match its fields"):
+        cols.trajectory(0)

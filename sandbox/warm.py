@@ -1,0 +1,84 @@
+"""A harness sandbox started ahead of the next candidate, so judging skips the start-up wait.
+
+    warm = WarmHarness(backend, spares=2)       # starts two harness sandboxes now
+    for task in tasks:
+        verdict = judge_function(backend, task, warm=warm)   # takes it, starts the next
+    warm.close()                                # kills the one waiting
+
+Starting a sandbox and a Python in it takes ~15 ms of wall time, most of which the judge
+would spend waiting. The function harness receives its candidate on stdin (pyharness.py),
+so it can be started before the candidate is known: while one candidate is judged, the next
+sandboxes boot (`spares` of them: with one, a quick judgement still waits for the rest of its
+successor's boot). Each candidate gets a fresh sandbox of its own; a spare has run no code
+but the harness. Its wall clock starts when it is taken, not when it was started.
+
+Spares run as the same slot uid while the taken one runs a candidate: they share no namespace
+(processes, files, network, IPC) and each has its own cgroup, but "one sandbox per uid at a
+time" becomes "one candidate per uid at a time" on a slot that uses this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from hpcrl.sandbox.backend import Backend, Session
+from hpcrl.sandbox.spec import Limits
+
+__all__ = ["WarmHarness"]
+
+# A spare older than this is replaced at the next take() (it costs a few MiB and no CPU while
+# it waits, but a long-lived process is one more thing that can go stale).
+IDLE_S = 600.0
+
+
+class WarmHarness:
+    def __init__(self, backend: Backend, limits: Limits | None = None, spares: int = 1):
+        from hpcrl.sandbox.judge import HARNESS_LIMITS
+
+        if spares < 1:
+            raise ValueError(f"spares must be >= 1 (got {spares})")
+        self.backend = backend
+        self.limits = limits or HARNESS_LIMITS
+        self.spares = spares
+        self._spares: deque[tuple[float, Session]] = deque()
+        self._closed = False
+        for _ in range(spares):
+            self._spares.append(self._start())
+
+    def _start(self) -> tuple[float, Session]:
+        from hpcrl.sandbox.judge import start_harness
+
+        s = start_harness(self.backend, self.limits)
+        s.restart_clock(IDLE_S + 60)  # its real wall clock starts in take()
+        return time.monotonic(), s
+
+    def take(self) -> Session:
+        """A started harness sandbox (the oldest live spare), and start one to replace it."""
+        if self._closed:
+            raise RuntimeError("WarmHarness is closed")
+        taken = None
+        while self._spares and taken is None:
+            born, s = self._spares.popleft()
+            if s.alive() and time.monotonic() - born < IDLE_S:
+                taken = s
+            else:
+                s.kill()  # crashed or stale: reap it
+                s.finish()
+        while len(self._spares) < self.spares:
+            self._spares.append(self._start())
+        return taken if taken is not None else self._start()[1]
+
+    def close(self) -> None:
+        """Kill and reap the waiting spares."""
+        self._closed = True
+        while self._spares:
+            _, s = self._spares.popleft()
+            s.kill()
+            s.finish()
+
+    def __enter__(self) -> "WarmHarness":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

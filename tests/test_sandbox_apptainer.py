@@ -1,0 +1,146 @@
+"""The Apptainer backend: its command construction (always), its `sh`-driven session on real
+processes (always), and real containers where `apptainer` is on PATH with an image
+(HPCRL_SANDBOX_IMAGE, default sandbox.sif; `hpcrl sandbox build-image` makes one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from hpcrl.jobs.config import load_config
+from hpcrl.sandbox.apptainer import ApptainerBackend, ShSession, apptainer_args, build_args, default_def_file
+from hpcrl.sandbox.backend import make_backend
+from hpcrl.sandbox.result import SandboxUnavailable
+from hpcrl.sandbox.spec import ExecSpec, Limits
+
+ENV = {"PATH": "/usr/bin:/bin"}
+
+
+# -- command construction ----------------------------------------------------------------------
+
+def test_the_spec_becomes_a_contained_networkless_apptainer_exec():
+    args = apptainer_args(("python3", "-B", "main.py", "x"), Limits(cpu_s=2, pids=16, memory_mb=64),
+                          image="/img/sandbox.sif", src_dir="/tmp/src1")
+    line = " ".join(args)
+    assert args[0] == "exec"
+    assert "--containall --cleanenv --no-home --net --network none --no-privs" in line
+    assert "--bind /tmp/src1:/src:ro" in line and "--scratch /work --pwd /work" in line
+    image_at = args.index("/img/sandbox.sif")
+    assert all(a.startswith("-") or args[i - 1].startswith("-") for i, a in enumerate(args[:image_at]) if i)
+    inner = args[image_at + 1:]
+    assert inner[:2] == ["/bin/sh", "-c"] and "cp -R /src/. /work/" in inner[2]
+    assert "--nproc=16" in inner and f"--data={64 << 20}" in inner  # no cgroups: memory by rlimit
+    assert inner[-5:] == ["--", "python3", "-B", "main.py", "x"]
+    assert "--memory" not in line
+
+
+def test_cgroup_limits_are_passed_only_when_asked_for():
+    args = apptainer_args(("true",), Limits(memory_mb=64, pids=16), image="i.sif", src_dir="/s", cgroups=True)
+    assert args[args.index("--memory") + 1] == "64M" and args[args.index("--pids-limit") + 1] == "20"
+    assert not any(a.startswith("--data=") for a in args)
+
+
+def test_build_image_command_and_definition_file():
+    assert build_args("d.def", "o.sif") == ["build", "o.sif", "d.def"]
+    assert build_args("d.def", "o.sif", fakeroot=True, force=True) == ["build", "--fakeroot", "--force", "o.sif", "d.def"]
+    text = default_def_file().read_text()
+    for tool in ("python3", "gcc", "g++", "bash", "nodejs", "util-linux"):
+        assert tool in text
+    assert "mkdir -p /work /src" in text
+
+
+def test_missing_apptainer_or_image_is_reported_with_what_to_do(tmp_path):
+    with pytest.raises(SandboxUnavailable, match="not found on PATH"):
+        ApptainerBackend(image=str(tmp_path / "x.sif"), apptainer="apptainer-does-not-exist")
+    if shutil.which("apptainer"):
+        with pytest.raises(SandboxUnavailable, match="build-image"):
+            ApptainerBackend(image=str(tmp_path / "missing.sif"))
+
+
+def test_config_selects_the_backend(tmp_path):
+    cfg = load_config(None, ["sandbox.backend=apptainer", "sandbox.apptainer=apptainer-does-not-exist"]).sandbox
+    with pytest.raises(SandboxUnavailable):
+        make_backend(cfg)
+
+
+# -- the sh-driven session, on real processes --------------------------------------------------
+
+def sh_run(script: str, limits: Limits = Limits(), stdin: bytes = b""):
+    s = ShSession("bash", ["-c", script], limits, env=ENV)
+    if stdin:
+        s.send(stdin)
+    return s.finish()
+
+
+def test_sh_session_reports_exit_codes_and_bytes():
+    r = sh_run("printf 'a\\xffb'; echo err >&2; exit 4")
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("nonzero_exit", 4, b"a\xffb", b"err\n")
+
+
+def test_sh_session_feeds_stdin_and_has_no_tty():
+    r = sh_run("test -t 0 && echo tty-in; test -t 1 && echo tty-out; tr a-z A-Z", stdin=b"hello\x00")
+    assert r.status == "ok" and r.stdout == b"HELLO\x00"
+
+
+def test_sh_session_output_cap_kills_the_process_group():
+    t0 = time.monotonic()
+    r = sh_run("(yes &); yes", Limits(output_kb=64))
+    assert r.status == "output_limit" and r.stdout_truncated and len(r.stdout) == 64 * 1024
+    assert time.monotonic() - t0 < 5
+
+
+def test_sh_session_wall_limit_kills():
+    r = sh_run("sleep 30", Limits(wall_s=0.5))
+    assert r.status == "timeout" and r.signal == 9 and r.wall_s < 5
+
+
+def test_sh_session_signals():
+    assert sh_run("kill -SEGV $$").status == "killed_by_signal"
+
+
+def test_sh_session_is_interactive():
+    s = ShSession("bash", ["-c", "while read x; do echo $((x * 3)); done"], Limits(), env=ENV)
+    replies = []
+    for n in (1, 2):
+        s.send(f"{n}\n".encode())
+        replies.append(s.read_line(timeout_s=5))
+    r = s.finish()
+    assert replies == [b"3\n", b"6\n"] and r.status == "ok"
+
+
+# -- real Apptainer ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def apptainer():
+    image = os.environ.get("HPCRL_SANDBOX_IMAGE", "sandbox.sif")
+    if not shutil.which("apptainer"):
+        pytest.skip("apptainer is not on PATH (clusters only)")
+    if not os.path.exists(image):
+        pytest.skip(f"no image {image}; build it with `hpcrl sandbox build-image --out {image}`")
+    return ApptainerBackend(image=image)
+
+
+@pytest.mark.parametrize("lang,src", [("python", "print(6 * 7)"), ("bash", "echo $((6 * 7))"),
+                                      ("c", '#include <stdio.h>\nint main(){printf("42\\n");}'),
+                                      ("cpp", "#include <iostream>\nint main(){std::cout<<42<<std::endl;}"),
+                                      ("node", "console.log(6 * 7)")])
+def test_apptainer_runs_each_language(apptainer, lang, src):
+    r = apptainer.run(ExecSpec.single(lang, src))
+    assert r.status == "ok" and r.stdout == b"42\n"
+
+
+def test_apptainer_has_no_network_and_no_home(apptainer):
+    src = ("import os, socket\nprint(os.path.exists(os.path.expanduser('~root')), os.environ.get('HOME'))\n"
+           "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1); print('NET')\nexcept OSError:\n    print('no net')\n")
+    r = apptainer.run(ExecSpec.single("python", src))
+    assert b"NET" not in r.stdout and b"no net" in r.stdout
+
+
+def test_apptainer_limits(apptainer):
+    assert apptainer.run(ExecSpec.single("python", "import time; time.sleep(30)", limits=Limits(wall_s=1))).status == "timeout"
+    r = apptainer.run(ExecSpec.single("python", "import sys\nwhile True: sys.stdout.write('x' * 4096)", limits=Limits(output_kb=64)))
+    assert r.status == "output_limit"

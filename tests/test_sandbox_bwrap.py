@@ -1,0 +1,233 @@
+"""The bwrap backend for real: languages, statuses, limits, stdin/argv, sessions, uids.
+
+Needs bubblewrap (apt `bubblewrap`) and root (per-slot uids). Skips without it, fails instead
+when HPCRL_REQUIRE_SANDBOX=1 (CI).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from hpcrl.sandbox.bwrap import BwrapBackend, unavailable_reason
+from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.residue import host_residue
+from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+
+UID = 61040
+
+
+def needs(*langs):
+    missing = [lang for lang in langs if not get_language(lang).present()]
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed on this host")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    reason = unavailable_reason(UID)
+    if reason:
+        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
+        pytest.skip(reason)
+    return BwrapBackend(uid=UID)
+
+
+def run(backend, lang, src, **kw):
+    return backend.run(ExecSpec.single(lang, src, **kw))
+
+
+HELLO = {
+    "python": "import sys; print('hello', sys.argv[1:], sys.stdin.read())",
+    "bash": 'echo hello "[$*]" "$(cat)"',
+    "node": "const fs=require('fs'); console.log('hello', process.argv.slice(2), fs.readFileSync(0,'utf8'))",
+    "c": '#include <stdio.h>\nint main(int c,char**v){char b[64]={0};fgets(b,64,stdin);printf("hello %s %s\\n",v[1],b);}',
+    "cpp": '#include <iostream>\n#include <string>\nint main(int c,char**v){std::string s;std::cin>>s;'
+           'std::cout<<"hello "<<v[1]<<" "<<s<<std::endl;}',
+}
+
+
+@pytest.mark.parametrize("lang", sorted(HELLO))
+def test_each_present_language_runs_with_stdin_and_argv(backend, lang):
+    if not get_language(lang).present():
+        pytest.skip(f"{lang} is not installed on this host")
+    r = backend.run(ExecSpec.single(lang, HELLO[lang], stdin=b"in", argv=("x",)))
+    assert r.status == "ok", r
+    assert r.stdout.startswith(b"hello") and b"x" in r.stdout and b"in" in r.stdout
+
+
+@needs("c", "cpp")
+@pytest.mark.parametrize("lang,src", [("c", "int main( {"), ("cpp", "int main() { undefined_fn(); }")])
+def test_a_compile_error_is_a_result_with_the_diagnostics(backend, lang, src):
+    r = run(backend, lang, src)
+    assert r.status == "compile_error"
+    assert b"error" in r.stderr
+
+
+@needs("c")
+def test_compilation_runs_under_its_own_limits(backend):
+    # gcc needs far more than 24 MiB; the compiled program does not. The compile step has its own limits.
+    src = "#include <stdio.h>\nint main(){puts(\"built\");}"
+    r = backend.run(ExecSpec.single("c", src, limits=Limits(memory_mb=24, wall_s=2)))
+    assert r.status == "ok" and r.stdout == b"built\n"
+
+
+@needs("c")
+def test_a_compile_bomb_is_a_compile_error_within_the_compile_limits(backend):
+    # Each macro level doubles the expansion: 2**32 tokens, far beyond any limit.
+    levels = "".join(f"#define L{i + 1}(x) L{i}(x) L{i}(x)\n" for i in range(32))
+    src = "#define L0(x) x\n" + levels + "int main(void){ L32(;) return 0; }\n"
+    r = backend.run(ExecSpec.single("c", src, compile_limits=Limits(wall_s=2, cpu_s=2, memory_mb=256)))
+    assert r.status == "compile_error"
+    assert r.wall_s < 10
+    assert not host_residue([UID])
+
+
+@needs("c")
+def test_a_compiled_program_is_reused_across_runs(backend):
+    spec = ExecSpec.single("c", '#include <stdio.h>\nint main(){int x; scanf("%d",&x); printf("%d\\n",x*2);}')
+    built = backend.build(spec)
+    assert built.path == "prog" and built.executable
+    outs = [backend.run(ExecSpec(spec.language, spec.files, stdin=s), built).stdout for s in (b"2", b"21")]
+    assert outs == [b"4\n", b"42\n"]
+
+
+def test_exit_codes_and_signals(backend):
+    assert (r := run(backend, "python", "import sys; sys.exit(3)")).status == "nonzero_exit" and r.exit_code == 3
+    r = run(backend, "python", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert (r.status, r.signal, r.exit_code) == ("killed_by_signal", 11, None)
+
+
+def test_wall_timeout_kills(backend):
+    r = run(backend, "python", "import time; time.sleep(60)", limits=Limits(wall_s=0.5))
+    assert r.status == "timeout" and r.signal == 9
+    assert r.wall_s < 5
+
+
+def test_cpu_limit_stops_a_busy_loop_before_the_wall_limit(backend):
+    r = run(backend, "python", "while True: pass", limits=Limits(cpu_s=1, wall_s=20))
+    assert r.status == "cpu_limit"
+    assert r.wall_s < 10
+
+
+def test_memory_limit(backend):
+    r = run(backend, "python", "x = bytearray(400 << 20)", limits=Limits(memory_mb=100))
+    if backend.cgroups.memory:
+        assert r.status == "memory_limit" and r.peak_memory_mb <= 110
+    else:  # RLIMIT_DATA only: the allocation fails inside the program
+        assert r.status == "nonzero_exit" and b"MemoryError" in r.stderr
+
+
+def test_output_cap_truncates_and_kills(backend):
+    r = run(backend, "python", "import sys\nwhile True: sys.stdout.write('x' * 4096)", limits=Limits(output_kb=64))
+    assert r.status == "output_limit" and r.stdout_truncated and len(r.stdout) == 64 * 1024
+    assert not r.stderr_truncated
+
+
+def test_binary_output_and_stdin_are_bytes(backend):
+    data = bytes(range(256)) * 4
+    r = run(backend, "python", "import sys; sys.stdout.buffer.write(sys.stdin.buffer.read()[::-1])", stdin=data)
+    assert r.stdout == data[::-1]
+
+
+def test_large_stdin_to_a_program_that_reads_none_of_it(backend):
+    r = run(backend, "python", "print('ignored')", stdin=b"x" * (4 << 20))
+    assert r.status == "ok" and r.stdout == b"ignored\n"
+
+
+def test_multiple_files_and_nested_paths(backend):
+    spec = ExecSpec("python", (SourceFile("main.py", "from pkg.util import f; print(f())"),
+                               SourceFile("pkg/__init__.py", ""), SourceFile("pkg/util.py", "def f(): return 'nested'")))
+    assert backend.run(spec).stdout == b"nested\n"
+
+
+def test_the_program_sees_a_minimal_environment_and_its_own_work_dir(backend):
+    r = run(backend, "python", "import os, json; print(json.dumps([dict(os.environ), os.getcwd(), os.getuid(), sorted(os.listdir('/'))]))")
+    import json
+
+    env, cwd, uid, top = json.loads(r.stdout)
+    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "PWD"}
+    assert cwd == "/work" and uid == 65534
+    assert "home" not in top and "root" not in top
+
+
+def test_the_sandbox_runs_as_the_slot_uid_on_the_host(backend):
+    seen = {}
+
+    def watch():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "uids" not in seen:
+            for pid in os.listdir("/proc"):
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                    status = open(f"/proc/{pid}/status").read()
+                except OSError:
+                    continue
+                if b"marker-8fa1" in cmd and cmd.split(b"\0")[0] == b"python3":
+                    seen["uids"] = {int(x) for x in status.split("Uid:")[1].split("\n")[0].split()}
+                    break
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    run(backend, "python", "import time; time.sleep(1.5)", argv=("marker-8fa1",), limits=Limits(wall_s=5))
+    t.join()
+    if os.geteuid() == 0:
+        assert seen.get("uids") == {UID}, seen
+    else:
+        assert seen.get("uids") == {os.geteuid()}
+
+
+def test_a_session_talks_to_a_live_program(backend):
+    spec = ExecSpec.single("python", "import sys\nfor line in sys.stdin:\n    print(int(line) * 2, flush=True)")
+    with backend.session(spec) as s:
+        answers = []
+        for n in (1, 2, 3):
+            s.send(f"{n}\n".encode())
+            answers.append(s.read_line(timeout_s=5))
+        assert s.read_line(timeout_s=0.2) is None  # nothing more until asked
+        s.close_stdin()
+        r = s.finish()
+    assert answers == [b"2\n", b"4\n", b"6\n"] and r.status == "ok"
+
+
+def test_leaving_a_session_without_finishing_kills_the_program(backend):
+    with backend.session(ExecSpec.single("python", "import time; time.sleep(60)")):
+        pass
+    assert not host_residue([UID])
+
+
+def test_concurrent_runs_on_different_slots(backend):
+    backends = [BwrapBackend(uid=UID + 1 + i) for i in range(3)]
+    results = [None] * 3
+
+    def go(i):
+        results[i] = backends[i].run(ExecSpec.single("python", f"import time; time.sleep(0.3); print({i})"))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.stdout for r in results] == [b"0\n", b"1\n", b"2\n"]
+    assert time.monotonic() - t0 < 0.3 * 3 + 2  # they overlapped rather than queued
+    assert not host_residue(range(UID, UID + 4))
+
+
+def test_describe_says_which_limits_are_enforced(backend):
+    text = backend.describe()
+    assert "memory limit" in text and "pids limit" in text
+    if shutil.which("bwrap") and os.geteuid() == 0 and os.path.isdir("/sys/fs/cgroup"):
+        assert f"uid {UID}" in text
+
+
+def test_a_language_whose_interpreter_is_missing_is_an_infrastructure_error(backend, monkeypatch, tmp_path):
+    from hpcrl.sandbox.result import SandboxUnavailable
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a host without node (or anything else)
+    with pytest.raises(SandboxUnavailable, match="language 'node' is not available here"):
+        backend.run(ExecSpec.single("node", "console.log(1)"))

@@ -1,0 +1,208 @@
+"""The sandbox server and client over real ZeroMQ (CURVE) with real bwrap sandboxes: requests,
+bad input, backpressure, idempotent retries, and a server killed 10 times in a row.
+
+Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from hpcrl.jobs.config import load_config
+from hpcrl.jobs.transport import Node, encode, read_endpoint
+from hpcrl.jobs.transport_rpc import RequestClient
+from hpcrl.sandbox.bwrap import unavailable_reason
+from hpcrl.sandbox.client import SandboxBusy, SandboxClient
+from hpcrl.sandbox.judge import FunctionTask, IOCase
+from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.pool import SlotPool
+from hpcrl.sandbox.residue import adopt_orphans, host_residue, reap_orphans
+from hpcrl.sandbox.server import SandboxServer
+from hpcrl.sandbox.spec import ExecSpec, Limits
+
+UID = 61140
+UIDS = range(UID, UID + 4)
+
+
+@pytest.fixture(scope="module")
+def bwrap_ok():
+    reason = unavailable_reason(UID)
+    if reason:
+        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
+        pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def server(run_dir: Path, slots: int = 2, queue: int = 8):
+    """A SandboxServer in a thread of this process, on 127.0.0.1."""
+    cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.queue={queue}"]).sandbox
+    pool = SlotPool.from_config(cfg, slots=slots)
+    stop, ready, holder = threading.Event(), threading.Event(), {}
+
+    def body():
+        with Node(run_dir, "sandbox-0", bind_host="127.0.0.1") as node:
+            holder["server"] = srv = SandboxServer(node, "sandbox-0", pool)
+            ready.set()
+            srv.serve(stop, poll_s=0.05)
+            pool.close()
+            srv.close()
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    try:
+        yield holder["server"]
+    finally:
+        stop.set()
+        t.join(10)
+        pool.close()
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    return d
+
+
+def test_exec_judge_and_info_over_the_wire(bwrap_ok, run_dir):
+    with server(run_dir), Node(run_dir, "gen-0") as node:
+        c = SandboxClient(node)
+        r = c.run(ExecSpec.single("python", "import sys; print(sys.stdin.read()[::-1])", stdin=b"\x00abc"))
+        assert r.status == "ok" and r.stdout == b"cba\x00\n"
+        if get_language("c").present():
+            assert c.run(ExecSpec.single("c", "int main( {")).status == "compile_error"
+        v = c.judge_io("python", "print(int(input()) * 2)", [IOCase(b"2", b"4"), IOCase(b"5", b"10")])
+        assert v.passed and len(v.cases) == 2
+        task = FunctionTask("def f(x):\n    return x + 1\n", "f", "def check(c):\n    assert c(1) == 2\n")
+        assert c.judge_function(task).passed
+        info = c.info()
+        assert info["slots"] == 2 and "python" in info["languages"] and "memory limit" in info["backend"]
+    assert host_residue(UIDS) == []
+
+
+def test_malformed_requests_are_refused_and_the_server_keeps_serving(bwrap_ok, run_dir):
+    with server(run_dir) as srv, Node(run_dir, "gen-0") as node:
+        raw = RequestClient(node, "sandbox-0", timeout_s=5, retries=0)
+        assert raw.request("exec", {"language": "cobol", "files": [["main.py", b"", False]]}).kind == "bad_request"
+        assert raw.request("exec", {"language": "python", "files": [["../x", b"", False]]}).kind == "bad_request"
+        assert raw.request("launch_missiles", {}).kind == "bad_request"
+        sock, _ = node.connect(zmq.DEALER, "sandbox-0")
+        sock.send_multipart([b"not msgpack at all"])
+        sock.send_multipart(encode("exec", {"language": "python"}))  # no request id
+        with pytest.raises(ValueError, match="refused the exec request"):
+            SandboxClient(node)._call("exec", {"language": "python", "files": []}, 5, 5)
+        assert SandboxClient(node).run(ExecSpec.single("python", "print('still here')")).stdout == b"still here\n"
+        sock.close(0)
+        assert srv.dropped == 2
+
+
+def test_a_full_queue_answers_busy_and_the_client_backs_off_until_served(bwrap_ok, run_dir):
+    with server(run_dir, slots=1, queue=0) as srv, Node(run_dir, "gen-0") as node:
+        slow = ExecSpec.single("python", "import time; time.sleep(2); print('slow')", limits=Limits(wall_s=5))
+        holder = {}
+        t = threading.Thread(target=lambda: holder.setdefault("r", SandboxClient(node).run(slow)))
+        t.start()
+        deadline = time.monotonic() + 5
+        while srv.pool.busy == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the slow run holds the only slot
+        quick = ExecSpec.single("python", "print('later')")
+        with Node(run_dir, "gen-1") as node2:
+            raw = RequestClient(node2, "sandbox-0", timeout_s=5, retries=0)
+            assert raw.request("exec", quick.to_wire()).kind == "busy"
+            with pytest.raises(SandboxBusy, match="queue full"):
+                SandboxClient(node2).run(quick, timeout_s=0.5)
+            r = SandboxClient(node2).run(quick)  # backs off until the slot is free
+        t.join()
+        assert holder["r"].stdout == b"slow\n" and r.stdout == b"later\n"
+        assert srv.refused >= 2
+
+
+def test_retries_of_one_request_run_it_once(bwrap_ok, run_dir):
+    with server(run_dir) as srv, Node(run_dir, "gen-0") as node:
+        spec = ExecSpec.single("python", "import time; time.sleep(1); print('once')", limits=Limits(wall_s=5))
+        before = srv.served
+        # Attempts time out every 0.15 s and are resent on fresh sockets under the same id.
+        env = RequestClient(node, "sandbox-0", timeout_s=0.15, retries=40).request("exec", spec.to_wire())
+        assert env.kind == "result" and env.body["stdout"] == b"once\n"
+        assert srv.served - before == 1
+        assert srv.pool.busy == 0 and srv.pool.queued == 0
+
+
+def _start_server(run_dir: Path, config: Path) -> subprocess.Popen:
+    old = None
+    try:
+        old = read_endpoint(run_dir, "sandbox-0").instance
+    except Exception:  # noqa: BLE001 - no endpoint yet
+        pass
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", "sandbox", "serve", "--slots", "2",
+                             "--run-dir", str(run_dir), "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if read_endpoint(run_dir, "sandbox-0").instance != old:
+                return proc
+        except Exception:  # noqa: BLE001 - not published yet
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"sandbox server exited: {proc.stderr.read().decode()}")
+        time.sleep(0.05)
+    raise AssertionError("sandbox server did not publish its endpoint in 30 s")
+
+
+@pytest.mark.slow
+def test_killing_the_server_10_times_leaves_clients_working(bwrap_ok, run_dir, tmp_path):
+    adopt_orphans()  # the killed servers' sandboxes end up here; reap them to check for residue
+    config = tmp_path / "config.yaml"
+    config.write_text(f"sandbox:\n  uid_base: {UID}\n")
+    proc = _start_server(run_dir, config)
+    try:
+        with Node(run_dir, "gen-0") as node:
+            client = SandboxClient(node, attempt_s=0.5)
+            assert client.run(ExecSpec.single("python", "print('up')")).stdout == b"up\n"
+            for i in range(10):
+                # A request in flight when the server dies is answered by the next server.
+                spec = ExecSpec.single("python", f"import time; time.sleep(0.3); print({i})", limits=Limits(wall_s=2))
+                got = {}
+                t = threading.Thread(target=lambda: got.setdefault("r", client.run(spec, timeout_s=60)))
+                t.start()
+                time.sleep(0.15)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                # The sandboxes die with their server (a few ms later; their zombies come to us, the
+                # subreaper); its empty cgroups wait for the next server to sweep them.
+                assert settled(UIDS, cgroups=False) == [], f"kill {i + 1}"
+                proc = _start_server(run_dir, config)
+                t.join(60)
+                assert got["r"].status == "ok" and got["r"].stdout == f"{i}\n".encode(), f"kill {i + 1}"
+                assert host_residue(UIDS) == [], f"kill {i + 1}"
+            assert client.run(ExecSpec.single("python", "print('still up')")).stdout == b"still up\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(20)
+        reap_orphans()
+    assert code == 0
+    assert settled(UIDS) == []
+
+
+def settled(uids, timeout_s: float = 5.0, **kw) -> list[str]:
+    """host_residue once the killed server's sandboxes have finished dying (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reap_orphans(timeout_s=0)
+        left = host_residue(uids, **kw)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)

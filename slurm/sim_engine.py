@@ -1,0 +1,244 @@
+"""The simulator's machinery: a discrete-event loop, GPU accounting, sandboxes, the training side.
+
+The policies (slurm/sim_policies.py, slurm/sim_backfill.py) build on `SimBase`; this module
+knows nothing about scheduling. Its job is to keep the books honest:
+
+* `GpuLedger` holds every GPU's state at every instant: idle, running its owner's work, or
+  running a borrowed task. A GPU can hold one task at a time: starting a second raises.
+  A borrowed interval becomes `packed` when the task completes and `lost` when the owner
+  reclaims the GPU first (preemption; the work is redone elsewhere).
+* Every task's run time is also tallied by the policy, separately from the ledger. At the end
+  `check_conservation` demands, per role, owner + packed + lost (from the tallies) + idle
+  (from the ledger) = GPUs x makespan. A double-booked GPU, a task counted twice or an
+  interval never closed makes the run fail instead of reporting a flattering number.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from hpcrl.slurm.sim_trace import EpisodeSpec
+
+IDLE, OWNER, BORROW = 0, 1, 2
+KINDS = ("idle", "owner", "packed", "lost")  # accounting categories; BORROW ends as packed or lost
+
+
+class SimInvariantError(AssertionError):
+    """The simulation broke one of its own rules (a bug, never a property of the trace)."""
+
+
+class EventLoop:
+    """Time-ordered callbacks; ties run in scheduling order, so runs are deterministic."""
+
+    __slots__ = ("now", "_heap", "_seq", "events")
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable, object]] = []
+        self._seq = 0
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[[object, float], None], arg: object = None) -> None:
+        if t < self.now:
+            raise SimInvariantError(f"event scheduled in the past ({t} < {self.now})")
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def run(self, stop: Callable[[], bool]) -> None:
+        heap = self._heap
+        while heap and not stop():
+            t, _, fn, arg = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            fn(arg, t)
+        if not stop():
+            raise SimInvariantError("the simulation ran out of events before finishing its steps (a deadlock)")
+
+
+class GpuLedger:
+    """Per-GPU state over time; optionally keeps every interval for the utilization plot."""
+
+    def __init__(self, roles: list[str], keep_intervals: bool = False):
+        self.roles = roles
+        n = len(roles)
+        self.state = [IDLE] * n
+        self.since = [0.0] * n
+        self.totals = [[0.0] * len(KINDS) for _ in range(n)]
+        self.intervals: list[tuple[int, int, float, float]] | None = [] if keep_intervals else None
+
+    def _close(self, g: int, kind_index: int, now: float) -> None:
+        start = self.since[g]
+        self.totals[g][kind_index] += now - start
+        if self.intervals is not None and now > start:
+            self.intervals.append((g, kind_index, start, now))
+        self.since[g] = now
+
+    def begin(self, g: int, state: int, now: float) -> None:
+        if self.state[g] != IDLE:
+            raise SimInvariantError(f"GPU {g} ({self.roles[g]}) double-booked at t={now:.3f}")
+        self._close(g, 0, now)
+        self.state[g] = state
+
+    def end(self, g: int, now: float, completed: bool = True) -> None:
+        state = self.state[g]
+        if state == IDLE:
+            raise SimInvariantError(f"GPU {g} ({self.roles[g]}) released while idle at t={now:.3f}")
+        self._close(g, 1 if state == OWNER else (2 if completed else 3), now)
+        self.state[g] = IDLE
+
+    def finish(self, now: float) -> None:
+        """Close every interval at the end of the run (work still running counts as busy)."""
+        for g, state in enumerate(self.state):
+            self._close(g, 0 if state == IDLE else (1 if state == OWNER else 2), now)
+            self.state[g] = IDLE
+
+
+@dataclass(frozen=True)
+class RoleUsage:
+    role: str
+    gpus: int
+    capacity_s: float
+    owner_s: float  # the allocation's own work (training, own generation turns)
+    packed_s: float  # borrowed rollout tasks that completed
+    lost_s: float  # borrowed tasks preempted by their owner (redone elsewhere)
+    idle_s: float
+
+    @property
+    def busy_s(self) -> float:
+        return self.owner_s + self.packed_s
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.capacity_s if self.capacity_s else 0.0
+
+
+def check_conservation(ledger: GpuLedger, tally: dict[str, list[float]], makespan: float) -> dict[str, RoleUsage]:
+    """Busy time from task tallies + idle time from the ledger must equal capacity, per role."""
+    usage = {}
+    for role in sorted(set(ledger.roles), key=ledger.roles.index):
+        members = [g for g, r in enumerate(ledger.roles) if r == role]
+        cap = len(members) * makespan
+        led = [sum(ledger.totals[g][k] for g in members) for k in range(len(KINDS))]
+        owner, packed, lost = tally[role]
+        idle = led[0]
+        tol = 1e-6 * max(cap, 1.0)
+        for name, from_tasks, from_ledger in (("owner", owner, led[1]), ("packed", packed, led[2]), ("lost", lost, led[3])):
+            if abs(from_tasks - from_ledger) > tol:
+                raise SimInvariantError(f"{role}: {name} time {from_tasks:.6f} s from tasks != {from_ledger:.6f} s on the GPUs")
+        if idle < -tol or abs(owner + packed + lost + idle - cap) > tol:
+            raise SimInvariantError(
+                f"{role}: GPU-time not conserved: busy {owner + packed:.3f} + lost {lost:.3f} + idle {idle:.3f} != capacity {cap:.3f}")
+        usage[role] = RoleUsage(role, len(members), cap, owner, packed, lost, idle)
+    return usage
+
+
+class Episode:
+    """One episode in flight: which turn it is at, which policy version started it, who owns it."""
+
+    __slots__ = ("spec", "version", "turn", "owner", "alive", "sbx_start", "gpu_s", "gen_left", "resumed")
+
+    def __init__(self, spec: EpisodeSpec, version: int):
+        self.spec = spec
+        self.version = version
+        self.turn = 0
+        self.owner = -1  # generator GPU index, or -1 for a floating (packed) episode
+        self.alive = True
+        self.sbx_start = math.nan
+        self.gpu_s = 0.0  # GPU time of its completed generation turns (not preempted attempts)
+        self.gen_left = spec.gen_s[0]  # generation still to do in the current turn
+        self.resumed = False  # the current turn was cut at a budget: the next chunk re-prefills
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    def advance(self) -> None:
+        """The current turn's sandbox run finished: on to the next turn."""
+        self.turn += 1
+        if self.turn < len(self.spec.gen_s):
+            self.gen_left = self.spec.gen_s[self.turn]
+            self.resumed = False
+
+    @property
+    def done(self) -> bool:
+        return self.turn >= len(self.spec.gen_s)
+
+
+class SandboxPool:
+    """`slots` concurrent executions, FIFO queue beyond that (the CPU partition)."""
+
+    def __init__(self, slots: int, loop: EventLoop, on_done: Callable[[Episode, float], None]):
+        self.free = slots
+        self.loop = loop
+        self.on_done = on_done
+        self.queue: deque[Episode] = deque()
+        self.busy_s = 0.0
+        self.runs = 0
+
+    def submit(self, ep: Episode, now: float) -> None:
+        ep.sbx_start = math.nan
+        if self.free:
+            self._start(ep, now)
+        else:
+            self.queue.append(ep)
+
+    def _start(self, ep: Episode, now: float) -> None:
+        self.free -= 1
+        self.runs += 1
+        ep.sbx_start = now
+        d = ep.spec.sandbox_s[ep.turn]
+        self.busy_s += d
+        self.loop.at(now + d, self._done, ep)
+
+    def _done(self, ep: Episode, now: float) -> None:
+        self.free += 1
+        if self.queue:
+            self._start(self.queue.popleft(), now)
+        self.on_done(ep, now)
+
+
+class TrainingLedger:
+    """Completed trajectories waiting for the learner; staleness is checked when a batch is taken."""
+
+    def __init__(self, batch_size: int, max_staleness: int):
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.version = 0
+        self._ready: list[tuple[int, int, Episode]] = []
+        self.consumed = 0
+        self.useful_gen_s = 0.0  # GPU time of the generation turns of trained trajectories
+        self.dropped = 0
+        self.staleness = [0] * (max_staleness + 1)
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def add(self, ep: Episode) -> None:
+        heapq.heappush(self._ready, (ep.version, ep.index, ep))
+
+    def doomed(self, ep: Episode) -> bool:
+        """Started so long ago that no future batch may contain it."""
+        return ep.version < self.version - self.max_staleness
+
+    def take_batch(self) -> list[Episode] | None:
+        """The oldest `batch_size` usable trajectories, dropping those too stale to train on."""
+        ready = self._ready
+        while ready and self.doomed(ready[0][2]):
+            heapq.heappop(ready)
+            self.dropped += 1
+        if len(ready) < self.batch_size:
+            return None
+        batch = [heapq.heappop(ready)[2] for _ in range(self.batch_size)]
+        for ep in batch:
+            age = self.version - ep.version
+            if not 0 <= age <= self.max_staleness:
+                raise SimInvariantError(f"episode {ep.index} trained at staleness {age} (bound {self.max_staleness})")
+            self.staleness[age] += 1
+            self.useful_gen_s += ep.gpu_s
+        self.consumed += len(batch)
+        return batch

@@ -1,0 +1,362 @@
+"""The baseline policies of the simulator: `sync` and `async` (ours, `backfill`, is in sim_backfill.py).
+
+GPUs 0..L-1 are the learner's, L..L+G-1 one generator each. A generation turn runs on one
+GPU at a time for the episode's drawn duration; a sandbox execution holds one CPU slot.
+
+sync  -- on-policy, one phase after another: the batch's episodes are sharded over the
+         generators, each episode runs the article's loop (generate, execute in a sandbox,
+         generate again...) on its generator, which serves whichever of its episodes has a
+         turn ready; when the whole batch is done (barrier) the learner trains on it
+         (generators idle), broadcasts the weights (everyone idle) and the generators reload
+         them. Learner GPUs idle throughout generation; a generator idles while all its
+         episodes run in sandboxes, after its shard is done, and during training and sync.
+async -- generation decoupled from training: each generator keeps `episodes_in_flight`
+         episodes of its own going and runs their turns as they come back from the sandboxes;
+         the learner trains whenever a batch of fresh-enough trajectories is ready. New
+         episodes start only while in-flight + ready < (max_staleness + 1) x batch (AReaL's
+         bound), trajectories older than the bound are dropped. No packing: a generator whose
+         episodes all wait on sandboxes idles, and so does a learner waiting for data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from hpcrl.slurm.sim_engine import (BORROW, OWNER, Episode, EventLoop, GpuLedger, SandboxPool,
+                                    SimInvariantError, TrainingLedger)
+from hpcrl.slurm.sim_trace import Trace, World
+
+WAIT, TRAIN, SYNC = "wait", "train", "sync"
+
+
+class SimBase:
+    """GPUs, the event loop, task start/stop bookkeeping and the training side."""
+
+    name = "base"
+
+    def __init__(self, trace: Trace, world: World | None = None, keep_intervals: bool = False):
+        self.trace = trace
+        self.world = world or World(trace)
+        c, t = trace.cluster, trace.training
+        self.L, self.G = c.learner_gpus, c.generator_gpus
+        self.learner_gpus = range(self.L)
+        self.generator_gpus = range(self.L, self.L + self.G)
+        self.roles = ["learner"] * self.L + ["generator"] * self.G
+        self.loop = EventLoop()
+        self.ledger = GpuLedger(self.roles, keep_intervals)
+        # [owner, packed, lost] seconds per role, summed from task records, not from the ledger.
+        self.tally = {"learner": [0.0, 0.0, 0.0], "generator": [0.0, 0.0, 0.0]}
+        self.sandbox = SandboxPool(c.sandbox_slots, self.loop, self._sandbox_done)
+        self.train = TrainingLedger(t.batch_size, self._staleness_bound())
+        self.steps_done = 0
+        self.end_time: float | None = None
+        self.episodes_started = 0
+        self.aborted = 0
+        n = self.L + self.G
+        # (episode, start, OWNER/BORROW, generation progress the run makes when it completes)
+        self._run: list[tuple[Episode, float, int, float] | None] = [None] * n
+        self._token = [0] * n
+        self._train_start = 0.0
+
+    def _staleness_bound(self) -> int:
+        return self.trace.training.max_staleness
+
+    # ---------------------------------------------------------------- lifecycle
+    def run(self) -> "SimBase":
+        self.start()
+        self.loop.run(lambda: self.end_time is not None)
+        return self
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def finish(self, now: float) -> None:
+        for g, run in enumerate(self._run):
+            if run is not None:  # work cut off by the end of the run still occupied the GPU
+                ep, start, kind, _ = run
+                self.tally[self.roles[g]][0 if kind == OWNER else 1] += now - start
+        if any(self.ledger.state[g] == OWNER for g in self.learner_gpus):
+            raise SimInvariantError("the run ended while the learner was training")
+        self.ledger.finish(now)
+        self.end_time = now
+
+    def new_episode(self, version: int) -> Episode:
+        ep = Episode(self.world.episode(self.episodes_started), version)
+        self.episodes_started += 1
+        return ep
+
+    # ---------------------------------------------------------------- generation tasks
+    def start_gen(self, g: int, ep: Episode, kind: int, now: float, budget: float = math.inf) -> None:
+        """Run (the rest of) ep's current turn on GPU g, for at most `budget` seconds."""
+        overhead = self.trace.training.resume_s if ep.resumed else 0.0
+        d = min(overhead + ep.gen_left, budget)
+        self.ledger.begin(g, kind, now)
+        self._token[g] += 1
+        self._run[g] = (ep, now, kind, max(d - overhead, 0.0))
+        self.loop.at(now + d, self._gen_event, (g, self._token[g]))
+
+    def _gen_event(self, arg: tuple[int, int], now: float) -> None:
+        g, token = arg
+        if token != self._token[g]:
+            return  # that run was preempted
+        ep, start, kind, progress = self._run[g]
+        self._run[g] = None
+        self.ledger.end(g, now, completed=True)
+        self.tally[self.roles[g]][0 if kind == OWNER else 1] += now - start
+        ep.gpu_s += now - start
+        ep.gen_left -= progress
+        turn_done = ep.gen_left <= 1e-9
+        ep.resumed = not turn_done  # cut at its budget: the rest resumes with a re-prefill
+        self.gen_done(g, ep, kind, now, turn_done)
+
+    def preempt(self, g: int, now: float) -> Episode:
+        run = self._run[g]
+        if run is None or run[2] != BORROW:
+            raise SimInvariantError(f"preempting GPU {g}, which runs no borrowed task")
+        ep, start, _, _ = run
+        self._run[g] = None
+        self._token[g] += 1
+        self.ledger.end(g, now, completed=False)
+        self.tally[self.roles[g]][2] += now - start
+        return ep
+
+    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+        raise NotImplementedError
+
+    def _sandbox_done(self, ep: Episode, now: float) -> None:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- training
+    def begin_train(self, now: float) -> None:
+        for g in self.learner_gpus:
+            self.ledger.begin(g, OWNER, now)
+        self._train_start = now
+        self.loop.at(now + self.trace.training.train_s, self._train_event)
+
+    def _train_event(self, _: object, now: float) -> None:
+        for g in self.learner_gpus:
+            self.ledger.end(g, now)
+        self.tally["learner"][0] += (now - self._train_start) * self.L
+        self.train.version += 1
+        self.steps_done += 1
+        self.train_done(now)
+
+    def train_done(self, now: float) -> None:
+        raise NotImplementedError
+
+
+class SyncPolicy(SimBase):
+    """Generate -> execute -> train, one after another (see the module docstring)."""
+
+    name = "sync"
+
+    def _staleness_bound(self) -> int:
+        return 0  # every batch is generated by the weights it trains
+
+    def start(self) -> None:
+        self._begin_step(None, 0.0)
+
+    def _begin_step(self, _: object, now: float) -> None:
+        B = self.trace.training.batch_size
+        self.ready = {g: deque() for g in self.generator_gpus}
+        self.remaining = B
+        for i in range(B):
+            ep = self.new_episode(self.train.version)
+            ep.owner = self.L + i % self.G  # static sharding; an episode stays on its generator
+            self.ready[ep.owner].append(ep)
+        for g in self.generator_gpus:
+            self._next(g, now)
+
+    def _next(self, g: int, now: float) -> None:
+        if self._run[g] is None and self.ready[g]:
+            self.start_gen(g, self.ready[g].popleft(), OWNER, now)
+
+    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+        self.sandbox.submit(ep, now)  # the GPU idles unless another of its episodes is ready
+        self._next(g, now)
+
+    def _sandbox_done(self, ep: Episode, now: float) -> None:
+        ep.advance()
+        if not ep.done:
+            self.ready[ep.owner].append(ep)
+            self._next(ep.owner, now)
+            return
+        self.train.add(ep)
+        self.remaining -= 1
+        if self.remaining:
+            return  # the batch is not complete: finished generators wait (barrier)
+        if self.train.take_batch() is None:
+            raise SimInvariantError("sync: a finished batch is not a full batch")
+        self.begin_train(now)
+
+    def train_done(self, now: float) -> None:
+        t = self.trace.training
+        if self.steps_done == t.steps:
+            self.loop.at(now + t.weight_sync_s, lambda _, when: self.finish(when))
+        else:
+            self.loop.at(now + t.weight_sync_s + t.reload_s, self._begin_step)
+
+
+class AsyncPolicy(SimBase):
+    """Decoupled generation and training with a staleness bound, no packing."""
+
+    name = "async"
+
+    def __init__(self, trace: Trace, world: World | None = None, keep_intervals: bool = False):
+        super().__init__(trace, world, keep_intervals)
+        self.k = trace.training.episodes_in_flight
+        self.own: dict[int, set[Episode]] = {g: set() for g in self.generator_gpus}
+        # Turns of own episodes back from the sandbox (latency matters), and episodes the
+        # generator took on but has not started (new, or adopted from the packer's pool).
+        self.ready: dict[int, deque[Episode]] = {g: deque() for g in self.generator_gpus}
+        self.fresh: dict[int, deque[Episode]] = {g: deque() for g in self.generator_gpus}
+        self.reloading = {g: False for g in self.generator_gpus}
+        self.reload_due = {g: False for g in self.generator_gpus}
+        self.in_flight = 0
+        self.published = 0  # the weights version generators start new episodes with
+        self.state = WAIT
+        b = trace.training
+        self.admit_limit = (b.max_staleness + 1) * b.batch_size
+
+    # ---------------------------------------------------------------- episodes
+    def admission_ok(self) -> bool:
+        return self.in_flight + self.train.ready < self.admit_limit
+
+    def start(self) -> None:
+        for g in self.generator_gpus:
+            self.top_up(g, 0.0)
+        self.learner_try(0.0)
+
+    def acquire(self, g: int, now: float) -> Episode | None:
+        """A new episode for generator g, if the staleness bound allows one."""
+        if not self.admission_ok():
+            return None
+        self.in_flight += 1
+        return self.new_episode(self.published)
+
+    def refill(self, g: int, now: float) -> None:
+        while len(self.own[g]) < self.k:
+            ep = self.acquire(g, now)
+            if ep is None:
+                return
+            ep.owner = g
+            self.own[g].add(ep)
+            self.fresh[g].append(ep)
+
+    def top_up(self, g: int, now: float) -> None:
+        self.refill(g, now)
+        self.gen_try(g, now)
+
+    def abort(self, ep: Episode) -> None:
+        """Too stale to ever be trained on: stop spending resources on it."""
+        ep.alive = False
+        self.in_flight -= 1
+        self.aborted += 1
+        if ep.owner >= 0:
+            self.own[ep.owner].discard(ep)
+
+    def gen_try(self, g: int, now: float) -> None:
+        if self._run[g] is not None or self.reloading[g]:
+            return
+        if self.reload_due[g]:
+            self.start_reload(g, now)
+            return
+        self.run_own(g, now)
+
+    def run_own(self, g: int, now: float) -> bool:
+        """Start g's next own turn (returning turns first); False when it has none."""
+        ready, fresh = self.ready[g], self.fresh[g]
+        while ready or fresh:
+            ep = ready.popleft() if ready else fresh.popleft()
+            if self.train.doomed(ep):
+                self.abort(ep)
+                self.refill(g, now)
+                continue
+            self.start_gen(g, ep, OWNER, now)
+            return True
+        return False
+
+    def start_reload(self, g: int, now: float) -> None:
+        self.reload_due[g] = False
+        self.reloading[g] = True
+        self.loop.at(now + self.trace.training.reload_s, self._reload_done, g)
+
+    def _reload_done(self, g: int, now: float) -> None:
+        self.reloading[g] = False
+        self.gen_try(g, now)
+
+    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+        self.turn_generated(ep, now)
+        self.gen_try(g, now)
+
+    def turn_generated(self, ep: Episode, now: float) -> None:
+        if self.train.doomed(ep):
+            self.abort(ep)
+            if ep.owner >= 0:
+                self.refill(ep.owner, now)
+            return
+        self.sandbox.submit(ep, now)
+
+    def _sandbox_done(self, ep: Episode, now: float) -> None:
+        ep.advance()
+        if self.train.doomed(ep):
+            self.abort(ep)
+            if ep.owner >= 0:
+                self.top_up(ep.owner, now)
+            return
+        if ep.done:
+            self.complete(ep, now)
+        else:
+            self.turn_ready(ep, now)
+
+    def turn_ready(self, ep: Episode, now: float) -> None:
+        self.ready[ep.owner].append(ep)
+        self.gen_try(ep.owner, now)
+
+    def complete(self, ep: Episode, now: float) -> None:
+        self.in_flight -= 1
+        self.train.add(ep)
+        if ep.owner >= 0:
+            self.own[ep.owner].discard(ep)
+            self.top_up(ep.owner, now)
+        self.learner_try(now)
+
+    # ---------------------------------------------------------------- learner
+    def learner_try(self, now: float) -> None:
+        if self.state != WAIT:
+            return
+        if self.train.take_batch() is None:
+            self.learner_waiting(now)
+            return
+        self.state = TRAIN
+        self.learner_reclaim(now)
+        self.begin_train(now)
+        # The batch left the ready set: the staleness bound admits new episodes again.
+        for g in self.generator_gpus:
+            self.top_up(g, now)
+
+    def learner_waiting(self, now: float) -> None:
+        """Hook: the learner has nothing to train on (async: it just idles)."""
+
+    def learner_reclaim(self, now: float) -> None:
+        """Hook: the learner takes its GPUs back to train."""
+
+    def train_done(self, now: float) -> None:
+        self.state = SYNC
+        self.loop.at(now + self.trace.training.weight_sync_s, self._sync_done)
+        self.learner_syncing(now)
+
+    def learner_syncing(self, now: float) -> None:
+        """Hook: the learner's GPUs idle while it broadcasts weights."""
+
+    def _sync_done(self, _: object, now: float) -> None:
+        if self.steps_done == self.trace.training.steps:
+            self.finish(now)
+            return
+        self.published = self.train.version
+        self.state = WAIT
+        for g in self.generator_gpus:
+            self.reload_due[g] = True
+            self.top_up(g, now)
+        self.learner_try(now)

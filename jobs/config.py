@@ -86,21 +86,87 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
+class TinyModelConfig:
+    """The small Llama built from code when `policy.path` is null (CPU runs, CI)."""
+
+    hidden_size: int = spec(64, help="width of the tiny model", ge=8)
+    num_layers: int = spec(2, help="transformer layers", ge=1)
+    num_heads: int = spec(4, help="attention heads; must divide hidden_size", ge=1)
+    intermediate_size: int = spec(256, help="MLP width", ge=8)
+    max_context: int = spec(1024, help="longest sequence (prompt + every turn) in tokens", ge=16)
+
+    def validate(self):
+        if self.hidden_size % self.num_heads:
+            yield "num_heads", f"must divide hidden_size ({self.hidden_size}) (got {self.num_heads})"
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    path: str | None = spec(
+        None, help="local Hugging Face model folder (config.json, weights, tokenizer); null builds the tiny model", min_len=1
+    )
+    tiny: TinyModelConfig = spec(factory=TinyModelConfig, help="the model built when path is null")
+    dtype: Literal["float32", "bfloat16"] = spec("float32", help="parameter dtype of learner and generators")
+    device: Literal["auto", "cpu", "cuda"] = spec("auto", help="auto: cuda when a GPU is visible, else cpu")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = spec("grpo", help="policy-gradient loss from the algorithm registry: grpo | reinforce", min_len=1)
+    clip_low: float = spec(0.2, help="grpo: lower clip of the importance ratio, 1 - clip_low", ge=0, lt=1)
+    clip_high: float = spec(0.2, help="grpo: upper clip of the importance ratio, 1 + clip_high", ge=0)
+    max_ratio: float = spec(4.0, help="cap on the importance ratio of stale tokens (dual clip; reinforce: truncation)", gt=1)
+    normalize_std: bool = spec(True, help="divide group-relative advantages by the group's standard deviation")
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     lr: float = spec(1e-3, help="AdamW learning rate", gt=0)
     max_staleness: int = spec(2, help="drop trajectories more than this many policy versions behind the learner", ge=0)
+    algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig, help="the loss and its importance-ratio clipping")
+    group_size: int = spec(8, help="episodes per task instance; advantages are relative within a group", ge=2)
+    batch_groups: int = spec(32, help="groups per optimizer step (batch = batch_groups x group_size trajectories)", ge=1)
+    micro_batch: int = spec(128, help="trajectories per forward/backward pass on one rank", ge=1)
+    weight_decay: float = spec(0.0, help="AdamW weight decay", ge=0)
+    grad_clip: float = spec(1.0, help="clip the global gradient norm to this; 0 disables", ge=0)
+    max_steps: int = spec(300, help="optimizer steps of the run; the run ends when the learner reaches it", ge=1)
+    publish_every: int = spec(1, help="publish weights to the generators every this many optimizer steps", ge=1)
+    keep_weights: int = spec(3, help="published weight files kept in the run directory", ge=1)
+    checkpoint_every: int = spec(50, help="save a DeepSpeed checkpoint (model, optimizer, store cursor) every this many steps", ge=1)
+    keep_checkpoints: int = spec(2, help="checkpoints kept; older ones are deleted", ge=1)
+    dist_backend: Literal["auto", "gloo", "nccl"] = spec("auto", help="torch.distributed backend; auto: nccl on GPUs, gloo on CPU")
 
 
 @dataclass(frozen=True)
 class GeneratorConfig:
     count: int = spec(1, help="number of rollout generator processes", ge=1)
-    episodes_in_flight: int = spec(8, help="episodes each generator keeps open at once", ge=1)
+    episodes_in_flight: int = spec(256, help="episodes each generator keeps open at once (one sampling batch)", ge=1)
+    max_new_tokens: int = spec(256, help="cap on one action's tokens (a domain may ask for fewer)", ge=1)
+    max_turns: int = spec(8, help="cap on steps per episode; longer episodes end truncated (max_steps)", ge=1)
+    env_threads: int = spec(8, help="threads stepping environments, so sandbox waits overlap sampling", ge=1)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    lease_s: float = spec(60.0, help="an episode whose generator has not synced for this long is issued again", gt=0)
+    max_attempts: int = spec(3, help="issue a failing episode at most this many times, then give it up", ge=1)
+    max_groups_ahead: int | None = spec(
+        None, help="groups handed out beyond what the learner consumed; null: max(1, max_staleness) x batch_groups", ge=1
+    )
+    status_every_s: float = spec(1.0, help="how often status.json is rewritten, seconds", gt=0)
+    status_window_s: float = spec(10.0, help="trajectories/s is measured over this many recent seconds", gt=0)
 
 
 @dataclass(frozen=True)
 class SandboxConfig:
     backend: Literal["bwrap", "apptainer"] = spec("bwrap", help="isolation backend for executing model code")
     slots: int = spec(2, help="concurrent executions per sandbox server", ge=1)
+    servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
+    uid_base: int = spec(61000, help="bwrap runs slot k as host uid uid_base+k; pick a range no real user owns", ge=1000)
+    queue: int = spec(64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0)
+    image: str = spec("sandbox.sif", help="Apptainer image (backend: apptainer), built by `hpcrl sandbox build-image`", min_len=1)
+    apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
+    apptainer_cgroups: bool = spec(False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)")
 
 
 @dataclass(frozen=True)
@@ -115,11 +181,21 @@ class StoreConfig:
     flush_every: int = spec(64, help="flush a shard after this many trajectories", ge=1)
     flush_interval_s: float = spec(5.0, help="... or after this many seconds, whichever comes first", gt=0)
     compression: Literal["none", "gzip", "lzf"] = spec("none", help="HDF5 filter for token datasets")
+    shard_max_rows: int = spec(65536, help="finalize a shard (write its manifest) and start a new one after this many trajectories", ge=1)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: Literal["sync", "async", "backfill"] = spec("backfill", help="how rollout work is placed on GPUs")
+    fit_quantile: float = spec(0.9, help="a task fits an idle window if this quantile of its domain's durations does", gt=0, le=1)
+    reclaim_quantile: float = spec(0.25, help="an owner is expected back at this quantile of what it waits for (a sandbox run, a batch filling)", gt=0, le=1)
+    window_margin_s: float = spec(0.0, help="seconds left free at the end of every idle window", ge=0)
+    min_chunk_s: float = spec(8.0, help="a generation turn is lent only windows this long; it resumes elsewhere when cut (0: never split turns)", ge=0)
+    history: int = spec(256, help="recent task durations kept per domain for the estimates", ge=1)
+    min_samples: int = spec(8, help="a domain with fewer samples uses the pooled history of all domains", ge=1)
+    prior_s: float = spec(30.0, help="task duration assumed before any task has finished, seconds", gt=0)
+    job_overhead_s: float = spec(20.0, help="start-up time of a Slurm rollout job, charged against its window, seconds", ge=0)
+    slurm_margin_s: float = spec(30.0, help="rollout jobs end this long before the next queued job's expected start (>= Slurm's bf_interval), seconds", ge=0)
 
 
 @dataclass(frozen=True)
@@ -127,11 +203,15 @@ class Config:
     experiment: ExperimentConfig = spec(factory=ExperimentConfig, help="what the run is called, where it lives, its seed")
     executor: Literal["local", "slurm"] = spec("local", help="local: submitit's local executor on this machine; slurm: jobs on a cluster")
     slurm: SlurmConfig = spec(factory=SlurmConfig, help="Slurm account, QoS and per-role resources (executor: slurm)")
+    policy: PolicyConfig = spec(factory=PolicyConfig, help="the model learner and generators share")
     learner: LearnerConfig = spec(factory=LearnerConfig, help="the DeepSpeed ZeRO-3 learner")
     generators: GeneratorConfig = spec(factory=GeneratorConfig, help="rollout generators")
+    coordinator: CoordinatorConfig = spec(factory=CoordinatorConfig, help="episode leases, flow control, status files")
     sandbox: SandboxConfig = spec(factory=SandboxConfig, help="code-execution sandboxes")
     domains: tuple[DomainConfig, ...] = spec(
-        factory=lambda: (DomainConfig(name="arith"),), help="task domains and their sampling weights", min_len=1
+        factory=lambda: (DomainConfig(name="arith/copy"), DomainConfig(name="arith/add1-mod10"), DomainConfig(name="arith/max2")),
+        help="task domains and their sampling weights",
+        min_len=1,
     )
     store: StoreConfig = spec(factory=StoreConfig, help="HDF5 trajectory shards")
     scheduler: SchedulerConfig = spec(factory=SchedulerConfig, help="rollout placement policy")

@@ -145,7 +145,7 @@ def test_overrides_go_through_the_schema():
         ("executor=k8s", "executor", "must be one of local, slurm"),
         ("generators.count=0", "generators.count", "must be >= 1"),
         ("learner.lr.x=1", "learner.lr", "cannot set a sub-key"),
-        ("domains.7.weight=1", "domains.7", "list index must be 0..0"),
+        ("domains.7.weight=1", "domains.7", "list index must be 0..2"),
     ],
 )
 def test_bad_overrides_name_path_and_origin(override, path, fragment):
@@ -197,7 +197,9 @@ def test_cli_validate_ok_and_print():
     [
         (["learner.lr=-1"], "config error: learner.lr: must be > 0 (got -1) [from override learner.lr=-1]"),
         (["executor=slurmm"], "config error: executor: must be one of local, slurm (got 'slurmm') [from override executor=slurmm]"),
-        (["learner.lrr=1"], "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness [from override learner.lrr=1]"),
+        (["learner.lrr=1"], "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness, "
+                           "algorithm, group_size, batch_groups, micro_batch, weight_decay, grad_clip, max_steps, publish_every, "
+                           "keep_weights, checkpoint_every, keep_checkpoints, dist_backend [from override learner.lrr=1]"),
         (["oops"], "config error: override 'oops': expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4"),
     ],
 )

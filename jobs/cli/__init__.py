@@ -18,7 +18,7 @@ from hpcrl import __version__
 from hpcrl.jobs.schema import ConfigError
 
 # Verb modules in the order `--help` lists them.
-VERBS = ("validate",)
+VERBS = ("validate", "run", "status", "traj", "sandbox", "sim")
 
 
 class UsageError(Exception):

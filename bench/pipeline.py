@@ -1,0 +1,157 @@
+"""Trajectories/s of the full local pipeline against the generator alone in a tight loop
+(orchestration overhead), and each role's busy fraction.
+
+    .venv/bin/python bench/pipeline.py [--seconds 30] [--warmup 10] [--json out.json] [KEY=VALUE ...]
+
+Both measurements use the same config.yaml (domains, policy, episodes in flight; overrides
+apply to both):
+
+1. baseline: the Generator in a tight loop in this process: tasks from an in-process sampler,
+   fixed weights, trajectories dropped. Trajectories/s and CPU seconds per trajectory.
+2. pipeline: the components of `hpcrl run` as submitit LocalExecutor jobs (store writer,
+   coordinator, learner, generator) training for real. After `--warmup` seconds, over
+   `--seconds`: episodes completed (acknowledged by the store) per second, the generator
+   process's CPU seconds per trajectory (psutil), busy fractions from status.json.
+
+Printed ratios: pipeline/baseline trajectories/s (on a 2-core machine the learner takes its
+share of the CPUs and flow control holds generators back to the learner's pace, so this is
+not the overhead), and the generator's CPU per trajectory pipeline/baseline - 1: the work a
+trajectory costs the generator for coordination (RPC syncs, serialization and store
+acknowledgements, weight loads) on top of sampling it; target <= 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def baseline(cfg, seconds: float) -> dict:
+    import torch
+
+    from hpcrl.rl.domains import load_domains
+    from hpcrl.rl.generator import Generator
+    from hpcrl.rl.policy import Policy
+    from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+
+    torch.set_num_threads(1)  # as each component does
+    domains = load_domains(cfg.domains)
+    if any(d.needs_executor for d in domains.values()):
+        raise SystemExit("bench/pipeline.py: use domains without a sandbox (the baseline has no sandbox server)")
+    gen = Generator(cfg.generators, Policy.load(cfg.policy, seed=0), domains, run="bench", name="gen-0", seed=0)
+    source = LocalTaskSource(TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, 0))
+    count = [0]
+
+    def sink(_traj):
+        count[0] += 1
+
+    gen.run(source, sink, stop=lambda: count[0] >= 2 * cfg.generators.episodes_in_flight)  # warm-up
+    n0, c0, t0 = count[0], time.process_time(), time.perf_counter()
+    gen.run(source, sink, stop=lambda: time.perf_counter() - t0 >= seconds)
+    n, cpu, wall = count[0] - n0, time.process_time() - c0, time.perf_counter() - t0
+    gen.close()
+    s = gen.stats
+    return {"traj_per_s": n / wall, "cpu_s_per_traj": cpu / n, "trajectories": n, "busy": s.busy_fraction,
+            "batch": s.batch_rows / max(s.batches, 1), "orchestration": (s.source_s + s.weights_s) / s.wall_s,
+            "sample_ms_per_traj": 1e3 * s.busy_s / max(s.trajectories, 1)}
+
+
+def pipeline(cfg, seconds: float, warmup: float) -> dict:
+    import psutil
+
+    from hpcrl.jobs.rundir import create_run_dir
+    from hpcrl.jobs.runner import RunJobs, pids
+    from hpcrl.rl.coordinator import read_status
+
+    run_dir = create_run_dir(cfg)
+    jobs = RunJobs(cfg, run_dir)
+    try:
+        jobs.start()
+        deadline = time.monotonic() + 180
+        while not ((read_status(run_dir) or {}).get("learner") or {}).get("step"):
+            jobs._check()  # noqa: SLF001 - restart what dies while we wait
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench/pipeline.py: no learner step within 180 s; see {run_dir}/submitit")
+            time.sleep(0.5)
+        time.sleep(warmup)
+        gen = psutil.Process(pids(run_dir, "gen-0")[0])
+
+        def sample():
+            st = read_status(run_dir)
+            cpu = gen.cpu_times()
+            return time.perf_counter(), st, cpu.user + cpu.system
+
+        t0, st0, cpu0 = sample()
+        busy = []
+        while time.perf_counter() - t0 < seconds:
+            time.sleep(1.0)
+            jobs._check()  # noqa: SLF001
+            busy.append((read_status(run_dir) or {}).get("busy", {}))
+        t1, st1, cpu1 = sample()
+        done = st1["counts"]["completed"] - st0["counts"]["completed"]
+        made = st1["generators"]["gen-0"]["stats"]["trajectories"] - st0["generators"]["gen-0"]["stats"]["trajectories"]
+        steps = st1["learner"]["step"] - st0["learner"]["step"]
+        g0, g1 = st0["generators"]["gen-0"]["stats"], st1["generators"]["gen-0"]["stats"]
+        d = {k: g1[k] - g0[k] for k in ("busy_s", "wall_s", "source_s", "weights_s", "batches", "batch_rows")}
+        roles = {k: sum(b.get(k, 0.0) for b in busy) / max(len(busy), 1) for k in ("generator", "learner", "sandbox")}
+        return {"traj_per_s": done / (t1 - t0), "cpu_s_per_traj": (cpu1 - cpu0) / max(made, 1), "trajectories": done,
+                "learner_steps_per_s": steps / (t1 - t0), "busy": roles, "reward_end": st1["learner"]["reward"],
+                "batch": d["batch_rows"] / max(d["batches"], 1),
+                "orchestration": (d["source_s"] + d["weights_s"]) / max(d["wall_s"], 1e-9),
+                "sample_ms_per_traj": 1e3 * d["busy_s"] / max(made, 1),
+                "run_dir": str(run_dir)}
+    finally:
+        jobs.shutdown(grace_s=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    ap.add_argument("--config", default=str(ROOT / "config.yaml"))
+    ap.add_argument("--seconds", type=float, default=30.0, help="measurement window of each side")
+    ap.add_argument("--warmup", type=float, default=10.0, help="pipeline seconds after the first learner step, unmeasured")
+    ap.add_argument("--unthrottled", action="store_true",
+                    help="no flow control (generators run ahead of the learner at full speed): the generator's capacity "
+                         "inside the pipeline, sharing the CPUs with learner, store and coordinator")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    from hpcrl.jobs.config import load_config
+
+    root = tempfile.mkdtemp(prefix="hpcrl-bench-")
+    cfg = load_config(args.config, [f"experiment.run_root={root}", "experiment.name=bench", "learner.max_steps=100000",
+                                    *(["coordinator.max_groups_ahead=1000000", "learner.max_staleness=1000000"]
+                                      if args.unthrottled else []), *args.overrides])
+    print(f"baseline: generator alone, {args.seconds:.0f} s ...", flush=True)
+    base = baseline(cfg, args.seconds)
+    print(f"pipeline: hpcrl run's components, {args.warmup:.0f} s warm-up + {args.seconds:.0f} s ...", flush=True)
+    pipe = pipeline(cfg, args.seconds, args.warmup)
+    overhead = pipe["cpu_s_per_traj"] / base["cpu_s_per_traj"] - 1
+    print()
+    print(f"{'':28}{'baseline':>12}{'pipeline':>12}{'ratio':>9}")
+    print(f"{'trajectories/s':28}{base['traj_per_s']:12.0f}{pipe['traj_per_s']:12.0f}{pipe['traj_per_s'] / base['traj_per_s']:9.2f}")
+    print(f"{'generator CPU ms/trajectory':28}{1e3 * base['cpu_s_per_traj']:12.3f}{1e3 * pipe['cpu_s_per_traj']:12.3f}"
+          f"{pipe['cpu_s_per_traj'] / base['cpu_s_per_traj']:9.2f}")
+    print(f"{'sampling ms/trajectory':28}{base['sample_ms_per_traj']:12.3f}{pipe['sample_ms_per_traj']:12.3f}"
+          f"{pipe['sample_ms_per_traj'] / base['sample_ms_per_traj']:9.2f}")
+    print(f"{'mean sampling batch':28}{base['batch']:12.0f}{pipe['batch']:12.0f}")
+    print(f"{'generator time coordinating':28}{100 * base['orchestration']:11.1f}%{100 * pipe['orchestration']:11.1f}%")
+    print(f"orchestration overhead: {100 * pipe['orchestration']:.1f} % of the generator's time goes to coordination "
+          f"(task source, store, weights; target <= 10 %); CPU per trajectory {100 * overhead:+.1f} % vs baseline")
+    print("busy fraction per role (pipeline): " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in pipe["busy"].items())
+          + f"   baseline generator {100 * base['busy']:.0f}%")
+    print(f"learner {pipe['learner_steps_per_s']:.2f} steps/s; reward at the end {pipe['reward_end']:.3f}; cores {os.cpu_count()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"baseline": base, "pipeline": pipe, "overhead": overhead}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

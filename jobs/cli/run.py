@@ -1,0 +1,93 @@
+"""`hpcrl run CONFIG [KEY=VALUE ...]`: train, with every component a submitit job (local or Slurm).
+
+    hpcrl run config.yaml                      # the default: everything on this machine
+    hpcrl run config.yaml learner.max_steps=50 --run-id smoke
+
+Creates the run directory, submits the store writer, coordinator, sandbox servers (when a
+domain executes code), the learner and the generators, shows one progress line (step, reward,
+trajectories/s, busy fraction per role), restarts components that die, and at the end stops
+everything cleanly and writes reward.png into the run directory. Ctrl-C stops the run (the
+learner keeps its last checkpoint). Exit code 0 when the learner reached learner.max_steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train: run every component (locally by default) and show progress",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+    )
+    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, values parsed as YAML")
+    p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
+    p.add_argument("--timeout-min", type=float, help="give up (exit 1) if the run is not done after this many minutes")
+    p.add_argument("--quiet", action="store_true", help="no progress line, only the summary")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    from hpcrl.jobs.config import load_config
+    from hpcrl.jobs.report import progress_line, read_metrics, write_reward_png
+    from hpcrl.jobs.rundir import create_run_dir
+    from hpcrl.jobs.runner import RunFailed, RunJobs
+    from hpcrl.rl.domains import DomainError, load_domains
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    config_dir = str(Path(args.config).resolve().parent)
+    try:
+        load_domains(cfg.domains, [config_dir])  # a bad domain fails before anything is created
+    except DomainError as exc:
+        from hpcrl.jobs.cli import UsageError
+
+        raise UsageError(str(exc)) from None
+    run_dir = create_run_dir(cfg, args.run_id)
+    jobs = RunJobs(cfg, run_dir, search_path=[config_dir])
+    print(f"run directory {run_dir}", flush=True)
+    tty = sys.stdout.isatty()
+    last_print = [0.0]
+
+    def show(status: dict | None) -> None:
+        if args.quiet:
+            return
+        line = progress_line(status, cfg.learner.max_steps)
+        if tty:
+            print("\r" + line[:200].ljust(120), end="", flush=True)
+        elif time.monotonic() - last_print[0] >= 5.0:
+            print(line, flush=True)
+            last_print[0] = time.monotonic()
+
+    t0 = time.monotonic()
+    ok = False
+    try:
+        jobs.start()
+        ok = jobs.wait(show, timeout_s=args.timeout_min * 60 if args.timeout_min else None)
+    except RunFailed as exc:
+        print(f"\nhpcrl run: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the run", file=sys.stderr)
+    finally:
+        if tty and not args.quiet:
+            print()
+        jobs.shutdown()
+    png = write_reward_png(run_dir)
+    rows = read_metrics(run_dir)
+    if rows:
+        first, last = rows[0], rows[-1]
+        doms = "  ".join(f"{d} {r:.2f}" for d, r in sorted(last.get("reward_by_domain", {}).items()))
+        print(f"reward {first['reward']:.3f} (step {first['step']}) -> {last['reward']:.3f} (step {last['step']}) "
+              f"in {time.monotonic() - t0:.0f} s; last step by domain: {doms}")
+    if png:
+        print(f"reward curve: {png}")
+    if not ok:
+        print(f"run not finished; `hpcrl status {run_dir}` shows where it stopped", file=sys.stderr)
+    return 0 if ok else 1

@@ -1,0 +1,174 @@
+"""The run's job components: small picklable callables, the same on a laptop and on Slurm.
+
+    ex = make_executor(cfg.executor, cfg.slurm, "learner", folder=run_dir / "submitit")
+    job = ex.submit(LearnerComponent(run_dir, cfg.learner, cfg.policy, seed=cfg.experiment.seed))
+
+`__init__` keeps only plain config (frozen dataclasses, paths, names), so submitit can pickle
+the component into the job; `__call__` builds sockets, models and threads inside the job. Each
+component writes `procs/<name>.json` (host, pid) into the run directory, and SIGTERM/SIGINT
+(submitit's cancel) make it finish cleanly: the store flushes, the learner checkpoints,
+generators wait for their trajectories to be acknowledged. The long-running ones are
+`submitit.helpers.Checkpointable`: at a Slurm time limit they are requeued as they are and
+resume from the run directory (checkpoints, store cursor, coordinator state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import submitit
+
+__all__ = ["StoreComponent", "SandboxComponent", "CoordinatorComponent", "LearnerComponent", "GeneratorComponent"]
+
+log = logging.getLogger("hpcrl.components")
+
+
+def _start(run_dir: Path, name: str, role: str) -> threading.Event:
+    """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs file."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    procs = run_dir / "procs"
+    procs.mkdir(exist_ok=True)
+    tmp = procs / f".{name}.tmp"
+    tmp.write_text(json.dumps({"name": name, "role": role, "host": socket.gethostname(), "pid": os.getpid(),
+                               "started": time.time()}))
+    os.replace(tmp, procs / f"{name}.json")
+    return stop
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("HPCRL_TORCH_THREADS", n)))
+
+
+class StoreComponent(submitit.helpers.Checkpointable):
+    """The trajectory store writer (hpcrl.rl.store_writer behind hpcrl.jobs.transport_traj)."""
+
+    def __init__(self, run_dir, store_cfg, name: str = "store-0"):
+        self.run_dir, self.cfg, self.name = Path(run_dir), store_cfg, name
+
+    def __call__(self) -> str:
+        from hpcrl.jobs.transport import Node
+        from hpcrl.jobs.transport_traj import TrajectoryReceiver
+        from hpcrl.rl.store_writer import ShardWriter
+
+        stop = _start(self.run_dir, self.name, "store")
+        writer = ShardWriter(self.run_dir / "trajectories", self.name, self.cfg)
+        with Node(self.run_dir, self.name) as node:
+            TrajectoryReceiver(node, "store", writer).serve(stop)  # flushes and finalizes the shard at the end
+        return "stopped"
+
+
+class SandboxComponent(submitit.helpers.Checkpointable):
+    """A sandbox server (hpcrl.sandbox.server) with `slots` isolated executions at a time."""
+
+    def __init__(self, run_dir, sandbox_cfg, name: str = "sandbox-0"):
+        self.run_dir, self.cfg, self.name = Path(run_dir), sandbox_cfg, name
+
+    def __call__(self) -> int:
+        from hpcrl.sandbox.server import serve
+
+        stop = _start(self.run_dir, self.name, "sandbox")
+        return serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop)
+
+
+class CoordinatorComponent(submitit.helpers.Checkpointable):
+    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int):
+        self.run_dir, self.cfg, self.seed = Path(run_dir), coordinator_cfg, seed
+        self.weights = {d.name: d.weight for d in domains}
+        self.group_size, self.batch_groups = learner_cfg.group_size, learner_cfg.batch_groups
+        self.max_staleness, self.max_steps = learner_cfg.max_staleness, learner_cfg.max_steps
+
+    def __call__(self) -> str:
+        from hpcrl.jobs.transport import Node
+        from hpcrl.rl.coordinator import Coordinator
+
+        stop = _start(self.run_dir, "coordinator", "coordinator")
+        coord = Coordinator(self.run_dir, self.weights, self.group_size, self.batch_groups, self.max_staleness,
+                            self.max_steps, self.seed, self.cfg)
+        with Node(self.run_dir, "coordinator") as node:
+            coord.serve(node, stop)
+        return "stopped"
+
+
+class LearnerComponent(submitit.helpers.Checkpointable):
+    """The DeepSpeed ZeRO-3 learner; one task per rank (slurm.learner.tasks_per_node x nodes)."""
+
+    def __init__(self, run_dir, learner_cfg, policy_cfg, seed: int, torch_threads: int = 1):
+        self.run_dir, self.cfg, self.policy, self.seed = Path(run_dir), learner_cfg, policy_cfg, seed
+        self.torch_threads = torch_threads
+
+    def __call__(self) -> int:
+        from hpcrl.rl.learner_service import run_learner
+
+        try:
+            # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from submitit (local or Slurm).
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        except RuntimeError:
+            pass  # not inside a submitit job (run by hand): rl/distenv.py finds the ranks itself
+        rank = os.environ.get("RANK", "0")
+        stop = _start(self.run_dir, f"learner-{rank}", "learner")
+        _threads(self.torch_threads)
+        return run_learner(self.run_dir, self.cfg, self.policy, self.seed, stop)
+
+
+class GeneratorComponent(submitit.helpers.Checkpointable):
+    def __init__(self, run_dir, name: str, generator_cfg, policy_cfg, domains, sandbox_services, seed: int,
+                 search_path=(), sandbox_slots: int = 0, torch_threads: int = 1):
+        self.run_dir, self.name, self.cfg, self.policy = Path(run_dir), name, generator_cfg, policy_cfg
+        self.domains, self.sandbox_services, self.seed = tuple(domains), tuple(sandbox_services), seed
+        self.search_path, self.sandbox_slots, self.torch_threads = tuple(search_path), sandbox_slots, torch_threads
+
+    def __call__(self) -> dict:
+        from hpcrl.jobs.transport import Node
+        from hpcrl.jobs.transport_traj import TrajectorySender
+        from hpcrl.rl.domains import load_domains
+        from hpcrl.rl.generator import Generator
+        from hpcrl.rl.meter import BusyMeter
+        from hpcrl.rl.policy import Policy
+        from hpcrl.rl.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
+        from hpcrl.rl.weights import WeightStore
+
+        stop = _start(self.run_dir, self.name, "generator")
+        _threads(self.torch_threads)
+        domains = load_domains(self.domains, self.search_path)
+        policy = Policy.load(self.policy, seed=self.seed)
+        with Node(self.run_dir, self.name) as node:
+            judge = ThreadLocalJudge(node, self.sandbox_services) if any(d.needs_executor for d in domains.values()) else None
+            gen = Generator(self.cfg, policy, domains, run=self.run_dir.name, name=self.name, seed=self.seed,
+                            executor=judge, weights=AnnouncedWeights(WeightStore(self.run_dir), node))
+            busy, sandbox = BusyMeter(), BusyMeter()
+
+            def stats() -> dict:
+                s = gen.stats
+                # sandbox_s_rate: sandbox seconds per second (> 1 with several slots busy).
+                return {"busy_fraction": busy.fraction(s.busy_s), "sandbox_s_rate": sandbox.rate(s.sandbox_s),
+                        "sandbox_slots": self.sandbox_slots, "trajectories": s.trajectories, "steps": s.steps,
+                        "failed": s.failed, "version": gen.version, "in_flight": len(gen.episodes),
+                        "busy_s": s.busy_s, "wall_s": s.wall_s, "source_s": s.source_s, "weights_s": s.weights_s,
+                        "batches": s.batches, "batch_rows": s.batch_rows,
+                        "reward_mean": s.reward_sum / max(s.trajectories, 1)}
+
+            source = RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats)
+            try:
+                gen.run(source, source.sink, stop=lambda: stop.is_set() or source.should_stop())
+                source.release(gen.in_flight())  # unfinished episodes go back to the coordinator at once
+                gen.close()
+                source.finish(timeout_s=60.0)
+            finally:
+                source.close()
+            # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
+            return {"stopped_by": "coordinator" if source.should_stop() else "signal",
+                    "trajectories": gen.stats.trajectories, "busy_fraction": gen.stats.busy_fraction}

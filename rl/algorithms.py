@@ -1,0 +1,125 @@
+"""Policy-gradient losses by name: GRPO-style clipped group-relative loss, and truncated-IS REINFORCE.
+
+    algo = make_algorithm(cfg.learner.algorithm)            # ALGORITHMS.get(name)(cfg)
+    adv = algo.advantages(rewards, group_index)             # one value per trajectory
+    loss_sum, stats = algo.token_loss(logprobs, batch)      # summed over the batch's action tokens
+
+Samples come from generators that may run a few policy versions behind the learner, so every
+action token carries the log-probability its *behaviour* policy gave it. The ratio
+r = pi_theta(a) / mu(a) = exp(logprob_now - logprob_behaviour) corrects for that staleness:
+
+* `grpo`: per token -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), the PPO surrogate with
+  the behaviour policy as the old policy (as in asynchronous GRPO); a separate upper bound
+  `max_ratio` caps r for negative advantages too, where the PPO min() would let a very stale
+  token's weight grow without bound.
+* `reinforce`: -min(r, max_ratio) A log pi_theta(a) with the weight held constant (truncated
+  importance sampling), no trust region.
+
+Advantages are group-relative: each trajectory's reward minus the mean of its group (the
+episodes of one task instance), divided by the group's standard deviation when
+`normalize_std` is on. Losses are *sums*; the learner divides by the global action-token count
+so ranks and micro-batches of different sizes weigh every token the same.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from hpcrl.jobs.config import AlgorithmConfig
+from hpcrl.rl.registry import Registry
+
+__all__ = ["ALGORITHMS", "Algorithm", "GRPO", "Reinforce", "TokenBatch", "make_algorithm", "group_advantages"]
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """The per-token view of a micro-batch, aligned with `token_logprobs` (length T-1).
+
+    `action_mask[b, t]` is 1 where token t+1 of row b is a trained action token;
+    `behaviour_logprobs` holds the generator's log-probabilities there (0 elsewhere);
+    `advantages[b]` is the row's advantage, shared by all its action tokens.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    action_mask: torch.Tensor  # [B, T-1] float
+    behaviour_logprobs: torch.Tensor  # [B, T-1] float
+    advantages: torch.Tensor  # [B] float
+
+    @property
+    def n_action_tokens(self) -> int:
+        return int(self.action_mask.sum().item())
+
+
+def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
+    """reward - mean(group), optionally / std(group); a group whose rewards are all equal gets 0."""
+    rewards = rewards.float()
+    n_groups = int(group_index.max().item()) + 1 if len(group_index) else 0
+    count = torch.zeros(n_groups).index_add_(0, group_index, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups).index_add_(0, group_index, rewards) / count
+    centred = rewards - mean[group_index]
+    if not normalize_std:
+        return centred
+    var = torch.zeros(n_groups).index_add_(0, group_index, centred**2) / count.clamp(min=2).sub(1)  # unbiased
+    std = var.sqrt()[group_index]
+    return torch.where(std > eps, centred / (std + eps), torch.zeros_like(centred))
+
+
+class Algorithm(abc.ABC):
+    def __init__(self, cfg: AlgorithmConfig):
+        self.cfg = cfg
+
+    def advantages(self, rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+        return group_advantages(rewards, group_index, self.cfg.normalize_std)
+
+    @abc.abstractmethod
+    def token_losses(self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        """Per-token losses [B, T-1] (masking happens in token_loss)."""
+
+    def token_loss(self, logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """(sum of per-token losses over action tokens, statistics summed over those tokens)."""
+        mask = batch.action_mask
+        # Behaviour logprobs are 0 off the action tokens; mask before exp so padding cannot overflow.
+        log_ratio = (logprobs - batch.behaviour_logprobs) * mask
+        ratio = torch.exp(log_ratio)
+        adv = batch.advantages[:, None].to(logprobs.dtype).expand_as(logprobs)
+        losses = self.token_losses(logprobs, ratio, adv)
+        loss_sum = (losses * mask).sum()
+        with torch.no_grad():
+            lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
+            clipped = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0)) | (ratio > self.cfg.max_ratio)
+            stats = {
+                "tokens": float(mask.sum()),
+                "ratio_sum": float((ratio * mask).sum()),
+                "clipped_sum": float((clipped.float() * mask).sum()),
+                # k3 estimator of KL(mu || pi), non-negative per token
+                "kl_sum": float(((ratio - 1 - log_ratio) * mask).sum()),
+            }
+        return loss_sum, stats
+
+
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
+
+
+@ALGORITHMS.register("grpo")
+class GRPO(Algorithm):
+    def token_losses(self, logprobs, ratio, adv):
+        lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+        # Dual clip: with A < 0 the min() above is unbounded in r; cap the weight at max_ratio.
+        capped = torch.where(adv < 0, torch.maximum(surrogate, self.cfg.max_ratio * adv), surrogate)
+        return -capped
+
+
+@ALGORITHMS.register("reinforce")
+class Reinforce(Algorithm):
+    def token_losses(self, logprobs, ratio, adv):
+        weight = ratio.detach().clamp(max=self.cfg.max_ratio)
+        return -(weight * adv * logprobs)
+
+
+def make_algorithm(cfg: AlgorithmConfig) -> Algorithm:
+    return ALGORITHMS.get(cfg.name)(cfg)

@@ -1,0 +1,167 @@
+"""From trajectories to training tensors: groups, staleness, token layout.
+
+    buf = GroupBuffer(group_size=8)
+    buf.add(traj)                                         # as trajectories arrive, in any order
+    groups = buf.pop(n_groups=16, version=12, max_staleness=2)   # None until 16 fresh groups are complete
+    tb = collate(trajs, advantages, pad_id)               # TokenBatch, right-padded
+
+A group is the trajectories of one task instance: same (domain, task). A group is complete
+when `group_size` of them arrived; then it is eligible if its oldest step's policy version is
+at most `max_staleness` behind the learner (older complete groups are dropped and counted).
+Groups leave in completion order, so training sees data roughly in the order it was made.
+
+One trajectory is one row: for each step its prompt, action and observation tokens, in order;
+only action tokens with loss_mask 1 are trained, each with the log-probability the generator
+recorded for it.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import torch
+
+from hpcrl.rl.algorithms import TokenBatch
+from hpcrl.rl.trajectory import Trajectory
+
+__all__ = ["GroupBuffer", "collate", "layout"]
+
+
+class GroupBuffer:
+    """Complete groups for the learner; see the module docstring. `drained()` hands out the ids
+    of trajectories dropped since the last call (stale, duplicate, or late for a closed group),
+    so the learner's audit log accounts for every trajectory it read."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+        self._open: dict[tuple[str, str], dict[int, Trajectory]] = {}
+        self._complete: collections.OrderedDict[tuple[str, str], list[Trajectory]] = collections.OrderedDict()
+        # Groups already handed out or dropped -> their newest policy version. A late copy of one
+        # of their episodes (a re-issued episode both generators finished) is dropped; entries
+        # are forgotten once anything of that age would be dropped as stale anyway.
+        self._closed: dict[tuple[str, str], int] = {}
+        self._dropped: list[str] = []
+        self.dropped_stale = 0  # trajectories
+        self.duplicates = 0
+
+    def add(self, traj: Trajectory) -> None:
+        key = (traj.domain, traj.task)
+        if key in self._closed:
+            self._drop([traj], stale=False)
+            return
+        group = self._open.setdefault(key, {})
+        if traj.episode in group:
+            self._drop([traj], stale=False)  # the same episode from two generators: keep the first
+            return
+        group[traj.episode] = traj
+        if len(group) == self.group_size:
+            self._complete[key] = list(self._open.pop(key).values())
+
+    def _drop(self, trajs, stale: bool) -> None:
+        if stale:
+            self.dropped_stale += len(trajs)
+        else:
+            self.duplicates += len(trajs)
+        self._dropped.extend(t.id for t in trajs)
+
+    def _close(self, key, trajs) -> None:
+        self._closed[key] = max(t.max_policy_version for t in trajs)
+
+    def pop(self, n_groups: int, version: int, max_staleness: int) -> list[list[Trajectory]] | None:
+        """The first n_groups eligible complete groups, or None (nothing removed) if fewer exist.
+        Groups too stale to be trained, complete or not, are dropped on the way."""
+        def stale(trajs) -> bool:
+            return version - min(t.min_policy_version for t in trajs) > max_staleness
+
+        for key in [k for k, g in self._complete.items() if stale(g)]:
+            g = self._complete.pop(key)
+            self._close(key, g)
+            self._drop(g, stale=True)
+        # An open group whose oldest member is already too stale can never be trained.
+        for key in [k for k, g in self._open.items() if stale(g.values())]:
+            g = list(self._open.pop(key).values())
+            self._close(key, g)
+            self._drop(g, stale=True)
+        horizon = version - max_staleness - 1
+        self._closed = {k: v for k, v in self._closed.items() if v >= horizon}
+        if len(self._complete) < n_groups:
+            return None
+        out = [self._complete.popitem(last=False) for _ in range(n_groups)]
+        for key, g in out:
+            self._close(key, g)
+        return [g for _, g in out]
+
+    def drained(self) -> list[str]:
+        """Ids dropped since the last call."""
+        out, self._dropped = self._dropped, []
+        return out
+
+    @property
+    def complete_groups(self) -> int:
+        return len(self._complete)
+
+    @property
+    def open_trajectories(self) -> int:
+        return sum(len(g) for g in self._open.values())
+
+    def state_dict(self) -> dict:
+        """Everything buffered (as Trajectory.to_dict records) and the closed groups: saved with
+        the learner's checkpoint, so a restart neither loses nor repeats a buffered trajectory."""
+        return {
+            "open": [t.to_dict() for g in self._open.values() for t in g.values()],
+            "complete": [t.to_dict() for g in self._complete.values() for t in g],
+            "closed": [[d, t, v] for (d, t), v in self._closed.items()],
+            "dropped": list(self._dropped),
+            "counters": [self.dropped_stale, self.duplicates],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self._closed = {(d, t): int(v) for d, t, v in state["closed"]}
+        for rec in state["complete"] + state["open"]:
+            traj = Trajectory.from_dict(rec)
+            key = (traj.domain, traj.task)
+            self._open.setdefault(key, {})[traj.episode] = traj
+            if len(self._open[key]) == self.group_size:
+                self._complete[key] = list(self._open.pop(key).values())
+        self._dropped = list(state["dropped"])
+        self.dropped_stale, self.duplicates = state["counters"]
+
+
+def layout(traj: Trajectory) -> tuple[list[int], list[float], list[float]]:
+    """(token ids, action mask [T-1], behaviour logprobs [T-1]) of one trajectory, aligned so that
+    index t of the last two describes token t+1."""
+    ids: list[int] = []
+    mask: list[float] = []
+    behav: list[float] = []
+    for s in traj.steps:
+        for part, is_action in ((s.prompt_tokens, False), (s.action_tokens, True), (s.observation_tokens, False)):
+            if not len(part):
+                continue
+            ids.extend(part.tolist())
+            if is_action:
+                mask.extend(s.loss_mask.astype(float).tolist())
+                behav.extend(s.action_logprobs.astype(float).tolist())
+            else:
+                mask.extend([0.0] * len(part))
+                behav.extend([0.0] * len(part))
+    # Token 0 is never predicted: drop its slot so the arrays line up with token_logprobs.
+    return ids, mask[1:], behav[1:]
+
+
+def collate(trajs: Sequence[Trajectory], advantages: torch.Tensor, pad_id: int) -> TokenBatch:
+    rows = [layout(t) for t in trajs]
+    width = max(len(ids) for ids, _, _ in rows)
+    n = len(rows)
+    ids_t = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    mask_t = torch.zeros((n, width - 1))
+    behav_t = torch.zeros((n, width - 1))
+    for i, (ids, mask, behav) in enumerate(rows):
+        ids_t[i, : len(ids)] = torch.as_tensor(ids)
+        attn[i, : len(ids)] = 1
+        mask_t[i, : len(mask)] = torch.as_tensor(mask)
+        behav_t[i, : len(behav)] = torch.as_tensor(behav)
+    return TokenBatch(ids_t, attn, mask_t, behav_t, advantages.float())

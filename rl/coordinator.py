@@ -1,0 +1,280 @@
+"""The coordinator: hands out episodes across domains, leases them, watches the run, writes its record.
+
+    coord = Coordinator(run_dir, weights={"arith/copy": 1.0}, group_size=8, batch_groups=32,
+                        max_staleness=2, max_steps=300, seed=0, cfg=cfg.coordinator)
+    coord.serve(stop_event)        # RequestServer "coordinator" over the run's CURVE transport
+
+Requests (transport envelopes; body -> reply body):
+
+    sync     {generator, want, done: [episode], failed: [[episode, reason]], released: [episode], stats}
+             -> {tickets: [[domain, task_index, episode, group, attempt]], stop, version}
+    learner  {step, version, reward, ..., trained_groups, dropped_groups}  -> {stop}
+    progress {trained_groups, dropped_groups}   -> {}   (the learner consumed data without a step)
+    stop     {}  -> {}           (the run is over: generators are told to stop)
+
+Episodes are leased to the generator that took them; each sync renews that generator's leases.
+A generator silent for `lease_s` is presumed gone and its episodes are issued again (same
+episode number, attempt + 1), first in line; so are episodes a generator reports failed (a
+sandbox that vanished mid-step), up to `max_attempts`. Duplicates from a generator that was
+only slow are dropped downstream by episode number. Groups are issued only while fewer than
+`max(1, max_staleness) x batch_groups` are outstanding beyond what the learner consumed:
+generators never run so far ahead that their work would arrive too stale to train.
+
+Files in the run directory: `status.json` (rewritten every `status_every_s`: step, reward,
+trajectories/s, busy fraction per role, leases, generators), `metrics.jsonl` (one line per
+learner step, with the coordinator's throughput at that moment) and `coordinator/state.json`
+(sampler position and outstanding episodes, so a restarted coordinator issues no task twice
+and re-issues what was in flight).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from hpcrl.jobs.config import CoordinatorConfig
+from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
+
+__all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
+
+log = logging.getLogger("hpcrl.coordinator")
+STATUS_NAME = "status.json"
+METRICS_NAME = "metrics.jsonl"
+
+
+@dataclass
+class _Lease:
+    ticket: EpisodeTicket
+    generator: str
+    renewed: float
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def read_status(run_dir: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / STATUS_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+class Coordinator:
+    def __init__(self, run_dir: str | os.PathLike, weights: Mapping[str, float], group_size: int, batch_groups: int,
+                 max_staleness: int, max_steps: int, seed: int, cfg: CoordinatorConfig):
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.sampler = TaskSampler(weights, group_size, seed)
+        self.group_size, self.batch_groups, self.max_steps = group_size, batch_groups, max_steps
+        self.max_ahead = cfg.max_groups_ahead or max(1, max_staleness) * batch_groups
+        self.queue: collections.deque[EpisodeTicket] = collections.deque()  # issued next, re-issues first
+        self.leases: dict[int, _Lease] = {}
+        self.generators: dict[str, dict] = {}
+        self.learner: dict = {}
+        self.counts = collections.Counter()
+        self.done_by_domain = collections.Counter()
+        self.groups_issued = 0
+        self.abandoned_groups: set[int] = set()  # will never complete: no longer count as outstanding
+        self.stopping = False
+        self.stop_requested = False  # by `hpcrl run` (the end, Ctrl-C), as opposed to max_steps reached
+        self.started = time.time()
+        self._done_times: collections.deque[float] = collections.deque()
+        self._last_status = 0.0
+        self._lock = threading.Lock()
+        (self.run_dir / "coordinator").mkdir(parents=True, exist_ok=True)
+        self._restore()
+
+    # -- persistence -----------------------------------------------------------------------
+
+    @property
+    def _state_path(self) -> Path:
+        return self.run_dir / "coordinator" / "state.json"
+
+    def _save(self) -> None:
+        outstanding = [list(_ticket_row(t)) for t in self.queue] + [list(_ticket_row(l.ticket)) for l in self.leases.values()]
+        _atomic_json(self._state_path, {"sampler": self.sampler.state(), "outstanding": outstanding,
+                                        "groups_issued": self.groups_issued, "counts": dict(self.counts),
+                                        "abandoned_groups": sorted(self.abandoned_groups)})
+
+    def _restore(self) -> None:
+        try:
+            state = json.loads(self._state_path.read_text())
+        except FileNotFoundError:
+            return
+        self.sampler.restore(state["sampler"])
+        self.groups_issued = int(state["groups_issued"])
+        self.counts.update(state.get("counts", {}))
+        self.abandoned_groups = set(state.get("abandoned_groups", []))
+        # Whatever was queued or in flight when the old coordinator died is issued again.
+        for row in state["outstanding"]:
+            d, idx, ep, grp, att = row
+            self.queue.append(EpisodeTicket(d, int(idx), int(ep), int(grp), int(att) + 1))
+        self.counts["reissued"] += len(state["outstanding"])
+        log.info("coordinator resumed: %d episodes re-issued, %d groups issued before", len(self.queue), self.groups_issued)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def handle(self, kind: str, body: Any) -> dict:
+        with self._lock:
+            if kind == "sync":
+                return self._sync(body)
+            if kind == "learner":
+                return self._learner(body)
+            if kind == "progress":
+                self.learner.update(trained_groups=body["trained_groups"], dropped_groups=body["dropped_groups"])
+                return {}
+            if kind == "stop":
+                self.stopping = self.stop_requested = True
+                self.write_status()
+                return {}
+            raise ValueError(f"unknown request {kind!r}; known: sync, learner, progress, stop")
+
+    def _sync(self, body: dict) -> dict:
+        name = str(body["generator"])
+        now = time.monotonic()
+        gen = self.generators.setdefault(name, {"first_seen": time.time()})
+        gen.update(last_seen=time.time(), stats=body.get("stats", {}), lost=False)
+        for ep in body.get("done", []):
+            lease = self.leases.pop(int(ep), None)
+            if lease is not None:
+                self.counts["completed"] += 1
+                self.done_by_domain[lease.ticket.domain] += 1
+                self._done_times.append(now)
+        for ep, reason in body.get("failed", []):
+            lease = self.leases.pop(int(ep), None)
+            if lease is None:
+                continue
+            self.counts["failed"] += 1
+            t = lease.ticket
+            if t.attempt + 1 >= self.cfg.max_attempts:
+                self.counts["abandoned"] += 1
+                self.abandoned_groups.add(t.group)
+                log.warning("episode %d (%s task %d) abandoned after %d attempts: %s", t.episode, t.domain,
+                            t.task_index, t.attempt + 1, reason)
+            else:
+                self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
+                self.counts["reissued"] += 1
+        for ep in body.get("released", []):
+            lease = self.leases.pop(int(ep), None)
+            if lease is not None:
+                self.queue.appendleft(lease.ticket)
+                self.counts["released"] += 1
+        for lease in self.leases.values():
+            if lease.generator == name:
+                lease.renewed = now
+        tickets = [] if self.stopping else self._issue(name, int(body.get("want", 0)), now)
+        return {"tickets": [list(_ticket_row(t)) for t in tickets], "stop": self.stopping,
+                "version": self.learner.get("version")}
+
+    def _issue(self, generator: str, want: int, now: float) -> list[EpisodeTicket]:
+        consumed = (int(self.learner.get("trained_groups", 0)) + int(self.learner.get("dropped_groups", 0))
+                    + len(self.abandoned_groups))
+        while len(self.queue) < want and self.groups_issued - consumed < self.max_ahead:
+            self.queue.extend(self.sampler.next_group())
+            self.groups_issued += 1
+        out = []
+        while self.queue and len(out) < want:
+            t = self.queue.popleft()
+            self.leases[t.episode] = _Lease(t, generator, now)
+            out.append(t)
+        self.counts["issued"] += len(out)
+        return out
+
+    def _learner(self, body: dict) -> dict:
+        self.learner = dict(body, reported_at=time.time())
+        row = {**body, "time": time.time(), "elapsed_s": time.time() - self.started, **self.throughput()}
+        with open(self.run_dir / METRICS_NAME, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        # A learner that restarted from an earlier checkpoint after reaching max_steps needs data again.
+        self.stopping = self.stop_requested or int(body.get("step", 0)) >= self.max_steps
+        return {"stop": self.stopping}
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Re-issue the episodes of generators silent for lease_s; returns how many."""
+        with self._lock:
+            now = time.monotonic()
+            dead = [ep for ep, l in self.leases.items() if now - l.renewed > self.cfg.lease_s]
+            for ep in dead:
+                lease = self.leases.pop(ep)
+                t = lease.ticket
+                self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
+                if lease.generator in self.generators:
+                    self.generators[lease.generator]["lost"] = True
+            if dead:
+                self.counts["reissued"] += len(dead)
+                log.warning("re-issuing %d episodes of silent generators", len(dead))
+            return len(dead)
+
+    def throughput(self) -> dict:
+        now = time.monotonic()
+        window = self.cfg.status_window_s
+        while self._done_times and now - self._done_times[0] > window:
+            self._done_times.popleft()
+        elapsed = min(window, time.time() - self.started) or 1.0
+        gens = [g.get("stats", {}) for g in self.generators.values() if not g.get("lost")]
+        busy_gen = sum(s.get("busy_fraction", 0.0) for s in gens) / len(gens) if gens else 0.0
+        sandbox_slots = max(1, sum(int(s.get("sandbox_slots", 0)) for s in gens)) if gens else 1
+        sandbox_busy = sum(s.get("sandbox_s_rate", 0.0) for s in gens) / sandbox_slots
+        return {"traj_per_s": len(self._done_times) / elapsed,
+                "busy": {"generator": busy_gen, "learner": float(self.learner.get("busy_fraction", 0.0)),
+                         "sandbox": min(1.0, sandbox_busy)}}
+
+    def write_status(self) -> None:
+        self._last_status = time.monotonic()
+        status = {
+            "state": "stopping" if self.stopping else "running",
+            "started": self.started,
+            "updated": time.time(),
+            "learner": {k: v for k, v in self.learner.items() if k != "reward_by_domain"},
+            "reward_by_domain": self.learner.get("reward_by_domain", {}),
+            "generators": self.generators,
+            "leases": len(self.leases),
+            "queued": len(self.queue),
+            "groups_issued": self.groups_issued,
+            "counts": dict(self.counts),
+            "completed_by_domain": dict(self.done_by_domain),
+            **self.throughput(),
+        }
+        _atomic_json(self.run_dir / STATUS_NAME, status)
+
+    def tick(self) -> None:
+        self.expire()
+        if time.monotonic() - self._last_status >= self.cfg.status_every_s:
+            with self._lock:
+                self.write_status()
+                self._save()
+
+    def serve(self, node, stop: threading.Event) -> None:
+        """Answer requests until `stop` is set; status and state are written on the way out too."""
+        from hpcrl.jobs.transport_rpc import Reply, RequestServer
+
+        server = RequestServer(node, "coordinator", lambda env: Reply("ok", self.handle(env.kind, env.body)))
+        try:
+            while not stop.is_set():
+                server.poll_once(0.1)
+                self.tick()
+        finally:
+            with self._lock:
+                self.write_status()
+                self._save()
+
+
+def _ticket_row(t: EpisodeTicket) -> tuple:
+    return (t.domain, t.task_index, t.episode, t.group, t.attempt)
+
+
+def ticket_from_row(row) -> EpisodeTicket:
+    d, idx, ep, grp, att = row
+    return EpisodeTicket(str(d), int(idx), int(ep), int(grp), int(att))

@@ -1,0 +1,157 @@
+"""What a domain is: tasks, environments that play one episode of a task, and the action format.
+
+    domain = get_domain("arith/max2")
+    task = domain.task(17)                    # deterministic: the same index gives the same task
+    env = domain.make_env(task)               # executor=... for domains that run code
+    obs = env.reset()
+    obs, reward, done, info = env.step("8")   # StepResult, a NamedTuple
+
+Text in, text out: environments never see token ids, so one environment serves any tokenizer.
+An episode may run many steps (write code, run the tests, read the errors, fix); the generator
+feeds each observation back to the model until `done`. `info` may carry `feedback`
+(`ExecFeedback`, what a sandbox run gave) and `truncation` (why the episode stopped early).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple
+
+__all__ = ["Task", "StepResult", "ActionSpec", "Environment", "Domain", "SingleTurnEnv", "PromptDomain", "ExecFeedback"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task instance. `id` is unique within the domain for the life of a run (it carries the
+    index the coordinator handed out), so a trajectory's (domain, task) names its GRPO group."""
+
+    domain: str
+    id: str
+    prompt: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+class StepResult(NamedTuple):
+    observation: str
+    reward: float
+    done: bool
+    info: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """How long one action may be, and which strings end it early (kept in the action)."""
+
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"ActionSpec.max_tokens: must be an int >= 1 (got {self.max_tokens!r})")
+
+
+@dataclass(frozen=True)
+class ExecFeedback:
+    """What executing an action gave, in sandbox-neutral terms (see rl/domains/code.py).
+
+    `status` uses the trajectory store's sandbox vocabulary: ok, error, timeout, oom, crash.
+    """
+
+    passed: int
+    total: int
+    status: str
+    exit_code: int
+    duration_s: float
+    message: str
+
+    @property
+    def all_passed(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+
+class Environment(abc.ABC):
+    """One episode of one task. Not thread-safe; the generator drives each from one thread at a time."""
+
+    @abc.abstractmethod
+    def reset(self) -> str:
+        """Start the episode; return the first observation (the prompt the model sees)."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Apply the model's action; after done=True the episode is over."""
+
+    def close(self) -> None:
+        """Release what the episode holds (sandbox sessions); called once, also on abort."""
+
+
+class Domain(abc.ABC):
+    """A source of tasks and the environment that judges them."""
+
+    #: the full name, e.g. "arith/max2"; set by the family factory
+    name: str
+    #: the length limit and stop strings of one action
+    action: ActionSpec
+    #: True when make_env needs an executor (a sandbox)
+    needs_executor: bool = False
+
+    @abc.abstractmethod
+    def task(self, index: int) -> Task:
+        """Task number `index` (>= 0), the same on every process and every call."""
+
+    @abc.abstractmethod
+    def make_env(self, task: Task, executor: Any = None) -> Environment: ...
+
+
+class SingleTurnEnv(Environment):
+    """Prompt, one answer, a reward: done after the first step."""
+
+    def __init__(self, task: Task, reward: Callable[..., float]):
+        self.task = task
+        self._reward = reward
+        self._done = False
+
+    def reset(self) -> str:
+        self._done = False
+        return self.task.prompt
+
+    def step(self, action: str) -> StepResult:
+        if self._done:
+            raise RuntimeError(f"{self.task.domain}/{self.task.id}: step() after the episode ended; call reset()")
+        self._done = True
+        return StepResult("", float(self._reward(action, self.task, None)), True, {})
+
+
+class PromptDomain(Domain):
+    """A domain from prompts and a reward function: what a site module most often provides.
+
+        def make_domain(name):
+            return PromptDomain(name, prompts=[("2*3=", "6"), ...], reward="exact", max_tokens=4)
+
+    `prompts` is a sequence of (prompt, answer) pairs; task `index` uses pair `index % len`.
+    `reward` is a registered reward's name (rl/domains/rewards.py) or a callable
+    `reward(action, task, feedback)`; it sees the answer as `task.data["answer"]`.
+    """
+
+    def __init__(self, name: str, prompts, reward: str | Callable[..., float] = "exact", max_tokens: int = 16,
+                 stop: tuple[str, ...] = ()):
+        from hpcrl.rl.domains.rewards import REWARDS  # rewards imports this module
+
+        pairs = [tuple(p) for p in prompts]
+        if not pairs or any(len(p) != 2 or not isinstance(p[0], str) for p in pairs):
+            raise ValueError(f"PromptDomain {name!r}: prompts must be a non-empty sequence of (prompt text, answer) pairs")
+        if isinstance(reward, str):
+            reward = REWARDS.get(reward)
+        if not callable(reward):
+            raise ValueError(f"PromptDomain {name!r}: reward must be a reward name or callable as reward(action, task, feedback)")
+        self.name = name
+        self.action = ActionSpec(max_tokens, tuple(stop))
+        self._pairs = pairs
+        self._reward = reward
+
+    def task(self, index: int) -> Task:
+        prompt, answer = self._pairs[index % len(self._pairs)]
+        return Task(self.name, str(index), prompt, {"answer": answer})
+
+    def make_env(self, task: Task, executor: Any = None) -> Environment:
+        return SingleTurnEnv(task, self._reward)

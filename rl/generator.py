@@ -1,0 +1,302 @@
+"""The rollout generator: many episodes in flight, batched sampling, environments stepped beside it.
+
+    gen = Generator(cfg.generators, policy, domains, run="r1", name="gen-0", seed=0,
+                    executor=SandboxJudge(backend), weights=WeightStore(run_dir))
+    gen.run(source, sink=store.append, stop=lambda: time.time() > t_end)
+
+Each loop iteration: take newer weights if the learner announced some (between steps, never
+inside one); top the in-flight set up to `episodes_in_flight` from the task source; sample one
+action for every episode that is waiting for the model, in one batch; hand each action to its
+environment. Environments that execute code (`domain.needs_executor`) step on a thread pool, so
+the generator keeps sampling for the other episodes while one waits for the sandbox; the rest
+step inline, which is cheaper than a thread hop. A finished episode becomes a `Trajectory`
+(every step tagged with the policy version that sampled it) passed to `sink`.
+
+Tokens: the first step's prompt is bos + the task prompt; each observation is appended to the
+context, and the next step's prompt is empty (the context is prompt, action, observation, ...,
+exactly what the learner rebuilds from the steps). The trajectory's final reward is the sum of
+its step rewards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from hpcrl.jobs.config import GeneratorConfig
+from hpcrl.rl.domains import Domain, Environment, ExecFeedback, StepResult
+from hpcrl.rl.policy import Policy
+from hpcrl.rl.sampler import Sampler
+from hpcrl.rl.tasks import EpisodeTicket, TaskSource
+from hpcrl.rl.trajectory import SandboxOutcome, Step, Trajectory
+
+__all__ = ["Generator", "GeneratorStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GeneratorStats:
+    trajectories: int = 0
+    steps: int = 0
+    action_tokens: int = 0
+    failed: int = 0
+    weight_loads: int = 0
+    busy_s: float = 0.0  # sampling (the accelerator's work)
+    wall_s: float = 0.0  # inside run()
+    sandbox_s: float = 0.0  # environment steps of domains that execute code (sandbox time)
+    source_s: float = 0.0  # in the task source and sink: coordination, sending, acknowledgements
+    weights_s: float = 0.0  # checking for and loading new weights
+    batches: int = 0  # sampling calls
+    batch_rows: int = 0  # episodes sampled over all calls (rows / batches = mean batch size)
+    reward_sum: float = 0.0
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class _Episode:
+    ticket: EpisodeTicket
+    domain: Domain
+    env: Environment
+    task_id: str
+    started_at: float
+    context: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)  # this step's new context tokens
+    steps: list[Step] = field(default_factory=list)
+    pending: Any = None  # (Step fields) while the environment is stepping
+    future: cf.Future | None = None
+    ready: bool = False  # waiting for the model
+
+
+class Generator:
+    def __init__(self, cfg: GeneratorConfig, policy: Policy, domains: Mapping[str, Domain], *, run: str, name: str,
+                 seed: int, executor: Any = None, weights=None):
+        self.cfg, self.policy, self.domains = cfg, policy, dict(domains)
+        self.run_name, self.name = run, name
+        self.executor, self.weights = executor, weights
+        # With a weight store, nothing is sampled before the learner's first weights arrived
+        # (version -1 = none yet); without one (benchmarks, tests) the local weights are v0.
+        self.version = -1 if weights is not None else 0
+        self.sampler = Sampler(policy, seed)
+        self.max_context = int(getattr(policy.model.config, "max_position_embeddings", 1 << 30))
+        self.pool = cf.ThreadPoolExecutor(max_workers=cfg.env_threads, thread_name_prefix=f"{name}-env")
+        self.episodes: list[_Episode] = []
+        self.stats = GeneratorStats()
+        missing = [d for d, dom in self.domains.items() if dom.needs_executor and executor is None]
+        if missing:
+            raise ValueError(f"generator {name}: domains {missing} run code but no executor (sandbox) was given")
+
+    # -- weights -------------------------------------------------------------------------
+
+    def maybe_update_weights(self) -> bool:
+        if self.weights is None:
+            return False
+        t0 = time.perf_counter()
+        v = self.weights.load_if_newer(self.policy.model, self.version)
+        self.stats.weights_s += time.perf_counter() - t0
+        if v is None:
+            return False
+        self.version = v
+        self.stats.weight_loads += 1
+        return True
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(self, source: TaskSource, sink: Callable[[Trajectory], None], stop: Callable[[], bool] = lambda: False) -> None:
+        """Generate until `stop()` is true (checked every iteration). Episodes still in flight stay
+        for the next call; `close()` abandons them."""
+        last = time.perf_counter()
+        try:
+            while not stop():
+                self.maybe_update_weights()
+                if self.version < 0:
+                    time.sleep(0.05)  # waiting for the learner's first weights
+                elif not self._iterate(source, sink):
+                    time.sleep(0.01)  # the source had nothing for us
+                now = time.perf_counter()
+                self.stats.wall_s += now - last  # kept current: a remote source reports it while we run
+                last = now
+        finally:
+            self.stats.wall_s += time.perf_counter() - last
+
+    def _iterate(self, source: TaskSource, sink) -> bool:
+        """One round: new episodes, finished environment steps, one sampling batch. False when idle."""
+        self._fill(source)
+        self._collect(source, sink, timeout=0.0)
+        ready = [e for e in self.episodes if e.ready]
+        if ready:
+            self._act(ready, source, sink)
+        elif any(e.future is not None for e in self.episodes):
+            self._collect(source, sink, timeout=0.05)
+        return bool(self.episodes)
+
+    def _fill(self, source: TaskSource) -> None:
+        free = self.cfg.episodes_in_flight - len(self.episodes)
+        t0 = time.perf_counter()
+        tickets = source.take(max(free, 0))  # also called with 0: a remote source syncs and reports then
+        self.stats.source_s += time.perf_counter() - t0
+        for ticket in tickets:
+            domain = self.domains.get(ticket.domain)
+            if domain is None:
+                source.failed(ticket, f"generator {self.name} has no domain {ticket.domain!r}")
+                continue
+            task = domain.task(ticket.task_index)
+            try:
+                env = domain.make_env(task, self.executor) if domain.needs_executor else domain.make_env(task)
+            except Exception as exc:  # noqa: BLE001 - a broken site domain fails its episode, not the generator
+                source.failed(ticket, f"make_env: {type(exc).__name__}: {exc}")
+                continue
+            ep = _Episode(ticket, domain, env, task.id, time.time())
+            self.episodes.append(ep)
+            if domain.needs_executor:
+                ep.future = self.pool.submit(_timed, env.reset)
+            else:
+                self._apply_reset(ep, _timed(env.reset), source)
+
+    def _apply_reset(self, ep: _Episode, outcome, source: TaskSource) -> None:
+        result, _, exc = outcome
+        if exc is not None:
+            self._fail(ep, source, f"reset: {type(exc).__name__}: {exc}")
+            return
+        ids = self.policy.prompt_ids(result)
+        if len(ids) + 1 >= self.max_context:
+            self._fail(ep, source, f"prompt of {len(ids)} tokens does not fit the model's {self.max_context}-token context")
+            return
+        ep.context, ep.prompt, ep.ready = list(ids), list(ids), True
+
+    def _act(self, ready: list[_Episode], source: TaskSource, sink) -> None:
+        room = [self.max_context - len(e.context) for e in ready]
+        max_new = [min(self.cfg.max_new_tokens, e.domain.action.max_tokens, r) for e, r in zip(ready, room)]
+        t0 = time.perf_counter()
+        samples = self.sampler.sample([e.context for e in ready], max_new, [e.domain.action.stop for e in ready])
+        dt = time.perf_counter() - t0
+        self.stats.busy_s += dt
+        self.stats.batches += 1
+        self.stats.batch_rows += len(ready)
+        for ep, s in zip(ready, samples):
+            ep.ready = False
+            self.stats.action_tokens += len(s.tokens)
+            ep.pending = (self.version, ep.prompt, s, dt)
+            ep.context.extend(s.tokens)
+            if ep.domain.needs_executor:
+                ep.future = self.pool.submit(_timed, ep.env.step, s.text)
+            else:
+                self._apply_step(ep, _timed(ep.env.step, s.text), source, sink)
+
+    def _collect(self, source: TaskSource, sink, timeout: float) -> None:
+        futures = {e.future: e for e in self.episodes if e.future is not None}
+        if not futures:
+            return
+        done, _ = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        for fut in done:
+            ep = futures[fut]
+            ep.future = None
+            if ep.pending is None:
+                self._apply_reset(ep, fut.result(), source)
+            else:
+                self._apply_step(ep, fut.result(), source, sink)
+
+    def _apply_step(self, ep: _Episode, outcome, source: TaskSource, sink) -> None:
+        result, env_s, exc = outcome
+        version, prompt, sample, gen_s = ep.pending
+        ep.pending = None
+        if exc is not None:
+            self._fail(ep, source, f"step {len(ep.steps) + 1}: {type(exc).__name__}: {exc}")
+            return
+        if not isinstance(result, StepResult):
+            result = StepResult(*result)  # a plain 4-tuple from a site environment
+        obs_ids = self.policy.encode(result.observation) if result.observation and not result.done else []
+        fb = result.info.get("feedback") if result.info else None
+        n = len(sample.tokens)
+        ep.steps.append(Step(
+            policy_version=version,
+            prompt_tokens=np.asarray(prompt, np.int32),
+            action_tokens=np.asarray(sample.tokens, np.int32),
+            action_logprobs=np.asarray(sample.logprobs, np.float32),
+            loss_mask=np.ones(n, np.uint8),
+            observation_tokens=np.asarray(obs_ids, np.int32),
+            reward=float(result.reward),
+            sandbox=_outcome(fb),
+            generate_s=gen_s,
+            env_s=env_s,
+        ))
+        self.stats.steps += 1
+        if ep.domain.needs_executor:
+            self.stats.sandbox_s += env_s
+        ep.context.extend(obs_ids)
+        ep.prompt = []
+        truncation = str(result.info.get("truncation", "none")) if result.info else "none"
+        if not result.done:
+            if len(ep.steps) >= self.cfg.max_turns:
+                result, truncation = result._replace(done=True), "max_steps"
+            elif len(ep.context) + 1 >= self.max_context:
+                result, truncation = result._replace(done=True), "max_tokens"
+        if result.done:
+            self._finish(ep, truncation, source, sink)
+        else:
+            ep.ready = True
+
+    def _finish(self, ep: _Episode, truncation: str, source: TaskSource, sink) -> None:
+        self.episodes.remove(ep)
+        _close(ep.env)
+        reward = float(sum(s.reward for s in ep.steps))
+        traj = Trajectory(
+            run=self.run_name, domain=ep.ticket.domain, task=ep.task_id,
+            episode=ep.ticket.episode, generator=self.name, steps=tuple(ep.steps), final_reward=reward,
+            truncation=truncation, started_at=ep.started_at, finished_at=time.time(),
+        )
+        self.stats.trajectories += 1
+        self.stats.reward_sum += reward
+        t0 = time.perf_counter()
+        sink(traj)
+        source.done(ep.ticket)
+        self.stats.source_s += time.perf_counter() - t0
+
+    def _fail(self, ep: _Episode, source: TaskSource, reason: str) -> None:
+        self.episodes.remove(ep)
+        _close(ep.env)
+        self.stats.failed += 1
+        log.warning("generator %s: episode %d (%s) failed: %s", self.name, ep.ticket.episode, ep.ticket.domain, reason)
+        source.failed(ep.ticket, reason)
+
+    def close(self) -> None:
+        """Abandon the episodes in flight (their tickets are not reported) and stop the threads."""
+        for ep in list(self.episodes):
+            if ep.future is not None:
+                ep.future.cancel()
+            _close(ep.env)
+        self.episodes.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def in_flight(self) -> list[EpisodeTicket]:
+        return [e.ticket for e in self.episodes]
+
+
+def _timed(fn, *args):
+    """(result, seconds, exception): run on the pool, so errors come back as values."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args), time.perf_counter() - t0, None
+    except Exception as exc:  # noqa: BLE001 - reported per episode by the caller
+        return None, time.perf_counter() - t0, exc
+
+
+def _outcome(fb: Any) -> SandboxOutcome:
+    if isinstance(fb, ExecFeedback):
+        return SandboxOutcome(fb.status, fb.exit_code, fb.duration_s)
+    return SandboxOutcome()
+
+
+def _close(env: Environment) -> None:
+    try:
+        env.close()
+    except Exception as exc:  # noqa: BLE001 - cleanup must not take the generator down
+        log.warning("environment close failed: %s", exc)

@@ -1,0 +1,112 @@
+"""Generator and learner in one process, taking turns: the synchronous reference loop.
+
+    python -m hpcrl.rl.inprocess config.yaml [KEY=VALUE ...] --run-dir /tmp/r1 [--metrics m.jsonl]
+
+The generator runs until the buffer holds one batch of fresh groups, the learner takes an
+optimizer step and publishes the weights, the generator picks them up, and so on: on-policy,
+with the same Generator, Learner (one-rank DeepSpeed ZeRO-3), weight files and domains as the
+distributed run, minus processes and sockets. Useful to debug a domain or an algorithm, and as
+the learning test's loop. Code domains get a local sandbox backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from hpcrl.jobs.config import Config, load_config
+from hpcrl.rl.batch import GroupBuffer
+from hpcrl.rl.domains import SandboxJudge, load_domains
+from hpcrl.rl.generator import Generator
+from hpcrl.rl.learner import Learner
+from hpcrl.rl.policy import Policy
+from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.weights import WeightStore
+
+__all__ = ["train_in_process"]
+
+
+def train_in_process(cfg: Config, run_dir: str | Path, on_step: Callable[[dict], None] = lambda m: None,
+                     stop_at_reward: float | None = None) -> list[dict]:
+    """Train up to cfg.learner.max_steps optimizer steps (resuming from the run dir's newest
+    checkpoint, if any), or until a step's mean reward reaches `stop_at_reward`; return each
+    step's metrics. Episodes in flight at a crash are not saved: a resumed loop samples new ones."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = cfg.experiment.seed
+    learner = Learner(cfg.learner, cfg.policy, run_dir, seed=seed)
+    resumed = learner.setup()
+    domains = load_domains(cfg.domains)
+    executor = None
+    if any(d.needs_executor for d in domains.values()):
+        from hpcrl.sandbox.backend import make_backend
+
+        executor = SandboxJudge(make_backend(cfg.sandbox))
+    policy = Policy.load(cfg.policy, seed=seed)
+    gen = Generator(cfg.generators, policy, domains, run=run_dir.name or "run", name="gen-0", seed=seed,
+                    executor=executor, weights=WeightStore(run_dir, keep=cfg.learner.keep_weights))
+    sampler = TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, seed)
+    if "sampler" in resumed:
+        sampler.restore(resumed["sampler"])  # new task instances, not the ones before the checkpoint
+    source = LocalTaskSource(sampler)
+    buffer = GroupBuffer(cfg.learner.group_size)
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    try:
+        while learner.step < cfg.learner.max_steps:
+            batch: list = []
+
+            def ready() -> bool:
+                got = buffer.pop(cfg.learner.batch_groups, learner.version, cfg.learner.max_staleness)
+                if got is not None:
+                    batch.extend(got)
+                return got is not None
+
+            gen.run(source, buffer.add, stop=ready)
+            m = learner.train_step(batch)
+            m["elapsed_s"] = time.perf_counter() - t0
+            m["generator_busy"] = gen.stats.busy_fraction
+            history.append(m)
+            on_step(m)
+            if learner.step % cfg.learner.checkpoint_every == 0:
+                learner.checkpoint({"sampler": sampler.state()})
+            if stop_at_reward is not None and m["reward"] >= stop_at_reward:
+                break
+    finally:
+        gen.close()
+        learner.close()
+    return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpcrl.rl.inprocess", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="experiment YAML, e.g. config.yaml")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    ap.add_argument("--run-dir", required=True, help="folder for weights and checkpoints (created)")
+    ap.add_argument("--metrics", help="append one JSON line of metrics per step here")
+    ap.add_argument("--stop-at-reward", type=float, help="stop once a step's mean reward reaches this")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    out = open(args.metrics, "a") if args.metrics else None
+
+    def report(m: dict) -> None:
+        print(f"step {m['step']:4d}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
+              f"clip {m['clip_fraction']:.3f}  {m['elapsed_s']:.1f} s", flush=True)
+        if out:
+            out.write(json.dumps(m) + "\n")
+            out.flush()
+
+    try:
+        train_in_process(cfg, args.run_dir, report, args.stop_at_reward)
+    finally:
+        if out:
+            out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The learner: a DeepSpeed ZeRO-3 engine over the policy, trained on groups of trajectories.
+
+    learner = Learner(cfg.learner, cfg.policy, run_dir, seed=cfg.experiment.seed)
+    extra = learner.setup()          # join the process group, build, resume if a checkpoint exists
+    stats = learner.train_step(groups)   # every rank passes the same groups; each trains its share
+    learner.publish()                # gather the ZeRO-3 shards, write weights v<version> for generators
+    learner.checkpoint({"store_cursor": ...})   # model + optimizer + your state, every rank
+    learner.close()
+
+Run it as one process per rank: torchrun/deepspeed launchers, srun (SLURM_PROCID...), mpirun,
+or plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; see rl/distenv.py. On CPU the backend is gloo
+(DS_ACCELERATOR=cpu), on GPUs NCCL (`learner.dist_backend: auto`).
+
+Versions: `step` counts optimizer steps (restored from the checkpoint); `version` numbers the
+published policies and only ever grows, also across a restart: a learner resumed from step 40
+whose predecessor had already published version 43 publishes its weights as 44, so generators
+(which only take newer versions) switch to the resumed policy at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from hpcrl.jobs.config import LearnerConfig, PolicyConfig
+from hpcrl.rl.algorithms import make_algorithm
+from hpcrl.rl.batch import collate
+from hpcrl.rl.distenv import DistEnv, resolve_dist_env
+from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device, token_logprobs
+from hpcrl.rl.trajectory import Trajectory
+from hpcrl.rl.weights import WeightStore
+
+__all__ = ["Learner", "deepspeed_config", "import_deepspeed"]
+
+_GATHER_NUMEL = 1 << 26  # gather at most ~64M parameters at once when publishing
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed for `device`, with the CPU settings that avoid minute-long JIT builds."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    # Its shared-memory collective op compiles ~50 s on first use and gloo does not need it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed calls collectives torch has renamed; one warning per call drowns the logs.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+    return deepspeed
+
+
+def deepspeed_config(cfg: LearnerConfig, policy: PolicyConfig, micro_steps: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": micro_steps,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {
+            "stage": 3,
+            # Tiny models would otherwise stay unpartitioned without a word.
+            "stage3_param_persistence_threshold": 0,
+            "contiguous_gradients": True,
+            "overlap_comm": False,
+        },
+        "bf16": {"enabled": policy.dtype == "bfloat16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, policy: PolicyConfig, run_dir: str | os.PathLike, seed: int,
+                 dist: DistEnv | None = None):
+        self.cfg, self.policy_cfg = cfg, policy
+        self.run_dir = Path(run_dir)
+        self.seed = seed
+        self.dist = dist
+        self.algorithm = make_algorithm(cfg.algorithm)
+        self.weights = WeightStore(self.run_dir, keep=cfg.keep_weights)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.engine = None
+        self.step = 0
+        self.version = 0
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def setup(self) -> dict[str, Any]:
+        """Join the process group, build the engine, resume from the newest checkpoint if any.
+        Returns the `extra` state saved with that checkpoint ({} on a fresh start)."""
+        self.device = resolve_device(self.policy_cfg.device)
+        ds = self.ds = import_deepspeed(self.device)
+        self.dist = self.dist or resolve_dist_env(str(self.run_dir.resolve()))
+        self.dist.export()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.dist.local_rank)
+        backend = self.cfg.dist_backend if self.cfg.dist_backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        self.rank, self.world = self.dist.rank, self.dist.world_size
+
+        batch = self.cfg.batch_groups * self.cfg.group_size
+        per_rank = math.ceil(batch / self.world)
+        self.micro_steps = math.ceil(per_rank / self.cfg.micro_batch)
+        config = deepspeed_config(self.cfg, self.policy_cfg, self.micro_steps)
+        self.tokenizer = load_tokenizer(self.policy_cfg)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        if self.policy_cfg.path is not None:
+            # Keeps transformers' ZeRO-3 integration on, so from_pretrained loads straight into shards.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds = HfDeepSpeedConfig(config)
+        # Same seed on every rank: ZeRO-3 partitions one identical model.
+        model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.engine, *_ = ds.initialize(model=model, optimizer=opt, config=config)
+
+        extra: dict[str, Any] = {}
+        if (self.ckpt_dir / "latest").exists():
+            _, client = self.engine.load_checkpoint(str(self.ckpt_dir))
+            self.step = int(client["step"])
+            extra = dict(client.get("extra") or {})
+            announced = self.weights.latest()
+            self.version = max(int(client["version"]), announced[0] if announced else 0) + 1
+        self.publish()
+        return extra
+
+    # -- training ------------------------------------------------------------------------
+
+    def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, Any]:
+        """One optimizer step on `groups` (batch_groups groups of group_size). Every rank must
+        call it with the same groups; rank r trains rows r, r + world, ..."""
+        t0 = time.perf_counter()
+        trajs = [t for g in groups for t in g]
+        expected = self.cfg.batch_groups * self.cfg.group_size
+        if len(trajs) != expected:
+            raise ValueError(f"train_step: got {len(trajs)} trajectories, the configured batch is "
+                             f"batch_groups x group_size = {expected}")
+        rewards = torch.tensor([t.final_reward for t in trajs])
+        gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+        adv = self.algorithm.advantages(rewards, gidx)
+
+        mine = list(range(self.rank, len(trajs), self.world))
+        # Longest first in each micro-batch keeps padding low; the chunk count is the same on
+        # every rank, because each forward pass gathers ZeRO-3 shards collectively.
+        mine.sort(key=lambda i: -trajs[i].n_tokens)
+        chunks = [mine[i::self.micro_steps] for i in range(self.micro_steps)]
+        local_tokens = sum(sum(s.loss_mask.sum() for s in trajs[i].steps) for i in mine)
+        total = torch.tensor([float(local_tokens)])
+        torch.distributed.all_reduce(total)
+        total_tokens = max(float(total.item()), 1.0)
+
+        stats: dict[str, float] = defaultdict(float)
+        self.engine.train()
+        for chunk in chunks:
+            loss_sum, st = self._micro_step(chunk, trajs, adv)
+            # DeepSpeed averages gradients over ranks: scale so the result is the mean over all
+            # action tokens of the whole batch, whatever each rank and micro-batch holds.
+            loss = loss_sum * (self.world / total_tokens)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
+            for k, v in st.items():
+                stats[k] += v
+            stats["loss_sum"] += float(loss_sum.detach())
+        self.step += 1
+        self.version += 1
+        summed = torch.tensor([stats["loss_sum"], stats["ratio_sum"], stats["clipped_sum"], stats["kl_sum"], stats["tokens"]])
+        torch.distributed.all_reduce(summed)
+        loss_s, ratio_s, clip_s, kl_s, tok = summed.tolist()
+        by_domain: dict[str, list[float]] = defaultdict(list)
+        for t in trajs:
+            by_domain[t.domain].append(t.final_reward)
+        grad_norm = self.engine.get_global_grad_norm()
+        out = {
+            "step": self.step,
+            "version": self.version,
+            "loss": loss_s / max(tok, 1.0),
+            "reward": float(rewards.mean()),
+            "reward_by_domain": {d: sum(v) / len(v) for d, v in by_domain.items()},
+            "ratio_mean": ratio_s / max(tok, 1.0),
+            "clip_fraction": clip_s / max(tok, 1.0),
+            "kl": kl_s / max(tok, 1.0),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "action_tokens": int(tok),
+            "staleness_max": max(self.version - 1 - t.min_policy_version for t in trajs),
+            "step_s": time.perf_counter() - t0,
+        }
+        if self.step % self.cfg.publish_every == 0:
+            self.publish()
+        return out
+
+    def _micro_step(self, chunk: list[int], trajs: Sequence[Trajectory], adv: torch.Tensor):
+        if not chunk:
+            # This rank has fewer rows than another: run a masked dummy row anyway, so the
+            # collective parameter gathers inside forward stay in step across ranks.
+            ids = torch.tensor([[self.pad_id, self.pad_id]], device=self.device)
+            lp = token_logprobs(self.engine, ids, torch.ones_like(ids))
+            return (lp * 0.0).sum(), {"tokens": 0.0, "ratio_sum": 0.0, "clipped_sum": 0.0, "kl_sum": 0.0}
+        tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id)
+        tb = type(tb)(*(x.to(self.device) for x in (tb.input_ids, tb.attention_mask, tb.action_mask,
+                                                      tb.behaviour_logprobs, tb.advantages)))
+        lp = token_logprobs(self.engine, tb.input_ids, tb.attention_mask)
+        return self.algorithm.token_loss(lp, tb)
+
+    # -- weights and checkpoints ----------------------------------------------------------
+
+    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights from the ZeRO-3 shards (on rank 0; other ranks get {}). Every rank
+        must call it: gathering is collective. Parameters are gathered in bounded chunks."""
+        module = self.engine.module
+        named = list(module.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        i = 0
+        while i < len(named):
+            chunk, numel = [], 0
+            while i < len(named) and (not chunk or numel + _numel(named[i][1]) <= _GATHER_NUMEL):
+                chunk.append(named[i])
+                numel += _numel(named[i][1])
+                i += 1
+            with self.ds.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
+                if self.rank == 0:
+                    for name, p in chunk:
+                        out[name] = p.detach().to("cpu", copy=True).contiguous()
+        if self.rank == 0:
+            persistent = set(module.state_dict().keys())
+            for name, b in module.named_buffers():
+                if name in persistent and name not in out:
+                    out[name] = b.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    def publish(self) -> None:
+        """Write the current weights as policy version `self.version` (rank 0 writes)."""
+        state = self.gathered_state_dict()
+        if self.rank == 0:
+            self.weights.publish(state, self.version)
+
+    def checkpoint(self, extra: dict[str, Any] | None = None) -> None:
+        """Model, optimizer, step, version and `extra` (e.g. the store cursor). Every rank calls it."""
+        tag = f"step{self.step:08d}"
+        client = {"step": self.step, "version": self.version, "extra": extra or {}}
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+        torch.distributed.barrier()
+        if self.rank == 0:
+            tags = sorted(p for p in self.ckpt_dir.glob("step*") if p.is_dir())
+            for old in tags[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # All ranks leave together: a rank tearing gloo down while a peer still talks to it
+            # can abort the peer at exit ("terminate called without an active exception").
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
+def _numel(p: torch.nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+

@@ -1,0 +1,191 @@
+"""The learner as a run component: read the store, train, publish, report, checkpoint, resume.
+
+    run_learner(run_dir, cfg.learner, cfg.policy, seed, stop_event)   # one call per rank
+
+Rank 0 reads trajectories from the store (arrival order, exactly-once cursor), groups them
+(GroupBuffer: complete, fresh groups only) and broadcasts each batch to the other ranks, so
+every rank trains on the same groups whatever each one would have seen on the filesystem.
+After each step rank 0 announces the new policy version (PUB/SUB), reports the step to the
+coordinator and appends to `learner/trained.jsonl` which trajectories were trained and which
+were dropped (stale, duplicate, late). Every `checkpoint_every` steps, and at the end, the
+DeepSpeed checkpoint stores model, optimizer, the store cursor and the buffered trajectories;
+a restarted learner resumes from there: what it had trained since is trained again by the
+restored model (`trained.jsonl` marks the new life with `resumed_step`), and nothing is lost
+or trained twice in the lineage the final model descends from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.jobs.config import LearnerConfig, PolicyConfig
+from hpcrl.rl.batch import GroupBuffer
+from hpcrl.rl.learner import Learner
+from hpcrl.rl.meter import BusyMeter
+
+__all__ = ["run_learner", "AUDIT_NAME", "CURSOR_NAME", "lineage"]
+
+log = logging.getLogger("hpcrl.learner")
+AUDIT_NAME = "learner/trained.jsonl"
+CURSOR_NAME = "learner/cursor.json"
+_WAIT_S = 1.0  # rank 0 tells the others at least this often that it is still waiting for data
+
+
+class _Rank0:
+    """What only rank 0 does: store, buffer, transport, audit."""
+
+    def __init__(self, run_dir: Path, cfg: LearnerConfig, learner: Learner, extra: dict):
+        from hpcrl.jobs.transport import Node
+        from hpcrl.jobs.transport_rpc import RequestClient, VersionPublisher
+        from hpcrl.rl.store_reader import StoreReader
+
+        self.run_dir, self.cfg, self.learner = run_dir, cfg, learner
+        self.node = Node(run_dir, "learner")
+        self.pub = VersionPublisher(self.node)
+        self.coord = RequestClient(self.node, "coordinator", timeout_s=2.0, retries=1, discover_timeout_s=60.0)
+        (run_dir / "trajectories").mkdir(exist_ok=True)
+        # Staleness is judged per group by the buffer: the reader hands over everything.
+        self.reader = StoreReader(run_dir / "trajectories", max_staleness=None)
+        self.reader.load_state_dict(extra.get("reader", {}))
+        self.buffer = GroupBuffer(cfg.group_size)
+        self.buffer.load_state_dict(extra.get("buffer", {}))
+        self.trained_groups = int(extra.get("trained_groups", 0))
+        self.life = int(extra.get("life", 0)) + 1
+        (run_dir / "learner").mkdir(exist_ok=True)
+        self.audit = open(run_dir / AUDIT_NAME, "a")
+        self._write({"life": self.life, "resumed_step": learner.step, "version": learner.version, "time": time.time()})
+        self.pub.publish(learner.version)
+        self._busy = 0.0
+        self._meter = BusyMeter()
+
+    def _write(self, rec: dict) -> None:
+        self.audit.write(json.dumps(rec) + "\n")
+        self.audit.flush()
+        os.fsync(self.audit.fileno())
+
+    def next_groups(self, deadline: float):
+        while True:
+            got = self.buffer.pop(self.cfg.batch_groups, self.learner.version, self.cfg.max_staleness)
+            if got is not None:
+                return got
+            if time.monotonic() >= deadline:
+                self._progress()
+                return None
+            batch = self.reader.next_batch(64, timeout_s=min(0.2, max(0.0, deadline - time.monotonic())))
+            for t in batch.trajectories:
+                self.buffer.add(t)
+            self.pub.tick()
+
+    def _counts(self) -> dict:
+        return {"trained_groups": self.trained_groups, "dropped_groups": self.buffer.dropped_stale // self.cfg.group_size}
+
+    def _progress(self) -> None:
+        """While waiting for data, tell the coordinator what was consumed (dropped groups count):
+        its flow control issues new groups only against consumption it has heard of."""
+        counts = self._counts()
+        if counts == getattr(self, "_reported", None):
+            return
+        try:
+            self.coord.request("progress", counts)
+            self._reported = counts
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not report progress to the coordinator: %s", exc)
+
+    def after_step(self, groups, m: dict, train_s: float) -> None:
+        self.trained_groups += len(groups)
+        self._busy += train_s
+        self._write({"life": self.life, "step": m["step"], "version": m["version"],
+                     "trained": [t.id for g in groups for t in g], "dropped": self.buffer.drained()})
+        self.pub.publish(self.learner.version)
+        m = dict(m, **self._counts(), dropped_stale=self.buffer.dropped_stale, duplicates=self.buffer.duplicates,
+                 busy_fraction=self._meter.fraction(self._busy), life=self.life)
+        try:
+            self.coord.request("learner", m)
+            self._reported = self._counts()
+        except Exception as exc:  # noqa: BLE001 - a missing coordinator must not stop training
+            log.warning("could not report step %d to the coordinator: %s", m["step"], exc)
+
+    def extra(self) -> dict[str, Any]:
+        return {"reader": self.reader.state_dict(), "buffer": self.buffer.state_dict(),
+                "trained_groups": self.trained_groups, "life": self.life}
+
+    def write_cursor(self, extra: dict) -> None:
+        """The state the last checkpoint holds, readable without DeepSpeed (status, tests)."""
+        buf = extra["buffer"]
+        data = {"step": self.learner.step, "version": self.learner.version, "reader": extra["reader"],
+                "buffered": [r["id"] for r in buf["open"] + buf["complete"]], "pending_dropped": buf["dropped"]}
+        path = self.run_dir / CURSOR_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        self.audit.close()
+        self.coord.close()
+        self.node.close()
+
+
+def run_learner(run_dir: str | os.PathLike, cfg: LearnerConfig, policy: PolicyConfig, seed: int,
+                stop: threading.Event | None = None) -> int:
+    """Train until cfg.max_steps (or `stop`); returns the optimizer step reached."""
+    run_dir = Path(run_dir)
+    stop = stop or threading.Event()
+    learner = Learner(cfg, policy, run_dir, seed=seed)
+    extra = learner.setup()
+    rank0 = _Rank0(run_dir, cfg, learner, extra) if learner.rank == 0 else None
+    log.info("learner rank %d/%d ready at step %d, version %d", learner.rank, learner.world, learner.step, learner.version)
+    try:
+        while learner.step < cfg.max_steps:
+            msg: list = [None]
+            if rank0 is not None:
+                msg[0] = "stop" if stop.is_set() else rank0.next_groups(time.monotonic() + _WAIT_S)
+            torch.distributed.broadcast_object_list(msg, src=0)
+            if msg[0] == "stop":
+                break
+            if msg[0] is None:
+                continue
+            t0 = time.perf_counter()
+            m = learner.train_step(msg[0])
+            if rank0 is not None:
+                rank0.after_step(msg[0], m, time.perf_counter() - t0)
+            if learner.step % cfg.checkpoint_every == 0 or learner.step >= cfg.max_steps:
+                _checkpoint(learner, rank0)
+        if stop.is_set() and learner.step % cfg.checkpoint_every:
+            _checkpoint(learner, rank0)  # asked to stop (time limit, cancel): keep the progress
+    finally:
+        if rank0 is not None:
+            rank0.close()
+        learner.close()
+    return learner.step
+
+
+def _checkpoint(learner: Learner, rank0: _Rank0 | None) -> None:
+    # Every rank saves the same client state: whichever rank's file DeepSpeed reads back, it holds rank 0's cursor.
+    box = [rank0.extra() if rank0 is not None else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    learner.checkpoint(box[0])
+    if rank0 is not None:
+        rank0.write_cursor(box[0])
+
+
+def lineage(audit_path: str | os.PathLike) -> tuple[list[dict], int]:
+    """The step records the final model descends from: steps redone after a restart replace the
+    dead life's records from `resumed_step` on. Returns (records, number of lives)."""
+    records: list[dict] = []
+    lives = 0
+    for line in Path(audit_path).read_text().splitlines():
+        rec = json.loads(line)
+        if "resumed_step" in rec:
+            lives += 1
+            records = [r for r in records if r["step"] <= rec["resumed_step"]]
+        else:
+            records.append(rec)
+    return records, lives

@@ -1,0 +1,140 @@
+"""Handing out episodes: which domain, which task instance, which episode number.
+
+    sampler = TaskSampler({"arith/max2": 1.0, "code-repair": 0.1}, group_size=8, seed=0)
+    tickets = sampler.next_group()        # 8 EpisodeTickets of one task instance (a GRPO group)
+
+    source = LocalTaskSource(sampler)     # what a generator pulls from when run in-process
+    source.take(16); source.done(ticket); source.failed(ticket, "sandbox died")
+
+A ticket is plain data, so the coordinator can send it to a generator over the wire. Tickets of
+one group share (domain, task index); the task id the domain gives that index names the group
+in the trajectory store. Episode numbers are unique within a sampler's life; a resumed sampler
+continues from its saved `state()`.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+__all__ = ["EpisodeTicket", "TaskSampler", "TaskSource", "LocalTaskSource", "EpisodeFailed"]
+
+
+@dataclass(frozen=True)
+class EpisodeTicket:
+    domain: str
+    task_index: int
+    episode: int
+    group: int  # the group's number; the group_size tickets of one task instance share it
+    attempt: int = 0  # how many times this episode was issued before (re-issues after failures)
+
+
+class EpisodeFailed(RuntimeError):
+    """An episode failed too often to keep re-issuing; the message names the domain and task."""
+
+
+class TaskSampler:
+    """Weighted choice of domain per group; a per-domain counter picks the task instance."""
+
+    def __init__(self, weights: Mapping[str, float], group_size: int, seed: int):
+        if not weights:
+            raise ValueError("TaskSampler: no domains; list at least one under `domains:` in the config")
+        bad = {k: w for k, w in weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"TaskSampler: weights must be > 0 (got {bad})")
+        if group_size < 1:
+            raise ValueError(f"TaskSampler: group_size must be >= 1 (got {group_size})")
+        self.names = list(weights)
+        self.weights = [float(weights[n]) for n in self.names]
+        self.group_size = group_size
+        self._rng = random.Random(seed)
+        self._next_index = {n: 0 for n in self.names}
+        self._next_episode = 0
+        self._next_group = 0
+
+    def next_group(self) -> list[EpisodeTicket]:
+        domain = self._rng.choices(self.names, self.weights)[0]
+        index = self._next_index[domain]
+        self._next_index[domain] += 1
+        group = self._next_group
+        self._next_group += 1
+        out = []
+        for _ in range(self.group_size):
+            out.append(EpisodeTicket(domain, index, self._next_episode, group))
+            self._next_episode += 1
+        return out
+
+    def state(self) -> dict:
+        """JSON-able state: enough to continue without repeating an episode number or task index."""
+        return {
+            "rng": _rng_state_to_json(self._rng.getstate()),
+            "next_index": dict(self._next_index),
+            "next_episode": self._next_episode,
+            "next_group": self._next_group,
+        }
+
+    def restore(self, state: dict) -> None:
+        self._rng.setstate(_rng_state_from_json(state["rng"]))
+        # Domains may be added or removed between runs; keep counters of those still configured.
+        for name, idx in state["next_index"].items():
+            if name in self._next_index:
+                self._next_index[name] = int(idx)
+        self._next_episode = int(state["next_episode"])
+        self._next_group = int(state["next_group"])
+
+
+def _rng_state_to_json(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_state_from_json(data) -> tuple:
+    version, internal, gauss = data
+    return (version, tuple(internal), gauss)
+
+
+class TaskSource(Protocol):
+    """What a generator pulls episodes from (in-process sampler, or the coordinator's client)."""
+
+    def take(self, n: int) -> Sequence[EpisodeTicket]:
+        """Up to n tickets, without blocking; fewer (or none) when the source has none ready."""
+
+    def done(self, ticket: EpisodeTicket) -> None: ...
+
+    def failed(self, ticket: EpisodeTicket, reason: str) -> None: ...
+
+
+class LocalTaskSource:
+    """A TaskSource over a TaskSampler in the same process; failed episodes are issued again
+    (first in line) up to `max_attempts` times, then EpisodeFailed stops the run."""
+
+    def __init__(self, sampler: TaskSampler, max_attempts: int = 3):
+        self.sampler = sampler
+        self.max_attempts = max_attempts
+        self._queue: collections.deque[EpisodeTicket] = collections.deque()
+        self.issued = 0
+        self.completed = 0
+        self.reissued = 0
+
+    def take(self, n: int) -> list[EpisodeTicket]:
+        if n <= 0:
+            return []
+        while len(self._queue) < n:
+            self._queue.extend(self.sampler.next_group())
+        out = [self._queue.popleft() for _ in range(n)]
+        self.issued += len(out)
+        return out
+
+    def done(self, ticket: EpisodeTicket) -> None:
+        self.completed += 1
+
+    def failed(self, ticket: EpisodeTicket, reason: str) -> None:
+        if ticket.attempt + 1 >= self.max_attempts:
+            raise EpisodeFailed(
+                f"episode {ticket.episode} ({ticket.domain} task {ticket.task_index}) failed {ticket.attempt + 1} times; "
+                f"last: {reason}"
+            )
+        self.reissued += 1
+        self._queue.appendleft(EpisodeTicket(ticket.domain, ticket.task_index, ticket.episode, ticket.group, ticket.attempt + 1))

@@ -1,0 +1,116 @@
+"""The coordinator's bookkeeping, driven through its request handler: weighted hand-out, leases
+and re-issue when a generator goes silent or a sandbox vanishes, flow control against the
+learner, status.json / metrics.jsonl, and a restart that re-issues what was in flight."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import pytest
+
+from hpcrl.jobs.config import CoordinatorConfig
+from hpcrl.rl.coordinator import Coordinator, read_status, ticket_from_row
+
+
+def make(tmp_path, **cfg) -> Coordinator:
+    c = CoordinatorConfig(**{"lease_s": 0.2, "max_attempts": 3, **cfg})
+    return Coordinator(tmp_path, {"arith/copy": 3.0, "code-repair": 1.0}, group_size=4, batch_groups=2,
+                       max_staleness=2, max_steps=5, seed=0, cfg=c)
+
+
+def sync(c, gen, want=0, done=(), failed=(), released=()):
+    r = c.handle("sync", {"generator": gen, "want": want, "done": list(done), "failed": [list(f) for f in failed],
+                          "released": list(released), "stats": {"busy_fraction": 0.5}})
+    return [ticket_from_row(t) for t in r["tickets"]], r
+
+
+def test_groups_by_weight_and_flow_control(tmp_path):
+    c = make(tmp_path)
+    tickets, _ = sync(c, "g0", want=100)
+    # window: max(1, max_staleness) x batch_groups = 4 groups of 4 ahead of the learner
+    assert len(tickets) == 16 and c.groups_issued == 4
+    groups = collections.defaultdict(list)
+    for t in tickets:
+        groups[t.group].append(t)
+    assert all(len(g) == 4 and len({(t.domain, t.task_index) for t in g}) == 1 for g in groups.values())
+    assert len({t.episode for t in tickets}) == 16
+    assert sync(c, "g0", want=100)[0] == []  # nothing more until the learner consumes
+    c.handle("learner", {"step": 1, "version": 1, "reward": 0.1, "trained_groups": 2, "dropped_groups": 0})
+    assert len(sync(c, "g0", want=100)[0]) == 8
+    c.handle("progress", {"trained_groups": 2, "dropped_groups": 2})  # dropped as stale, no step
+    assert len(sync(c, "g0", want=100)[0]) == 8
+    # over many groups the domains follow their weights (3:1)
+    big = make(tmp_path / "big", max_groups_ahead=10_000)
+    domains = collections.Counter(t.domain for t in sync(big, "g", want=4000)[0])
+    assert 2.4 < domains["arith/copy"] / domains["code-repair"] < 3.7
+
+
+def test_silent_generator_loses_its_leases(tmp_path):
+    c = make(tmp_path)
+    a, _ = sync(c, "gen-a", want=8)
+    b, _ = sync(c, "gen-b", want=4)
+    sync(c, "gen-a", done=[t.episode for t in a[:2]])  # a finished two, then goes silent
+    deadline = time.monotonic() + 0.15
+    while time.monotonic() < deadline:  # b keeps syncing: its leases stay
+        sync(c, "gen-b")
+        time.sleep(0.02)
+    time.sleep(0.1)
+    sync(c, "gen-b")
+    assert c.expire() == 6
+    again, _ = sync(c, "gen-b", want=6)
+    assert sorted(t.episode for t in again) == sorted(t.episode for t in a[2:])
+    assert all(t.attempt == 1 for t in again)
+    assert c.generators["gen-a"]["lost"] and c.counts["reissued"] == 6
+    assert not any(t.episode in {x.episode for x in b} for t in again)
+
+
+def test_failed_episodes_are_reissued_then_abandoned(tmp_path):
+    c = make(tmp_path, lease_s=60)
+    (t, *_), _ = sync(c, "g", want=4)
+    for attempt in range(3):
+        got, _ = sync(c, "g", failed=[(t.episode, "sandbox-0: no reply")], want=1)
+        if attempt < 2:
+            assert got[0].episode == t.episode and got[0].attempt == attempt + 1
+    assert c.counts["abandoned"] == 1 and t.group in c.abandoned_groups
+    # released (generator stopping): issued again without counting an attempt
+    (u, *_), _ = sync(c, "g", want=1)
+    got, _ = sync(c, "g", released=[u.episode], want=1)
+    assert got[0] == u
+
+
+def test_status_metrics_stop_and_restart(tmp_path):
+    c = make(tmp_path, lease_s=60)
+    issued, _ = sync(c, "g", want=12)
+    sync(c, "g", done=[t.episode for t in issued[:4]])
+    for step in range(1, 6):
+        r = c.handle("learner", {"step": step, "version": step, "reward": step / 10, "trained_groups": step,
+                                 "dropped_groups": 0, "reward_by_domain": {"arith/copy": step / 10}})
+    assert r["stop"] is True  # max_steps reached: generators are told at their next sync
+    assert sync(c, "g", want=4)[1]["stop"] is True
+    c.write_status()
+    c._save()
+    status = read_status(tmp_path)
+    assert status["state"] == "stopping" and status["learner"]["step"] == 5 and status["counts"]["completed"] == 4
+    assert status["reward_by_domain"] == {"arith/copy": 0.5} and "traj_per_s" in status and "busy" in status
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all("traj_per_s" in r for r in rows)
+
+    # A new coordinator on the same run directory re-issues the 8 leased episodes and
+    # continues the sampler: no task instance or episode number is handed out twice.
+    d = make(tmp_path, lease_s=60, max_groups_ahead=100)
+    again, _ = sync(d, "g2", want=8)
+    assert sorted(t.episode for t in again) == sorted(t.episode for t in issued[4:])
+    fresh, _ = sync(d, "g2", want=8)
+    assert min(t.episode for t in fresh) > max(t.episode for t in issued)
+    assert not {(t.domain, t.task_index) for t in fresh} & {(t.domain, t.task_index) for t in issued}
+
+
+def test_unknown_request_kind():
+    c = Coordinator.__new__(Coordinator)
+    import threading
+
+    c._lock = threading.Lock()
+    with pytest.raises(ValueError, match="unknown request 'hello'; known: sync, learner, progress, stop"):
+        c.handle("hello", {})

@@ -1,0 +1,229 @@
+"""Domains: registries, the arith family, site modules named in config, and the code domains
+judged by the real sandbox (multi-step: wrong attempt, feedback, fixed attempt)."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from hpcrl.jobs.config import DomainConfig, load_config
+from hpcrl.rl.domains import (
+    DOMAIN_FAMILIES,
+    REWARDS,
+    Domain,
+    DomainError,
+    PromptDomain,
+    SandboxJudge,
+    get_domain,
+    load_domains,
+    load_site_domain,
+)
+from hpcrl.rl.domains.code import END_MARK, extract_code
+from hpcrl.rl.domains.problems import REPAIR_PROBLEMS, SYNTH_PROBLEMS
+from hpcrl.rl.registry import DuplicateName, Registry, UnknownName
+
+
+def test_registry_rejects_duplicates_and_lists_known_names():
+    reg: Registry[int] = Registry("widget")
+    reg.register("a", 1)
+    with pytest.raises(DuplicateName, match="widget 'a' is already registered"):
+        reg.register("a", 2)
+    with pytest.raises(UnknownName, match=r"unknown widget 'b'.*registered: a"):
+        reg.get("b")
+    with pytest.raises(ValueError, match="without '/'"):
+        reg.register("x/y", 3)
+    with pytest.raises(DuplicateName):
+        DOMAIN_FAMILIES.register("arith", lambda v: None)
+    assert {"exact", "prefix", "tests_passed", "all_tests"} <= set(REWARDS.names())
+
+
+def test_unknown_family_and_variant_say_what_exists():
+    with pytest.raises(DomainError, match=r"unknown domain family 'arihm' \(did you mean 'arith'\?\); registered: arith, code-repair, synth"):
+        get_domain("arihm/copy")
+    with pytest.raises(DomainError, match=r"arith: unknown variant 'add-mod11'; variants: copy, add<k>-mod<m>"):
+        get_domain("arith/add-mod11")
+    with pytest.raises(DomainError, match="needs a variant"):
+        get_domain("arith")
+    with pytest.raises(DomainError, match="unknown problem 'nope'; problems: sum-two"):
+        get_domain("synth/nope")
+
+
+@pytest.mark.parametrize("variant", ["copy", "add3-mod10", "add1-mod7", "add-mod10", "add-mod4", "max2", "max5", "min3"])
+def test_arith_answers_are_right_and_tasks_deterministic(variant):
+    d = get_domain(f"arith/{variant}")
+    assert d.action.max_tokens == 1
+    for i in range(50):
+        t = d.task(i)
+        assert t == d.task(i) and t.id == str(i)
+        a = int(t.data["answer"])
+        p = t.prompt
+        if variant == "copy":
+            assert p == f"copy {a}:"
+        elif variant.startswith("add") and "-mod" in variant:
+            lhs, mod = p[:-1].split(" mod ")
+            x, y = map(int, lhs.split("+"))
+            assert a == (x + y) % int(mod) and 0 <= x < int(mod)
+        else:
+            op, *xs = p[:-1].split()
+            assert a == (max if op == "max" else min)(map(int, xs)) and len(xs) == int(variant[3:])
+        env = d.make_env(t)
+        assert env.reset() == p
+        obs, reward, done, info = env.step(str(a))
+        assert (reward, done) == (1.0, True)
+    assert len({d.task(i).prompt for i in range(200)}) > 5  # not one prompt over and over
+
+
+def test_arith_retry_is_multi_step():
+    d = get_domain("arith/max3-retry3")
+    t = d.task(0)
+    wrong = str((int(t.data["answer"]) + 1) % 10)
+    env = d.make_env(t)
+    env.reset()
+    first = env.step(wrong)
+    assert first.done is False and first.reward == 0.0 and first.observation == f" no\n{t.prompt}"
+    second = env.step(t.data["answer"])
+    assert second.done and second.reward == pytest.approx(0.5)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step("1")
+    env = d.make_env(t)
+    env.reset()
+    assert [env.step(wrong).done for _ in range(3)] == [False, False, True]
+
+
+def test_hundreds_of_domains_from_one_config(tmp_path):
+    names = [f"arith/add{k}-mod{m}" for k in range(1, 10) for m in range(2, 11)]
+    names += [f"arith/{op}{n}-retry{t}" for op in ("max", "min") for n in range(2, 7) for t in range(2, 10)]
+    assert len(names) >= 150
+    lines = "\n".join(f"  - {{name: {n}, weight: {1 + i % 3}}}" for i, n in enumerate(names))
+    (tmp_path / "c.yaml").write_text(f"domains:\n{lines}\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    domains = load_domains(cfg.domains)
+    assert list(domains) == names
+    assert all(isinstance(d, Domain) and d.name == n for n, d in domains.items())
+
+
+SITE_MODULE = textwrap.dedent('''
+    from hpcrl.rl.domains import PromptDomain
+
+    PAIRS = [("capital of France?", "Paris"), ("2*3=", "6")]
+
+    def make_domain(name):
+        return PromptDomain(name, PAIRS, reward="exact", max_tokens=8)
+
+    def reward_len(action, task, feedback=None):
+        return min(1.0, len(action) / 10)
+
+    def make_custom_reward(name):
+        return PromptDomain(name, PAIRS, reward=reward_len)
+
+    INSTANCE = PromptDomain("whatever", PAIRS)
+    NOT_A_DOMAIN = 42
+
+    def wrong_type(name):
+        return "nope"
+''')
+
+
+def test_site_domain_from_config_module(tmp_path):
+    (tmp_path / "my_site_tasks.py").write_text(SITE_MODULE)
+    (tmp_path / "c.yaml").write_text(
+        "domains:\n"
+        "  - {name: quiz, module: 'my_site_tasks:make_domain', weight: 2}\n"
+        "  - {name: long, module: 'my_site_tasks:make_custom_reward'}\n"
+        "  - {name: inst, module: 'my_site_tasks:INSTANCE'}\n"
+        "  - {name: arith/copy}\n"
+    )
+    cfg = load_config(tmp_path / "c.yaml")
+    domains = load_domains(cfg.domains, search_path=[str(tmp_path)])
+    assert [d.name for d in domains.values()] == ["quiz", "long", "inst", "arith/copy"]
+    quiz = domains["quiz"]
+    assert isinstance(quiz, PromptDomain) and quiz.action.max_tokens == 8
+    env = quiz.make_env(quiz.task(0))
+    assert env.reset() == "capital of France?"
+    assert env.step(" Paris\n") == ("", 1.0, True, {})
+    env = domains["long"].make_env(domains["long"].task(1))
+    env.reset()
+    assert env.step("12345").reward == 0.5
+
+    for module, fragment in [
+        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+        ("my_site_tasks:missing", "has no attribute 'missing'; it has: INSTANCE, NOT_A_DOMAIN, PAIRS"),
+        ("my_site_tasks:NOT_A_DOMAIN", "is a int; expected a Domain"),
+        ("my_site_tasks:wrong_type", "returned a str, not a hpcrl.rl.domains.Domain"),
+    ]:
+        with pytest.raises(DomainError, match=fragment):
+            load_site_domain("x", module, [str(tmp_path)])
+    with pytest.raises(DomainError, match=r"domains\.1: domain 'arith/zzz'"):
+        load_domains([DomainConfig(name="arith/copy"), DomainConfig(name="arith/zzz")])
+
+
+def test_extract_code():
+    assert extract_code(f"print(1)\n{END_MARK}\ngarbage") == "print(1)\n"
+    assert extract_code("Here:\n```python\nx = 2\n```\nbye") == "x = 2\n"
+
+
+# -- code domains through the real sandbox ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def judge():
+    from hpcrl.jobs.config import SandboxConfig
+    from hpcrl.sandbox.backend import make_backend
+    from hpcrl.sandbox.result import SandboxError
+
+    try:
+        backend = make_backend(SandboxConfig())
+        backend.check()
+    except SandboxError as exc:
+        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required (HPCRL_REQUIRE_SANDBOX=1) but unavailable: {exc}")
+        pytest.skip(f"sandbox unavailable: {exc}")
+    return SandboxJudge(backend)
+
+
+def test_synth_judges_by_stdin_stdout_and_gives_feedback(judge):
+    d = get_domain("synth")
+    assert d.needs_executor and len(d.problems) == len(SYNTH_PROBLEMS)
+    for i, p in enumerate(SYNTH_PROBLEMS):
+        t = d.task(i)
+        assert t.data["problem"] == p.name and t.id == f"{p.name}-{i}"
+        env = d.make_env(t, judge)
+        assert p.statement in env.reset()
+        obs, reward, done, info = env.step("print('nope')\n" + END_MARK)
+        assert not done and reward == 0.0
+        fb = info["feedback"]
+        assert fb.passed == 0 and fb.total == len(p.cases) and "expected" in fb.message and fb.status == "ok"
+        assert "tests passed" in obs and "Try again" in obs
+        obs, reward, done, info = env.step(f"```python\n{p.reference}```")
+        assert done and reward == 1.0 and info["feedback"].all_passed, info["feedback"]
+
+
+def test_synth_partial_credit_and_crash_status(judge):
+    d = get_domain("synth/sum-two")
+    env = d.make_env(d.task(0), judge)
+    env.reset()
+    # Right for "1 2" only: one of three cases.
+    _, _, _, info = env.step("print(3)\n")
+    assert (info["feedback"].passed, info["feedback"].total) == (1, 3)
+    _, reward, done, info = env.step("raise SystemExit(3)\n")
+    assert done and reward == 0.0  # two turns, both wrong
+    assert info["feedback"].status == "error" and info["feedback"].exit_code == 3
+
+
+def test_code_repair_shows_the_real_failure_then_accepts_a_fix(judge):
+    d = get_domain("code-repair")
+    for i, p in enumerate(REPAIR_PROBLEMS):
+        env = d.make_env(d.task(i), judge)
+        first = env.reset()
+        assert p.buggy in first and "# Test result: failed" in first, first
+        obs, reward, done, info = env.step(p.buggy)  # resubmitting the bug fails again
+        assert not done and reward == 0.0 and info["feedback"].total == 1 and "failed" in obs
+        obs, reward, done, info = env.step(p.reference + END_MARK)
+        assert done and reward == 1.0, info["feedback"]
+
+
+def test_code_domains_refuse_to_run_without_a_sandbox():
+    d = get_domain("code-repair/name-error")
+    with pytest.raises(ValueError, match="needs a sandbox"):
+        d.make_env(d.task(0))

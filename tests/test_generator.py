@@ -1,0 +1,162 @@
+"""The generator: many episodes in flight, sandbox waits overlapped with sampling, every step tagged
+with its policy version, new weights taken between steps, failed episodes handed back."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from hpcrl.jobs.config import GeneratorConfig, PolicyConfig, SandboxConfig, TinyModelConfig
+from hpcrl.rl.domains import Domain, Environment, PromptDomain, SandboxJudge, StepResult, get_domain
+from hpcrl.rl.generator import Generator
+from hpcrl.rl.policy import Policy, full_state_dict, token_logprobs
+from hpcrl.rl.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
+from hpcrl.rl.weights import WeightStore
+
+TINY = PolicyConfig(tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=512),
+                    device="cpu")
+
+
+def collect(gen, source, n):
+    out = []
+    gen.run(source, out.append, stop=lambda: len(out) >= n)
+    return out
+
+
+def test_single_and_multi_step_episodes_make_valid_trajectories():
+    policy = Policy.load(TINY, seed=0)
+    domains = {n: get_domain(n) for n in ("arith/copy", "arith/max2-retry3")}
+    gen = Generator(GeneratorConfig(episodes_in_flight=32), policy, domains, run="r", name="g0", seed=0)
+    source = LocalTaskSource(TaskSampler({n: 1.0 for n in domains}, group_size=4, seed=0))
+    trajs = collect(gen, source, 64)
+    gen.close()
+    assert len({t.episode for t in trajs}) == len(trajs)  # episode numbers never repeat
+    multi = [t for t in trajs if t.domain == "arith/max2-retry3" and len(t.steps) > 1]
+    assert multi, "an untrained policy should need several tries on some retry tasks"
+    for t in trajs:
+        assert t.final_reward == pytest.approx(sum(s.reward for s in t.steps))
+        assert t.policy_versions == (0,) * len(t.steps)
+        assert len(t.steps[0].prompt_tokens) > 0 and all(len(s.prompt_tokens) == 0 for s in t.steps[1:])
+        assert all(len(s.action_tokens) == 1 for s in t.steps)  # arith actions are one token
+    t = multi[0]
+    # The recorded logprobs are the policy's: recompute over the whole multi-step context.
+    ids = np.concatenate([np.concatenate([s.prompt_tokens, s.action_tokens, s.observation_tokens]) for s in t.steps])
+    lp = token_logprobs(policy.model, torch.tensor(ids[None].astype(np.int64)))[0]
+    pos, got = 0, []
+    for s in t.steps:
+        pos += len(s.prompt_tokens)
+        got.extend(lp[pos - 1:pos - 1 + len(s.action_tokens)].tolist())
+        pos += len(s.action_tokens) + len(s.observation_tokens)
+    assert np.allclose(got, np.concatenate([s.action_logprobs for s in t.steps]), atol=1e-4)
+    assert policy.decode(t.steps[0].observation_tokens).startswith(" no\n")
+
+
+def test_new_weights_are_taken_between_steps(tmp_path):
+    store = WeightStore(tmp_path)
+    learner_side = Policy.load(TINY, seed=5)
+    store.publish(full_state_dict(learner_side.model), version=0)
+    policy = Policy.load(TINY, seed=0)  # different init: must be replaced by v0 before sampling
+    gen = Generator(GeneratorConfig(episodes_in_flight=8), policy, {"arith/min3-retry4": get_domain("arith/min3-retry4")},
+                    run="r", name="g0", seed=0, weights=store)
+    source = LocalTaskSource(TaskSampler({"arith/min3-retry4": 1.0}, group_size=4, seed=0))
+    first: list = []
+    # Stop while some episode is between steps, so it straddles the update below.
+    gen.run(source, first.append, stop=lambda: len(first) >= 8 and any(e.steps for e in gen.episodes))
+    assert gen.version == 0
+    assert all(torch.equal(v, full_state_dict(policy.model)[k]) for k, v in full_state_dict(learner_side.model).items())
+    with torch.no_grad():
+        for p in learner_side.model.parameters():
+            p.mul_(0.5)
+    store.publish(full_state_dict(learner_side.model), version=1)
+    later = collect(gen, source, 24)
+    gen.close()
+    assert gen.version == 1 and gen.stats.weight_loads == 2
+    assert {v for t in first for v in t.policy_versions} == {0}
+    assert any(1 in t.policy_versions for t in later)
+    straddling = [t for t in later if t.min_policy_version != t.max_policy_version]
+    assert straddling, "episodes in flight during the update continue with the new weights"
+    assert all(list(t.policy_versions) == sorted(t.policy_versions) for t in later)
+
+
+@pytest.fixture(scope="module")
+def judge():
+    from hpcrl.sandbox.backend import make_backend
+    from hpcrl.sandbox.result import SandboxError
+
+    try:
+        backend = make_backend(SandboxConfig())
+        backend.check()
+    except SandboxError as exc:
+        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required (HPCRL_REQUIRE_SANDBOX=1) but unavailable: {exc}")
+        pytest.skip(f"sandbox unavailable: {exc}")
+    return SandboxJudge(backend)
+
+
+def test_sandbox_waits_overlap_with_sampling(judge):
+    policy = Policy.load(TINY, seed=0)
+    names = ("code-repair", "synth", "arith/copy")
+    domains = {n: get_domain(n) for n in names}
+    cfg = GeneratorConfig(episodes_in_flight=16, env_threads=4, max_new_tokens=24, max_turns=2)
+    gen = Generator(cfg, policy, domains, run="r", name="g0", seed=0, executor=judge)
+    source = LocalTaskSource(TaskSampler({n: 1.0 for n in names}, group_size=2, seed=0))
+    trajs = collect(gen, source, 40)
+    gen.close()
+    code = [t for t in trajs if t.domain != "arith/copy"]
+    assert code and any(t.domain == "arith/copy" for t in trajs)
+    for t in code:
+        assert all(s.sandbox.status != "none" and s.env_s > 0 for s in t.steps)
+        assert len(t.steps) == 2 or t.final_reward > 0  # an untrained model gets a second try
+    assert any(t.truncation == "max_steps" for t in code if t.domain == "code-repair")  # repair allows 3 turns
+    env_s = sum(s.env_s for t in code for s in t.steps)
+    # Serially the run would take sampling + sandbox time; in flight they overlap.
+    assert gen.stats.wall_s < 0.8 * (gen.stats.busy_s + env_s), (gen.stats.wall_s, gen.stats.busy_s, env_s)
+
+
+class _Flaky(Domain):
+    """A site domain whose environment fails on every even task: a broken site module."""
+
+    name = "flaky"
+
+    def __init__(self):
+        self.inner = PromptDomain("flaky", [("copy 1:", "1")], max_tokens=1)
+        self.action = self.inner.action
+
+    def task(self, index):
+        return dataclasses.replace(self.inner.task(index), domain="flaky")
+
+    def make_env(self, task, executor=None):
+        if int(task.id) % 2 == 0:
+            return _Broken()
+        return self.inner.make_env(task)
+
+
+class _Broken(Environment):
+    def reset(self):
+        return "copy 2:"
+
+    def step(self, action):
+        raise KeyError("site bug")
+
+
+def test_failed_episodes_are_reissued_then_stop_the_run():
+    policy = Policy.load(TINY, seed=0)
+    gen = Generator(GeneratorConfig(episodes_in_flight=4), policy, {"flaky": _Flaky()}, run="r", name="g0", seed=0)
+    source = LocalTaskSource(TaskSampler({"flaky": 1.0}, group_size=2, seed=0), max_attempts=3)
+    with pytest.raises(EpisodeFailed, match=r"\(flaky task 0\) failed 3 times; last: step 1: KeyError: 'site bug'"):
+        collect(gen, source, 100)
+    assert gen.stats.failed >= 3 and source.reissued >= 2
+    gen.close()
+
+
+def test_generator_refuses_code_domains_without_a_sandbox():
+    with pytest.raises(ValueError, match=r"run code but no executor"):
+        Generator(GeneratorConfig(), Policy.load(TINY, seed=0), {"synth": get_domain("synth")}, run="r", name="g", seed=0)
+    assert StepResult("", 1.0, True, {}).done

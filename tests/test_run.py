@@ -1,0 +1,149 @@
+"""`hpcrl run` end to end on this machine (every component a submitit LocalExecutor job), `hpcrl
+status`, and killing the learner mid-run: it resumes from its checkpoint, and the trajectories
+the final model was trained on hold every stored trajectory once (trained, dropped, buffered
+or still unread), none twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrl.jobs.runner import pids
+from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME, lineage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hpcrl(*args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # hpcrl run stops its jobs on Ctrl-C
+        out, _ = proc.communicate(timeout=90)
+        raise AssertionError(f"hpcrl run did not finish in {timeout_s:.0f} s:\n{out[-3000:]}")
+    return out
+
+
+def no_processes_left(run_dir: Path) -> None:
+    deadline = time.monotonic() + 20
+    while any(pids(run_dir, r) for r in ("coordinator", "store", "learner", "gen", "sandbox")):
+        assert time.monotonic() < deadline, {r: pids(run_dir, r) for r in ("coordinator", "store", "learner", "gen")}
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
+    proc = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path}", "learner.max_steps=150", "--run-id", "e2e")
+    out = finish(proc, 180)
+    assert proc.returncode == 0, out[-4000:]
+    run_dir = tmp_path / "e2e"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, 151))
+    untrained, trained = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert untrained < 0.1 and trained > max(0.5, untrained + 0.4), (rewards[:5], rewards[-10:])
+    assert (run_dir / "reward.png").stat().st_size > 10_000
+    assert "reward curve:" in out and f"-> {rewards[-1]:.3f} (step 150)" in out
+
+    status = read_status(run_dir)
+    assert status["learner"]["step"] == 150 and status["counts"]["completed"] >= 150 * 256
+    assert set(status["busy"]) == {"generator", "learner", "sandbox"}
+    assert all(r["traj_per_s"] > 0 for r in rows[10:])
+    stat = hpcrl("status", str(run_dir))
+    text = finish(stat, 60)
+    assert stat.returncode == 0, text
+    assert "step 150" in text and "trajectories/s" in text and "arith/copy" in text and "gen-0" in text
+    no_processes_left(run_dir)
+
+
+@pytest.mark.slow
+def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_path):
+    from hpcrl.rl.store_reader import StoreReader, iter_segments
+
+    proc = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path}", "learner.max_steps=40",
+                 "learner.checkpoint_every=10", "--run-id", "kill")
+    run_dir = tmp_path / "kill"
+    deadline = time.monotonic() + 120
+    killed = None
+    while killed is None:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:] if proc.poll() else "no progress"
+        st = read_status(run_dir) or {}
+        step = (st.get("learner") or {}).get("step", 0)
+        learner = pids(run_dir, "learner")
+        if step >= 14 and learner:
+            os.kill(learner[0], signal.SIGKILL)  # mid-run, 4+ steps after the step-10 checkpoint
+            killed = step
+        time.sleep(0.2)
+    out = finish(proc, 180)
+    assert proc.returncode == 0, out[-4000:]
+
+    records, lives = lineage(run_dir / AUDIT_NAME)
+    assert lives == 2, "the learner should have been restarted once"
+    assert [r["step"] for r in records] == list(range(1, 41))
+    audit = [json.loads(line) for line in (run_dir / AUDIT_NAME).read_text().splitlines()]
+    resumed = [a for a in audit if "resumed_step" in a]
+    assert resumed[1]["resumed_step"] == 10 and resumed[1]["version"] > killed  # versions only grow
+
+    trained = [i for r in records for i in r["trained"]]
+    dropped = [i for r in records for i in r["dropped"]]
+    assert len(trained) == len(set(trained)) == 40 * 256, "a trajectory was trained twice"
+    assert not set(trained) & set(dropped)
+    cursor = json.loads((run_dir / CURSOR_NAME).read_text())
+    assert cursor["step"] == 40
+    buffered = set(cursor["buffered"]) | set(cursor["pending_dropped"])
+    reader = StoreReader(run_dir)
+    reader.load_state_dict(cursor["reader"])
+    unread = {t.id for t in reader}
+    stored = {cols.trajectory(i).id for _, _, cols in iter_segments(run_dir / "trajectories") for i in range(cols.rows)}
+    accounted = set(trained) | set(dropped) | buffered | unread
+    assert stored <= accounted, f"{len(stored - accounted)} stored trajectories were lost, e.g. {sorted(stored - accounted)[:3]}"
+    assert len(stored) > 40 * 256
+    no_processes_left(run_dir)
+
+
+@pytest.mark.slow
+def test_code_domains_run_through_a_sandbox_server(tmp_path):
+    """Multi-step code episodes: the generator's env threads call the sandbox server job."""
+    from hpcrl.rl.store_reader import StoreReader
+
+    if os.environ.get("HPCRL_REQUIRE_SANDBOX") != "1":
+        from hpcrl.jobs.config import SandboxConfig
+        from hpcrl.sandbox.backend import make_backend
+        from hpcrl.sandbox.result import SandboxError
+
+        try:
+            make_backend(SandboxConfig()).check()
+        except SandboxError as exc:
+            pytest.skip(f"sandbox unavailable: {exc}")
+    proc = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path}",
+                 "domains=[{name: arith/copy}, {name: code-repair, weight: 0.5}, {name: synth, weight: 0.5}]",
+                 "learner.max_steps=4", "learner.batch_groups=4", "learner.group_size=4",
+                 "generators.max_new_tokens=48", "generators.episodes_in_flight=32", "--run-id", "code")
+    out = finish(proc, 150)
+    assert proc.returncode == 0, out[-4000:]
+    run_dir = tmp_path / "code"
+    trajs = list(StoreReader(run_dir))
+    code = [t for t in trajs if t.domain in ("code-repair", "synth")]
+    assert code and {t.domain for t in code} == {"code-repair", "synth"}
+    for t in code:
+        assert all(s.sandbox.status in ("ok", "error", "timeout", "oom", "crash") for s in t.steps), t.id
+    # an untrained model fails, reads the feedback, and tries again (synth: 2 turns, repair: 3)
+    assert any(len(t.steps) == 2 for t in code if t.domain == "synth")
+    assert any(len(t.steps) == 3 for t in code if t.domain == "code-repair")
+    status = read_status(run_dir)
+    assert status["completed_by_domain"].get("synth", 0) > 0
+    no_processes_left(run_dir)

@@ -44,7 +44,7 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
         f"learner    step {ln.get('step', '-')}  version {ln.get('version', '-')}  reward {ln.get('reward', float('nan')):.3f}  "
         f"loss {ln.get('loss', float('nan')):+.4f}  life {ln.get('life', 1)}",
         f"throughput {status.get('traj_per_s', 0):.1f} trajectories/s  busy {_busy(status)}",
-        f"episodes   " + "  ".join(f"{k} {v}" for k, v in sorted(status.get("counts", {}).items())),
+        "episodes   " + "  ".join(f"{k} {v}" for k, v in sorted(status.get("counts", {}).items())),
         f"in flight  {status.get('leases', 0)} leased, {status.get('queued', 0)} queued",
     ]
     for domain, r in sorted((status.get("reward_by_domain") or {}).items()):

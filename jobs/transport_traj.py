@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 import zmq
 
@@ -56,9 +56,19 @@ class TrajectorySink(Protocol):
 
 
 class TrajectorySender:
+    """Acknowledged, resending delivery of trajectories to the store writer.
+
+    `on_settled(traj_id, stored, reason)` is called once per trajectory when the writer answers:
+    `stored=True` once it is flushed to disk, `stored=False` with the writer's reason when it
+    was rejected. A caller that must not report work as done before it is durable (the
+    generator's episode bookkeeping) hangs off this instead of polling the sender.
+    """
+
     def __init__(self, node: Node, service: str = "store", *, max_unacked: int = 4096, resend_after_s: float = 15.0,
-                 block_s: float = 60.0, discover_timeout_s: float = 60.0):
+                 block_s: float = 60.0, discover_timeout_s: float = 60.0,
+                 on_settled: Callable[[str, bool, str], None] | None = None):
         self.node = node
+        self.on_settled = on_settled
         self.service = service
         self.max_unacked = max_unacked
         self.resend_after_s = resend_after_s
@@ -141,10 +151,13 @@ class TrajectorySender:
             if type(tid) is str and self._frames.pop(tid, None) is not None:
                 self._sent_at.pop(tid, None)
                 n += 1
+                reason = ""
                 if env.kind == "reject":
                     reason = str(env.body.get("reason", ""))
                     self.rejected.append((tid, reason))
                     log.error("%s rejected trajectory %s: %s", self.service, tid, reason)
+                if self.on_settled is not None:
+                    self.on_settled(tid, env.kind == "ack", reason)
         if env.kind == "ack":
             self.acked += n
         return n

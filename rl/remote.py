@@ -34,6 +34,8 @@ class RemoteTaskSource:
 
         self.name = name
         self.sender = sender
+        # Episodes become done (or failed) when the store answers for their trajectory.
+        sender.on_settled = self._on_settled
         self.stats = stats
         self.client = RequestClient(node, "coordinator", timeout_s=timeout_s, retries=3, discover_timeout_s=120.0)
         self.idle_sync_s, self.empty_backoff_s = idle_sync_s, empty_backoff_s
@@ -43,7 +45,6 @@ class RemoteTaskSource:
         self._released: list[int] = []
         self._last_sync = 0.0
         self._last_empty = False
-        self._acked_seen = -1
         self.stop_requested = False
         self.learner_version: int | None = None
 
@@ -80,14 +81,16 @@ class RemoteTaskSource:
     # -- machinery ----------------------------------------------------------------------------
 
     def _collect_acks(self) -> None:
-        self.sender.pump()
-        if self.sender.acked == self._acked_seen and _unacked_ids(self.sender) is not None:
-            return  # no acknowledgement since the last look: nothing to scan
-        self._acked_seen = self.sender.acked
-        unacked = _unacked_ids(self.sender)
-        acked = [tid for tid in self._awaiting_ack if unacked is None or tid not in unacked]
-        for tid in acked:
-            self._done.append(self._awaiting_ack.pop(tid))
+        self.sender.pump()  # answers from the store arrive through _on_settled
+
+    def _on_settled(self, traj_id: str, stored: bool, reason: str) -> None:
+        episode = self._awaiting_ack.pop(traj_id, None)
+        if episode is None:
+            return
+        if stored:
+            self._done.append(episode)
+        else:
+            self._failed.append([episode, f"store rejected the trajectory: {reason}"[:500]])
 
     def sync(self, want: int) -> list[EpisodeTicket]:
         body = {"generator": self.name, "want": max(0, want), "done": self._done, "failed": self._failed,
@@ -110,26 +113,6 @@ class RemoteTaskSource:
 
     def close(self) -> None:
         self.client.close()
-
-
-_warned = False
-
-
-def _unacked_ids(sender):
-    """The ids the store has not acknowledged yet. TrajectorySender has no public query for this
-    (requested: `is_acked(id)`), so its unacknowledged table is read; if a transport version
-    hides it, episodes count as done when sent (a generator that dies then loses them)."""
-    global _warned
-    if hasattr(sender, "unacked_ids"):
-        return sender.unacked_ids()
-    for attr in ("_frames", "_unacked"):
-        table = getattr(sender, attr, None)
-        if isinstance(table, dict):
-            return table
-    if not _warned:
-        _warned = True
-        log.warning("TrajectorySender exposes no unacknowledged ids; reporting episodes done when sent")
-    return None
 
 
 class ThreadLocalJudge:

@@ -60,3 +60,32 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def require_bwrap(uid: int) -> None:
+    """Skip (or, with HPCRL_REQUIRE_SANDBOX=1 as in `make test`, fail) when bwrap can't run as `uid`."""
+    from hpcrl.sandbox.bwrap import unavailable_reason
+
+    reason = unavailable_reason(uid)
+    if reason:
+        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def judge():
+    """A SandboxJudge on the configured local backend (bwrap), for the code domains."""
+    from hpcrl.jobs.config import SandboxConfig
+    from hpcrl.rl.domains.code import SandboxJudge
+    from hpcrl.sandbox.backend import make_backend
+    from hpcrl.sandbox.result import SandboxError
+
+    try:
+        backend = make_backend(SandboxConfig())
+        backend.check()
+    except SandboxError as exc:
+        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
+            pytest.fail(f"sandbox required (HPCRL_REQUIRE_SANDBOX=1) but unavailable: {exc}", pytrace=False)
+        pytest.skip(f"sandbox unavailable: {exc}")
+    return SandboxJudge(backend)

@@ -3,7 +3,6 @@ judged by the real sandbox (multi-step: wrong attempt, feedback, fixed attempt).
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
@@ -15,7 +14,6 @@ from hpcrl.rl.domains import (
     Domain,
     DomainError,
     PromptDomain,
-    SandboxJudge,
     get_domain,
     load_domains,
     load_site_domain,
@@ -166,20 +164,6 @@ def test_extract_code():
 
 # -- code domains through the real sandbox ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def judge():
-    from hpcrl.jobs.config import SandboxConfig
-    from hpcrl.sandbox.backend import make_backend
-    from hpcrl.sandbox.result import SandboxError
-
-    try:
-        backend = make_backend(SandboxConfig())
-        backend.check()
-    except SandboxError as exc:
-        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"sandbox required (HPCRL_REQUIRE_SANDBOX=1) but unavailable: {exc}")
-        pytest.skip(f"sandbox unavailable: {exc}")
-    return SandboxJudge(backend)
 
 
 def test_synth_judges_by_stdin_stdout_and_gives_feedback(judge):

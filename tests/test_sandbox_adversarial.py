@@ -19,9 +19,10 @@ import time
 
 import pytest
 
-from hpcrl.sandbox.bwrap import BwrapBackend, unavailable_reason
+from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.residue import Snapshot, host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits
+from conftest import require_bwrap
 
 UID = 61060
 QUICK = Limits(wall_s=3, cpu_s=3, memory_mb=256, pids=32, output_kb=256)
@@ -29,11 +30,7 @@ QUICK = Limits(wall_s=3, cpu_s=3, memory_mb=256, pids=32, output_kb=256)
 
 @pytest.fixture(scope="module")
 def backend():
-    reason = unavailable_reason(UID)
-    if reason:
-        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
-        pytest.skip(reason)
+    require_bwrap(UID)
     return BwrapBackend(uid=UID)
 
 

@@ -13,10 +13,11 @@ import time
 
 import pytest
 
-from hpcrl.sandbox.bwrap import BwrapBackend, unavailable_reason
+from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.residue import host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+from conftest import require_bwrap
 
 UID = 61040
 
@@ -28,11 +29,7 @@ def needs(*langs):
 
 @pytest.fixture(scope="module")
 def backend():
-    reason = unavailable_reason(UID)
-    if reason:
-        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
-        pytest.skip(reason)
+    require_bwrap(UID)
     return BwrapBackend(uid=UID)
 
 

@@ -12,9 +12,10 @@ import sys
 
 import pytest
 
-from hpcrl.sandbox.bwrap import unavailable_reason
+
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import STATUSES
+from conftest import require_bwrap
 
 UID = 61100
 
@@ -25,11 +26,7 @@ def hpcrl(*args, timeout=60):
 
 @pytest.fixture(scope="module")
 def bwrap_ok():
-    reason = unavailable_reason(UID)
-    if reason:
-        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
-        pytest.skip(reason)
+    require_bwrap(UID)
 
 
 @pytest.fixture

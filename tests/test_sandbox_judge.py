@@ -7,17 +7,17 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 
 from __future__ import annotations
 
-import os
 import textwrap
 import time
 
 import pytest
 
-from hpcrl.sandbox.bwrap import BwrapBackend, unavailable_reason
+from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.judge import FunctionTask, IOCase, JudgeError, judge_function, judge_io
 from hpcrl.sandbox.residue import host_residue
 from hpcrl.sandbox.spec import Limits
+from conftest import require_bwrap
 
 UID = 61080
 NO_CXX = pytest.mark.skipif(not (get_language("c").present() and get_language("cpp").present()),
@@ -26,11 +26,7 @@ NO_CXX = pytest.mark.skipif(not (get_language("c").present() and get_language("c
 
 @pytest.fixture(scope="module")
 def backend():
-    reason = unavailable_reason(UID)
-    if reason:
-        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
-        pytest.skip(reason)
+    require_bwrap(UID)
     return BwrapBackend(uid=UID)
 
 

@@ -7,7 +7,6 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import zmq
 from hpcrl.jobs.config import load_config
 from hpcrl.jobs.transport import Node, encode, read_endpoint
 from hpcrl.jobs.transport_rpc import RequestClient
-from hpcrl.sandbox.bwrap import unavailable_reason
+
 from hpcrl.sandbox.client import SandboxBusy, SandboxClient
 from hpcrl.sandbox.judge import FunctionTask, IOCase
 from hpcrl.sandbox.languages import get_language
@@ -29,6 +28,7 @@ from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.residue import adopt_orphans, host_residue, reap_orphans
 from hpcrl.sandbox.server import SandboxServer
 from hpcrl.sandbox.spec import ExecSpec, Limits
+from conftest import require_bwrap
 
 UID = 61140
 UIDS = range(UID, UID + 4)
@@ -36,11 +36,7 @@ UIDS = range(UID, UID + 4)
 
 @pytest.fixture(scope="module")
 def bwrap_ok():
-    reason = unavailable_reason(UID)
-    if reason:
-        if os.environ.get("HPCRL_REQUIRE_SANDBOX") == "1":
-            pytest.fail(f"HPCRL_REQUIRE_SANDBOX=1 but the bwrap sandbox cannot run: {reason}")
-        pytest.skip(reason)
+    require_bwrap(UID)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
-import sys
 import time
 from pathlib import Path
 

@@ -184,11 +184,15 @@ def test_no_pickle_anywhere_in_the_message_path(monkeypatch, tmp_path):
     make = lambda n: TrajectoryReceiver(n, "store", ShardWriter(tmp_path / "t", "s-0", StoreConfig(flush_every=2)))  # noqa: E731
     with server_thread(tmp_path, "s-0", make):
         with Node(tmp_path, "gen-0") as node:
-            sender = TrajectorySender(node, "store")
+            settled = []
+            sender = TrajectorySender(node, "store", on_settled=lambda *a: settled.append(a))
             rng = np.random.default_rng(0)
-            for i in range(4):
-                sender.send(synth_trajectory(rng, "r", "g", i, TINY_SHAPE))
+            sent = [synth_trajectory(rng, "r", "g", i, TINY_SHAPE) for i in range(4)]
+            for traj in sent:
+                sender.send(traj)
             assert sender.wait_acked(10)
+            # Each trajectory is settled exactly once, as stored, only after its flush.
+            assert sorted(settled) == sorted((t.id, True, "") for t in sent)
 
 
 # -- keys and endpoints ---------------------------------------------------------------------------

@@ -43,6 +43,7 @@ SLURM_CONF_FILE=$ETC/slurm.conf
 ROLES=(munged mariadb slurmdbd slurmctld slurmd.n1 slurmd.n2)
 
 DAEMON_PATH=/usr/sbin:/usr/bin:/sbin:/bin
+LOCKED=0   # 1 once this process holds $STATE/.lock (only then does it write RUN/*.id records)
 
 log() { printf 'devcluster: %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -63,10 +64,34 @@ exe_of() {
     *) die "unknown role $1" ;;
   esac
 }
-pidfile_of() { echo "$RUN/$1.pid"; }
+pidfile_of() { echo "$RUN/$1.pid"; }  # written (and removed on exit) by the daemon itself too
+idfile_of() { echo "$RUN/$1.id"; }    # this script's own record: "PID STARTTIME"
 logfile_of() { echo "$LOG/$1.log"; }
 outfile_of() { echo "$LOG/$1.out"; }
 tag_of() { echo "$STATE#$1"; }
+
+# A process is identified by "PID STARTTIME" (starttime: field 22 of /proc/PID/stat, in clock ticks since
+# boot). PID and start time stay the same across exec (bash child -> env -> setsid -> daemon), and together
+# they cannot be reused by another process.
+# proc_start PID: print the start time of a live process, else return 1. A zombie counts as gone, unless
+# only its main thread has exited and other threads still run (then it may still hold its ports).
+proc_start() {
+  local pid=$1 stat rest f
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  read -r stat 2>/dev/null </proc/"$pid"/stat || return 1
+  rest=${stat##*) }            # the comm field may contain spaces and ')'
+  read -r -a f <<<"$rest"      # f[0] = state (field 3), f[17] = num_threads (20), f[19] = starttime (22)
+  [[ -n ${f[19]:-} ]] || return 1
+  if [[ ${f[0]} == [ZX] ]] && ((${f[17]:-1} <= 1)); then return 1; fi
+  echo "${f[19]}"
+}
+
+# proc_alive "PID STARTTIME": is exactly that process still alive (not exited, not a zombie)?
+proc_alive() {
+  local pid=${1% *} start=${1#* } now_start
+  now_start=$(proc_start "$pid") || return 1
+  [[ $now_start == "$start" ]]
+}
 
 # Is PID a live process of ROLE belonging to this state folder?
 # (checks the executable and the HPCRL_DEVCLUSTER_TAG we put into its environment)
@@ -82,23 +107,53 @@ pid_is_role() {
   grep -qzxF -- "HPCRL_DEVCLUSTER_TAG=$(tag_of "$role")" "/proc/$pid/environ" 2>/dev/null
 }
 
-# Print the pid of ROLE if it runs (pid file first, then a scan for our tag), else return 1.
-pid_of() {
-  local role=$1 pf pid f
-  pf=$(pidfile_of "$role")
-  if [[ -f $pf ]]; then
-    pid=$(tr -dc '0-9' <"$pf" 2>/dev/null || true)
-    if pid_is_role "$pid" "$role"; then echo "$pid"; return 0; fi
+# The process start_daemon forked is the daemon from its first instant: before its exec it is still
+# bash/env/setsid (no daemon executable, maybe no tag yet). Accept those only for the recorded identity.
+exe_is_role_or_launcher() {
+  local pid=$1 role=$2 exe want
+  exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
+  exe=${exe% (deleted)}; exe=${exe##*/}; want=$(exe_of "$role")
+  [[ $exe == "$want" || $exe == "$want"-* || $exe == bash || $exe == env || $exe == setsid ]]
+}
+
+write_id() { # write_id ROLE "PID START" (atomically: readers never see a half-written file)
+  local f
+  [[ -d $RUN ]] || return 0
+  f=$(idfile_of "$1")
+  printf '%s\n' "$2" >"$f.tmp.$BASHPID" && mv -f "$f.tmp.$BASHPID" "$f"
+}
+
+# ident_of ROLE: print "PID STARTTIME" of ROLE's process if it runs (or is starting), else return 1.
+# Sources, in order: our own record (RUN/ROLE.id), the daemon's pid file, a /proc scan for our tag.
+# The daemons rewrite and remove their pid files themselves (at start, and at exit: possibly an old
+# instance exiting while a new one starts), so the pid file alone decides nothing.
+ident_of() {
+  local role=$1 idf pid start rec f
+  idf=$(idfile_of "$role")
+  if [[ -f $idf ]] && read -r rec 2>/dev/null <"$idf" && [[ $rec =~ ^[0-9]+\ [0-9]+$ ]]; then
+    if proc_alive "$rec" && exe_is_role_or_launcher "${rec% *}" "$role"; then echo "$rec"; return 0; fi
   fi
-  # Pid file missing/stale (e.g. setsid forked, or the file was removed): scan /proc.
+  pid=$(tr -dc '0-9' 2>/dev/null <"$(pidfile_of "$role")" || true)  # (2> first: the file may not exist)
+  if pid_is_role "$pid" "$role" && start=$(proc_start "$pid"); then
+    ((LOCKED)) && write_id "$role" "$pid $start"
+    echo "$pid $start"; return 0
+  fi
+  # Pid file missing/stale (e.g. a daemon started by an older devcluster.sh): scan /proc.
   for f in $(grep -lzxF -- "HPCRL_DEVCLUSTER_TAG=$(tag_of "$role")" /proc/[0-9]*/environ 2>/dev/null || true); do
     pid=${f#/proc/}; pid=${pid%/environ}
-    if pid_is_role "$pid" "$role"; then
-      [[ -d $RUN ]] && echo "$pid" >"$pf"
-      echo "$pid"; return 0
+    if pid_is_role "$pid" "$role" && start=$(proc_start "$pid"); then
+      ((LOCKED)) && write_id "$role" "$pid $start"
+      echo "$pid $start"; return 0
     fi
   done
   return 1
+}
+
+# Print the pid of ROLE if it runs, else return 1.
+pid_of() {
+  local ident
+  ident=$(ident_of "$1") || return 1
+  echo "${ident% *}"
 }
 
 is_running() { pid_of "$1" >/dev/null; }
@@ -136,26 +191,57 @@ die_daemon() {
 }
 
 # Start ROLE: CMD... detached (own session), clean environment, output to $LOG/ROLE.out.
+# Records the child's identity "PID STARTTIME" in RUN/ROLE.id right away: $! is the daemon itself (bash
+# forks once; env and setsid exec, and setsid does not fork as it is not a process group leader), but
+# until its final exec it still runs as bash/env/setsid. The identity covers that window.
+declare -A STARTED_PID=()
 start_daemon() {
   local role=$1; shift
-  local out
+  local out pid start
   out=$(outfile_of "$role")
   printf '===== %s start %s: %s\n' "$(date -Is)" "$role" "$*" >>"$out"
   env -i PATH="$DAEMON_PATH" HOME="${HOME:-/root}" LANG=C.UTF-8 \
     SLURM_CONF="$SLURM_CONF_FILE" HPCRL_DEVCLUSTER_TAG="$(tag_of "$role")" \
     setsid "$@" </dev/null >>"$out" 2>&1 9>&- &
-  echo $! >"$(pidfile_of "$role")"
+  pid=$!
+  STARTED_PID[$role]=$pid
+  start=$(proc_start "$pid") || start=0   # already gone: the liveness check reports it
+  write_id "$role" "$pid $start"
+}
+
+# exit_note ROLE: set EXIT_NOTE to " (exit status N)" if this process started ROLE and it has exited.
+# (Not in a $(...) subshell: only this shell can wait for its own children.)
+EXIT_NOTE=
+exit_note() {
+  local pid=${STARTED_PID[$1]:-} rc=0
+  EXIT_NOTE=
+  [[ -n $pid ]] || return 0
+  proc_start "$pid" >/dev/null && return 0
+  wait "$pid" 2>/dev/null || rc=$?
+  ((rc == 127)) || EXIT_NOTE=" (exit status $rc)"
+}
+
+# still_running ROLE IDENT: print IDENT if that process still lives; else, if ROLE runs as another process (a
+# launcher that forked), print that identity. Never concludes "exited" from a pid file alone.
+still_running() {
+  local role=$1 ident=$2
+  proc_alive "$ident" && { echo "$ident"; return 0; }
+  ident_of "$role"
 }
 
 # wait_until ROLE TIMEOUT DESCRIPTION CMD... : poll CMD until success; fail if ROLE dies or timeout.
+# Liveness is checked on the identity (PID + start time) of the process, not by re-reading pid files.
 wait_until() {
   local role=$1 timeout=$2 desc=$3; shift 3
-  local deadline
+  local deadline ident
+  if ! ident=$(ident_of "$role"); then
+    exit_note "$role"; die_daemon "$role" "not running$EXIT_NOTE before waiting for: $desc"
+  fi
   deadline=$(awk -v t="$(now)" -v d="$timeout" 'BEGIN { printf "%.3f", t + d }')
   while true; do
     if "$@" >/dev/null 2>&1; then return 0; fi
-    if ! is_running "$role"; then
-      die_daemon "$role" "process exited while waiting for: $desc"
+    if ! ident=$(still_running "$role" "$ident"); then
+      exit_note "$role"; die_daemon "$role" "process exited$EXIT_NOTE while waiting for: $desc"
     fi
     if awk -v t="$(now)" -v d="$deadline" 'BEGIN { exit !(t > d) }'; then
       die_daemon "$role" "timed out after ${timeout}s waiting for: $desc"
@@ -429,10 +515,16 @@ resume_bad_nodes() {
 wait_nodes() {
   local deadline=$((SECONDS + 40)) n
   local last_resume=-10
+  local -A ident=()
+  for n in "${NODES[@]}"; do
+    if ! ident[$n]=$(ident_of "slurmd.$n"); then exit_note "slurmd.$n"; die_daemon "slurmd.$n" "not running$EXIT_NOTE"; fi
+  done
   while true; do
     all_nodes_healthy && return 0
     for n in "${NODES[@]}"; do
-      is_running "slurmd.$n" || die_daemon "slurmd.$n" "process exited while waiting for node $n to become idle"
+      if ! ident[$n]=$(still_running "slurmd.$n" "${ident[$n]}"); then
+        exit_note "slurmd.$n"; die_daemon "slurmd.$n" "process exited$EXIT_NOTE while waiting for node $n to become idle"
+      fi
     done
     if ((SECONDS - last_resume >= 3)); then resume_bad_nodes; last_resume=$SECONDS; fi
     if ((SECONDS > deadline)); then
@@ -460,19 +552,23 @@ fully_up() {
 # Stopping
 # ---------------------------------------------------------------------------
 # stop_role ROLE [TIMEOUT]: SIGTERM, wait, SIGKILL.
+# Waits on the identity (PID + start time): the daemon removes its pid file before it is gone.
 stop_role() {
-  local role=$1 timeout=${2:-15} pid
-  if pid=$(pid_of "$role"); then
+  local role=$1 timeout=${2:-15} ident pid
+  if ident=$(ident_of "$role"); then
+    pid=${ident% *}
     kill -TERM "$pid" 2>/dev/null || true
     local deadline=$((SECONDS + timeout))
-    while pid_is_role "$pid" "$role" && ((SECONDS < deadline)); do sleep 0.1; done
-    if pid_is_role "$pid" "$role"; then
+    while proc_alive "$ident" && ((SECONDS < deadline)); do sleep 0.1; done
+    if proc_alive "$ident"; then
       log "$role (pid $pid) did not stop after ${timeout}s: SIGKILL"
       kill -KILL "$pid" 2>/dev/null || true
-      while pid_is_role "$pid" "$role"; do sleep 0.1; done
+      deadline=$((SECONDS + 10))
+      while proc_alive "$ident" && ((SECONDS < deadline)); do sleep 0.1; done
+      proc_alive "$ident" && log "WARNING: $role (pid $pid) still there after SIGKILL"
     fi
   fi
-  rm -f "$(pidfile_of "$role")"
+  rm -f "$(pidfile_of "$role")" "$(idfile_of "$role")"
 }
 
 cancel_all_jobs() {
@@ -497,6 +593,7 @@ cmd_down() {
   client_env
   [[ -d $STATE ]] || { log "nothing to stop ($STATE does not exist)"; return 0; }
   exec 9>"$STATE/.lock"; flock -w 120 9 || die "another devcluster.sh holds $STATE/.lock"
+  LOCKED=1
   if is_running slurmctld; then cancel_all_jobs; fi
   # slurmd's in parallel, then the rest in reverse start order.
   for n in "${NODES[@]}"; do stop_role "slurmd.$n" & pids+=($!); done
@@ -529,6 +626,7 @@ cmd_up() {
   client_env
   mkdir -p "$STATE"
   exec 9>"$STATE/.lock"; flock -w 120 9 || die "another devcluster.sh holds $STATE/.lock"
+  LOCKED=1
   prepare
   if fully_up; then
     register_account_user

@@ -7,9 +7,11 @@
 the component into the job; `__call__` builds sockets, models and threads inside the job. Each
 component writes `procs/<name>.json` (host, pid) into the run directory, and SIGTERM/SIGINT
 (submitit's cancel) make it finish cleanly: the store flushes, the learner checkpoints,
-generators wait for their trajectories to be acknowledged. The long-running ones are
-`submitit.helpers.Checkpointable`: at a Slurm time limit they are requeued as they are and
-resume from the run directory (checkpoints, store cursor, coordinator state).
+generators wait for their trajectories to be acknowledged. SIGUSR2, which Slurm sends
+`slurm.<role>.signal_delay_s` ahead of the time limit, does the same and then requeues the job
+(`_finish`): it runs again under the same job id and resumes from the run directory
+(checkpoints, store cursor, coordinator state). They stay `submitit.helpers.Checkpointable`,
+so a USR2 that arrives before the component installed its own handler still requeues the job.
 """
 
 from __future__ import annotations
@@ -30,14 +32,31 @@ __all__ = ["StoreComponent", "SandboxComponent", "CoordinatorComponent", "Learne
 log = logging.getLogger("hpcrl.components")
 
 
-def _start(run_dir: Path, name: str, role: str) -> threading.Event:
+class _Stop(threading.Event):
+    """Set by SIGTERM/SIGINT (cancel, requeue) and by SIGUSR2, which Slurm sends `signal_delay_s`
+    ahead of the time limit; `requeue` tells the component to requeue its job once it has drained."""
+
+    requeue = False
+
+
+def _start(run_dir: Path, name: str, role: str) -> _Stop:
     """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs file."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
-    stop = threading.Event()
+    stop = _Stop()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+
+        def time_limit(*_):
+            # Replaces submitit's USR2 handler, which requeues at once and exits from inside the
+            # handler: here the component first drains (the learner checkpoints, the store flushes
+            # and finalizes its shard, generators hand back their episodes), then `_finish` requeues.
+            log.warning("%s: SIGUSR2 (time limit ahead): draining, then requeueing the job", name)
+            stop.requeue = True
+            stop.set()
+
+        signal.signal(signal.SIGUSR2, time_limit)
     procs = run_dir / "procs"
     procs.mkdir(exist_ok=True)
     tmp = procs / f".{name}.tmp"
@@ -45,6 +64,22 @@ def _start(run_dir: Path, name: str, role: str) -> threading.Event:
                                "started": time.time()}))
     os.replace(tmp, procs / f"{name}.json")
     return stop
+
+
+def _finish(stop: _Stop, result):
+    """Requeue the job after a SIGUSR2 drain (rank 0 only; the same job id runs again later)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if stop.requeue and job and os.environ.get("SLURM_PROCID", "0") == "0":
+        from hpcrl.slurm.command import run_slurm
+
+        if os.environ.get("SLURM_ARRAY_TASK_ID"):
+            job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+        out = run_slurm(["scontrol", "requeue", job], check=False)
+        if out.returncode:
+            log.error("could not requeue job %s (%s): the supervisor will resubmit it", job, out.stderr.strip())
+        else:
+            log.warning("drained; job %s requeued", job)
+    return result
 
 
 def _threads(n: int) -> None:
@@ -68,7 +103,7 @@ class StoreComponent(submitit.helpers.Checkpointable):
         writer = ShardWriter(self.run_dir / "trajectories", self.name, self.cfg)
         with Node(self.run_dir, self.name) as node:
             TrajectoryReceiver(node, "store", writer).serve(stop)  # flushes and finalizes the shard at the end
-        return "stopped"
+        return _finish(stop, "stopped")
 
 
 class SandboxComponent(submitit.helpers.Checkpointable):
@@ -81,7 +116,7 @@ class SandboxComponent(submitit.helpers.Checkpointable):
         from hpcrl.sandbox.server import serve
 
         stop = _start(self.run_dir, self.name, "sandbox")
-        return serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop)
+        return _finish(stop, serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop))
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
@@ -100,7 +135,7 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
                             self.max_steps, self.seed, self.cfg)
         with Node(self.run_dir, "coordinator") as node:
             coord.serve(node, stop)
-        return "stopped"
+        return _finish(stop, "stopped")
 
 
 class LearnerComponent(submitit.helpers.Checkpointable):
@@ -115,13 +150,21 @@ class LearnerComponent(submitit.helpers.Checkpointable):
 
         try:
             # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from submitit (local or Slurm).
-            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+            dist = submitit.helpers.TorchDistributedEnvironment()
+            if dist.world_size == dist.local_world_size:
+                # All ranks on this node: loopback always works, while Slurm's node name may not
+                # resolve (the dev cluster's emulated nodes n1/n2 are no host names).
+                dist.master_addr = "127.0.0.1"
+            dist.export(set_cuda_visible_devices=False)
         except RuntimeError:
             pass  # not inside a submitit job (run by hand): rl/distenv.py finds the ranks itself
         rank = os.environ.get("RANK", "0")
         stop = _start(self.run_dir, f"learner-{rank}", "learner")
         _threads(self.torch_threads)
-        return run_learner(self.run_dir, self.cfg, self.policy, self.seed, stop)
+        step = run_learner(self.run_dir, self.cfg, self.policy, self.seed, stop)
+        if step >= self.cfg.max_steps:
+            stop.requeue = False  # done: a signal that came with the last step must not start it again
+        return _finish(stop, step)
 
 
 class GeneratorComponent(submitit.helpers.Checkpointable):
@@ -170,5 +213,5 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
             finally:
                 source.close()
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
-            return {"stopped_by": "coordinator" if source.should_stop() else "signal",
-                    "trajectories": gen.stats.trajectories, "busy_fraction": gen.stats.busy_fraction}
+            return _finish(stop, {"stopped_by": "coordinator" if source.should_stop() else "signal",
+                                  "trajectories": gen.stats.trajectories, "busy_fraction": gen.stats.busy_fraction})

@@ -18,7 +18,7 @@ from hpcrl import __version__
 from hpcrl.jobs.schema import ConfigError
 
 # Verb modules in the order `--help` lists them.
-VERBS = ("validate", "run", "status", "traj", "sandbox", "sim")
+VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim")
 
 
 class UsageError(Exception):

@@ -1,0 +1,66 @@
+"""`hpcrl sbatch CONFIG [KEY=VALUE ...] -o DIR`: write plain sbatch scripts to submit a run by hand.
+
+    hpcrl sbatch config.yaml executor=slurm -o scripts/ && bash scripts/submit.sh
+    hpcrl sbatch config.yaml executor=slurm -o scripts/ --hetjob     # one heterogeneous job
+
+Creates the run directory (resolved config), then writes one readable script per component
+(store.sbatch, coordinator.sbatch, learner.sbatch, gen-N.sbatch, sandbox.sbatch as a job array
+when a domain executes code, supervisor.sbatch) and submit.sh, which submits them and records
+the job ids in the run's jobs.json. With --hetjob: one `#SBATCH hetjob` script for every
+component in a single allocation (no supervisor: a dead component is not replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sbatch", help="write readable sbatch scripts (and submit.sh) for a run",
+                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. executor=slurm")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder the scripts are written to")
+    p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
+    p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
+    p.add_argument("--hetjob", action="store_true", help="one heterogeneous job for all components")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.jobs.config import load_config
+    from hpcrl.jobs.rundir import create_run_dir
+    from hpcrl.jobs.scripts import write_scripts
+    from hpcrl.rl.domains import DomainError, load_domains
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.executor != "slurm":
+        raise UsageError(f"executor is {cfg.executor!r}: sbatch scripts are for Slurm; set `executor: slurm` "
+                         "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
+    config_dir = str(Path(args.config).resolve().parent)
+    try:
+        load_domains(cfg.domains, [config_dir])
+    except DomainError as exc:
+        raise UsageError(str(exc)) from None
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {out}: exists and is not a folder")
+    try:
+        run_dir = create_run_dir(cfg, args.run_id)
+    except FileExistsError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        paths = write_scripts(cfg, run_dir, out, [config_dir], max_restarts=args.max_restarts, hetjob=args.hetjob)
+    except ValueError as exc:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing was submitted: leave no half-made run behind
+        raise UsageError(str(exc)) from None
+    print(f"run directory {run_dir}")
+    for p in paths:
+        print(f"  {p}")
+    print(f"submit with: bash {out / 'submit.sh'}")
+    return 0

@@ -1,0 +1,74 @@
+"""`hpcrl submit CONFIG [KEY=VALUE ...]`: start a run on Slurm and return; the jobs keep running.
+
+    hpcrl submit config.yaml executor=slurm                       # or `executor: slurm` in the file
+    hpcrl submit config.yaml executor=slurm learner.max_steps=50 --run-id smoke
+    hpcrl submit config.yaml executor=slurm --dry-run             # print the sbatch scripts only
+
+Creates the run directory, submits the store writer and coordinator (slurm.coordinator), the
+sandbox servers as one job array (slurm.sandbox; only when a domain executes code), the learner
+(slurm.learner), one job per generator (slurm.generator) and a small supervisor job that
+resubmits components that die (up to --max-restarts each, then the run fails and cancels its
+jobs). Prints the run id and every component's job id; <run>/jobs.json keeps them for
+`hpcrl status`, `hpcrl cancel` and `hpcrl logs`. Warns first about cluster settings that break
+requeue or the time-limit signal (`scontrol show config`: JobRequeue=0, a short KillWait, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit",
+        help="start a run as Slurm jobs (executor: slurm) and return",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+    )
+    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. executor=slurm")
+    p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
+    p.add_argument("--max-restarts", type=int, default=3, help="resubmissions allowed per component (default 3)")
+    p.add_argument("--dry-run", action="store_true", help="print each component's sbatch script; submit nothing")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.jobs.config import load_config
+    from hpcrl.jobs.rundir import create_run_dir
+    from hpcrl.jobs.slurmrun import dry_run_scripts, preflight, submit_run
+    from hpcrl.rl.domains import DomainError, load_domains
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.executor != "slurm":
+        raise UsageError(f"executor is {cfg.executor!r}: `hpcrl submit` starts Slurm jobs; set `executor: slurm` "
+                         "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+    config_dir = str(Path(args.config).resolve().parent)
+    try:
+        load_domains(cfg.domains, [config_dir])  # a bad domain fails before anything is created
+    except DomainError as exc:
+        raise UsageError(str(exc)) from None
+    if args.dry_run:
+        # Scripts name the run directory a submission would create; nothing is created or queued.
+        run_dir = Path(cfg.experiment.run_root) / (args.run_id or "RUN_ID")
+        for name, text in dry_run_scripts(cfg, run_dir, [config_dir]).items():
+            print(f"# ===== {name} =====\n{text}")
+        return 0
+    try:
+        run_dir = create_run_dir(cfg, args.run_id)
+    except FileExistsError as exc:
+        raise UsageError(str(exc)) from None
+    for warning in preflight(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
+    record = submit_run(cfg, run_dir, [config_dir], max_restarts=args.max_restarts)
+    print(f"run {run_dir.name}  ({run_dir})")
+    for name, c in record["components"].items():
+        print(f"  {name:<12} job {c['job_id']:<10} partition {getattr(cfg.slurm, c['role']).partition}")
+    print(f"  {'supervisor':<12} job {record['supervisor']['job_id']:<10} partition {cfg.slurm.coordinator.partition}")
+    print(f"follow it with `hpcrl status {run_dir}`; stop it with `hpcrl cancel {run_dir}`")
+    return 0

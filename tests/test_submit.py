@@ -1,0 +1,366 @@
+"""`hpcrl submit/sbatch/status/cancel/logs` on the dev cluster (make devcluster), plus their input errors.
+
+End to end: the default experiment submitted with executor=slurm; the learner is requeued
+(`scontrol requeue`) mid-run and resumes from its checkpoint with no trajectory lost or trained
+twice, a generator's job is cancelled and the supervisor replaces it, the run finishes and frees
+every job. `hpcrl cancel` of a running run leaves no job; `bash DIR/submit.sh` of `hpcrl sbatch`
+(separate jobs, and one heterogeneous job) trains and ends by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from hpcrl.jobs.slurmrun import queue_states, read_jobs
+from hpcrl.rl.coordinator import read_status
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+# Small, fast runs: one-minute jobs would do, but the signal must stay inside the time limit.
+SMALL = ["executor=slurm", "slurm.coordinator.time_min=10", "slurm.learner.time_min=10", "slurm.generator.time_min=10",
+         "slurm.sandbox.time_min=10", "slurm.coordinator.signal_delay_s=30", "slurm.learner.signal_delay_s=30",
+         "slurm.generator.signal_delay_s=30", "slurm.sandbox.signal_delay_s=30"]
+
+
+def hpcrl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "hpcrl.jobs.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=timeout_s)
+
+
+def status_json(run_dir: Path) -> dict:
+    out = hpcrl("status", "--json", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def all_ids(run_dir: Path) -> list[str]:
+    jobs = read_jobs(run_dir)
+    sup = [jobs["supervisor"]] if jobs.get("supervisor") else []
+    return list(dict.fromkeys(j for c in [*jobs["components"].values(), *sup] for j in c["history"]))
+
+
+# ---- input errors and rendering (no jobs are submitted) ----
+
+def test_submit_refuses_the_local_executor(tmp_path):
+    out = hpcrl("submit", "config.yaml", f"experiment.run_root={tmp_path}")
+    assert out.returncode == 2
+    assert "executor=slurm" in out.stderr and "hpcrl run" in out.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_submit_dry_run_prints_each_roles_sbatch_script_and_creates_nothing(tmp_path):
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "generators.count=2",
+                "--dry-run", "--run-id", "dry")
+    assert out.returncode == 0, out.stderr
+    scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
+    assert list(scripts) == ["store", "coordinator", "learner", "gen-0", "gen-1", "supervisor"]
+    for name, text in scripts.items():
+        assert text.startswith("#!/bin/bash") and "submitit.core._submit" in text
+        assert f"--job-name=hpcrl-dry-{name}" in text and "#SBATCH --signal=USR2@30" in text
+        gpu = name == "learner" or name.startswith("gen-")
+        assert (f"#SBATCH --partition={'gpu' if gpu else 'cpu'}") in text
+        assert ("#SBATCH --gpus-per-node=1" in text) == gpu
+    assert "#SBATCH --cpus-per-task=2" in scripts["learner"]
+    assert not (tmp_path / "dry").exists()
+
+
+def test_dry_run_renders_sandbox_servers_as_one_array_on_the_cpu_partition(tmp_path):
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "sandbox.servers=3",
+                "domains=[{name: arith/copy}, {name: synth}]", "--dry-run", "--run-id", "code")
+    assert out.returncode == 0, out.stderr
+    scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
+    assert list(scripts) == ["store", "coordinator", "sandbox", "learner", "gen-0", "supervisor"]
+    assert "#SBATCH --array=0-2%3" in scripts["sandbox"] and "#SBATCH --partition=cpu" in scripts["sandbox"]
+    assert f"#SBATCH --output={tmp_path}/code/submitit/%A_%a_0_log.out" in scripts["sandbox"]
+
+
+def test_sbatch_writes_readable_scripts_and_refuses_a_multi_node_hetjob(tmp_path):
+    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "-o", str(tmp_path / "s"),
+                "--run-id", "hand")
+    assert out.returncode == 0, out.stderr
+    names = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert names == ["coordinator.sbatch", "gen-0.sbatch", "learner.sbatch", "store.sbatch", "submit.sh",
+                     "supervisor.sbatch"]
+    learner = (tmp_path / "s" / "learner.sbatch").read_text()
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=1", "#SBATCH --requeue",
+                 "#SBATCH --signal=USR2@30", f"#SBATCH --output={tmp_path}/hand/submitit/%j_0_log.out",
+                 f"-m hpcrl.jobs.component {tmp_path}/hand learner"):
+        assert line in learner, line
+    assert subprocess.run(["bash", "-n", str(tmp_path / "s" / "submit.sh")]).returncode == 0
+    assert (tmp_path / "hand" / "config.resolved.yaml").exists()
+
+    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "-o", str(tmp_path / "h"),
+                "--run-id", "het", "--hetjob")
+    assert out.returncode == 0, out.stderr
+    het = (tmp_path / "h" / "run.hetjob.sbatch").read_text()
+    assert het.count("#SBATCH hetjob") == 1  # one group per partition: cpu (store, coordinator), gpu
+    assert "#SBATCH --ntasks-per-node=2" in het and "#SBATCH --gpus-per-node=2" in het
+    assert "srun --het-group=1 --exact -n1 -c2 --mem=4096M --gres=gpu:1" in het
+
+    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "slurm.learner.nodes=2",
+                "-o", str(tmp_path / "m"), "--run-id", "multi", "--hetjob")
+    assert out.returncode == 2 and "nodes > 1" in out.stderr
+    assert not (tmp_path / "multi").exists()
+
+
+def test_cancel_logs_status_of_unknown_or_local_runs_exit_2(tmp_path):
+    for verb in ("cancel", "logs", "status"):
+        out = hpcrl(verb, str(tmp_path / "nope"))
+        assert out.returncode == 2 and "is not a run directory" in out.stderr, (verb, out.stderr)
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.resolved.yaml").write_text("executor: local\n")
+    for verb in ("cancel", "logs"):
+        out = hpcrl(verb, str(local))
+        assert out.returncode == 2 and "not a Slurm run" in out.stderr, (verb, out.stderr)
+
+
+def fake_run(root: Path, name: str, jobs: dict | None, status: dict | None = None) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.resolved.yaml").write_text("executor: slurm\n")
+    if status is not None:
+        (run / "status.json").write_text(json.dumps(status))
+    if jobs is not None:
+        (run / "jobs.json").write_text(json.dumps(jobs))
+    return run
+
+
+def test_status_without_run_lists_recent_runs_newest_first(tmp_path):
+    fake_run(tmp_path, "old", {"state": "finished", "components": {}}, {"learner": {"step": 9}})
+    time.sleep(0.05)
+    fake_run(tmp_path, "new", None, {"state": "running", "learner": {"step": 3}})
+    (tmp_path / "not-a-run").mkdir()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"experiment: {{run_root: {tmp_path}}}\n")
+    out = hpcrl("status", "--config", str(cfg), "--json")
+    assert out.returncode == 0, out.stderr
+    runs = json.loads(out.stdout)["runs"]
+    assert [(r["run"], r["executor"], r["state"], r["step"]) for r in runs] == [
+        ("new", "local", "running", 3), ("old", "slurm", "finished", 9)]
+    out = hpcrl("status", "--config", str(cfg))
+    assert out.returncode == 0 and out.stdout.index("new") < out.stdout.index("old")
+
+
+def test_logs_prints_and_follows_a_components_files(tmp_path):
+    run = fake_run(tmp_path, "r", {"state": "running", "components": {
+        "learner": {"role": "learner", "job_id": "41", "history": ["40", "41"], "restarts": 1}}})
+    (run / "submitit").mkdir()
+    (run / "submitit" / "40_0_log.err").write_text("first life\n")
+    err = run / "submitit" / "41_0_log.err"
+    err.write_text("step 1\n")
+    out = hpcrl("logs", str(run), "learner")
+    assert out.returncode == 0 and "step 1" in out.stdout and "first life" not in out.stdout
+    assert "first life" in hpcrl("logs", str(run), "learner", "--all").stdout
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", "logs", str(run), "learner", "-f"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert "==> learner:" in proc.stdout.readline() and proc.stdout.readline() == "step 1\n"
+        with open(err, "a") as f:
+            f.write("step 2\n")
+        assert proc.stdout.readline() == "[learner] step 2\n"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_path):
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "config.resolved.yaml").write_text("executor: slurm\n")
+    (run / "status.json").write_text(json.dumps({"state": "running", "updated": time.time(), "traj_per_s": 3.0,
+                                                 "learner": {"step": 7, "version": 7, "reward": 0.5},
+                                                 "counts": {"completed": 99}, "reward_by_domain": {"a": 0.5}}))
+    (run / "jobs.json").write_text(json.dumps({"state": "running", "components": {
+        "store": {"role": "coordinator", "job_id": "999990", "history": ["999990"], "restarts": 0},
+        "learner": {"role": "learner", "job_id": "999991", "history": ["999991"], "restarts": 1}},
+        "supervisor": {"job_id": "999992", "history": ["999992"]}}))
+    snap = status_json(run)
+    assert (snap["step"], snap["version"], snap["trajectories"], snap["reward_by_domain"]) == (7, 7, 99, {"a": 0.5})
+    assert [(c["name"], c["job_id"], c["state"]) for c in snap["components"]] == [
+        ("store", "999990", "UNKNOWN"), ("learner", "999991", "UNKNOWN"), ("supervisor", "999992", "UNKNOWN")]
+    assert snap["components"][1]["restarts"] == 1
+    assert snap["state"] == "ended"  # no job of it is left in the queue
+    out = hpcrl("logs", str(run), "learner")
+    assert out.returncode == 1 and "no log files yet" in out.stderr
+    out = hpcrl("logs", str(run), "gen-9")
+    assert out.returncode == 2 and "components: store, learner, supervisor" in out.stderr
+
+
+# ---- on the dev cluster ----
+
+def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tmp_path):
+    from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME, lineage
+    from hpcrl.rl.store_reader import StoreReader, iter_segments
+    from hpcrl.slurm.command import run_slurm
+
+    t0 = time.monotonic()
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=100",
+                "learner.checkpoint_every=10", "--run-id", "e2e")
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "e2e"
+    try:
+        jobs = read_jobs(run_dir)
+        for name in ("store", "coordinator", "learner", "gen-0"):
+            assert f"{name}" in out.stdout and jobs["components"][name]["job_id"] in out.stdout
+        wait_for(lambda: all(c["state"] == "RUNNING" for c in status_json(run_dir)["components"]), 30,
+                 what="every component RUNNING")
+        print(f"submit -> every component running: {time.monotonic() - t0:.1f} s")
+        t = time.monotonic()
+        snap = status_json(run_dir)
+        print(f"hpcrl status --json: {time.monotonic() - t:.2f} s")
+        assert {c["name"] for c in snap["components"]} == {"store", "coordinator", "learner", "gen-0", "supervisor"}
+        assert {c["node"] for c in snap["components"]} <= {"n1", "n2"}
+
+        step = wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 14 and status_json(run_dir)["step"], 90,
+                        interval_s=0.2, what="learner step 14")
+        learner = jobs["components"]["learner"]["job_id"]
+        run_slurm(["scontrol", "requeue", learner])  # SIGTERM now, the same job id runs again later
+        gen = jobs["components"]["gen-0"]["job_id"]
+        run_slurm(["scancel", gen])
+        wait_for(lambda: read_jobs(run_dir)["components"]["gen-0"]["job_id"] != gen, 30, what="gen-0 resubmitted")
+        wait_for(lambda: read_jobs(run_dir)["state"] in ("finished", "failed"), 150, what="the run to finish")
+        jobs = read_jobs(run_dir)
+        assert jobs["state"] == "finished", jobs
+        assert jobs["components"]["learner"]["history"] == [learner]  # requeued in place, not resubmitted
+        assert jobs["components"]["gen-0"]["restarts"] == 1 and len(jobs["components"]["gen-0"]["history"]) == 2
+        wait_for(lambda: not queue_states(all_ids(run_dir)), 30, what="every job of the run to leave the queue")
+    except BaseException:
+        hpcrl("cancel", str(run_dir))  # leave no job behind
+        raise
+
+    records, lives = lineage(run_dir / AUDIT_NAME)
+    assert lives == 2, "the requeued learner should have started twice"
+    assert [r["step"] for r in records] == list(range(1, 101))
+    audit = [json.loads(line) for line in (run_dir / AUDIT_NAME).read_text().splitlines()]
+    resumed = [a for a in audit if "resumed_step" in a]
+    # From a checkpoint (step 10's, or the one taken while draining on SIGTERM), never from step 0.
+    assert 10 <= resumed[1]["resumed_step"] < 100, (resumed, step)
+    trained = [i for r in records for i in r["trained"]]
+    dropped = [i for r in records for i in r["dropped"]]
+    assert len(trained) == len(set(trained)) == 100 * 256, "a trajectory was trained twice"
+    assert not set(trained) & set(dropped)
+    cursor = json.loads((run_dir / CURSOR_NAME).read_text())
+    reader = StoreReader(run_dir)
+    reader.load_state_dict(cursor["reader"])
+    unread = {t.id for t in reader}
+    stored = {cols.trajectory(i).id for _, _, cols in iter_segments(run_dir / "trajectories") for i in range(cols.rows)}
+    accounted = set(trained) | set(dropped) | set(cursor["buffered"]) | set(cursor["pending_dropped"]) | unread
+    assert stored <= accounted, f"{len(stored - accounted)} stored trajectories were lost"
+
+    st = read_status(run_dir)
+    assert st["learner"]["step"] == 100
+    out = hpcrl("logs", str(run_dir), "learner")
+    assert out.returncode == 0 and "==> learner:" in out.stdout
+
+
+def test_cancel_stops_every_job_and_finalizes_the_store(slurm_cluster, tmp_path):
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=100000",
+                "--run-id", "cancel")
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "cancel"
+    wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 2, 60, what="learner steps")
+    out = hpcrl("cancel", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    assert "store writer flushed and finalized its shards" in out.stdout, out.stdout
+    assert not queue_states(all_ids(run_dir)), "cancel returns once every job has left the queue"
+    assert read_jobs(run_dir)["state"] == "cancelled"
+    assert status_json(run_dir)["state"] == "cancelled"
+
+
+def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(slurm_cluster, tmp_path):
+    from hpcrl.rl.learner_service import AUDIT_NAME, lineage
+    from hpcrl.slurm.command import run_slurm
+
+    # A 1-minute learner signalled 50 s ahead: USR2 about 10 s in (Slurm checks limits periodically, so
+    # it may come later, but well before the limit). No periodic checkpoint before step 1000: a resume
+    # past step 0 can only come from the checkpoint taken while draining on the signal.
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "slurm.learner.time_min=1",
+                "slurm.learner.signal_delay_s=50", "learner.max_steps=100000", "learner.checkpoint_every=1000",
+                "--max-restarts", "0", "--run-id", "limit")
+    assert out.returncode == 0, out.stderr
+    assert "warning: KillWait=2 s" in out.stderr and "warning: slurm.learner.signal_delay_s=50" in out.stderr
+    run_dir = tmp_path / "limit"
+    learner = read_jobs(run_dir)["components"]["learner"]["job_id"]
+    try:
+        wait_for(lambda: (run_dir / AUDIT_NAME).exists() and lineage(run_dir / AUDIT_NAME)[1] >= 2, 120,
+                 what="the learner to drain on SIGUSR2, requeue and start again")
+        jobs = read_jobs(run_dir)
+        assert jobs["components"]["learner"]["history"] == [learner] and jobs["state"] == "running"
+        audit = [json.loads(line) for line in (run_dir / AUDIT_NAME).read_text().splitlines()]
+        resumed = [a for a in audit if "resumed_step" in a]
+        assert resumed[1]["resumed_step"] > 0, resumed
+        log = hpcrl("logs", str(run_dir), "learner").stdout
+        assert "SIGUSR2" in log and f"job {learner} requeued" in log, log[-3000:]
+
+        # Restart budget 0: the next component that dies fails the run, which frees every node.
+        gen = jobs["components"]["gen-0"]["job_id"]
+        run_slurm(["scancel", gen])
+        wait_for(lambda: read_jobs(run_dir)["state"] == "failed", 30, what="the run to fail")
+        wait_for(lambda: not queue_states(all_ids(run_dir)), 30, what="every job of the failed run to leave the queue")
+    except BaseException:
+        hpcrl("cancel", str(run_dir))
+        raise
+    jobs = read_jobs(run_dir)
+    assert jobs["message"].startswith("gen-0 failed 1 times") and gen in jobs["message"], jobs["message"]
+    out = hpcrl("status", str(run_dir))
+    assert out.returncode == 0 and "failed: gen-0 failed 1 times" in out.stdout, out.stdout
+
+
+def test_sandbox_servers_are_submitted_as_one_job_array(slurm_cluster, tmp_path):
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "sandbox.servers=2",
+                "domains=[{name: arith/copy}, {name: synth}]", "--run-id", "array")
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "array"
+    try:
+        comps = read_jobs(run_dir)["components"]
+        array = comps["sandbox-0"]["job_id"].split("_")[0]
+        assert (comps["sandbox-0"]["job_id"], comps["sandbox-1"]["job_id"]) == (f"{array}_0", f"{array}_1")
+        assert all(c["role"] == "sandbox" for n, c in comps.items() if n.startswith("sandbox"))
+        snap = status_json(run_dir)
+        states = {c["name"]: c["state"] for c in snap["components"]}
+        assert states["sandbox-0"] in ("PENDING", "RUNNING") and states["sandbox-1"] in ("PENDING", "RUNNING"), states
+    finally:
+        # No grace: the store is cancelled at once; cancel reports what its shards look like either way.
+        out = hpcrl("cancel", str(run_dir), "--grace-s", "0")
+    assert out.returncode == 0, out.stderr
+    assert not queue_states(all_ids(run_dir)), "cancel returns once every job has left the queue"
+    from hpcrl.rl.shards import list_shards
+
+    open_shards = [s.name for s in list_shards(run_dir / "trajectories") if not s.finalized]
+    if open_shards:
+        assert f"stopped before finalizing {', '.join(open_shards)}" in out.stdout, out.stdout
+    else:
+        assert "store writer flushed and finalized its shards" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("hetjob", [False, True], ids=["jobs", "hetjob"])
+def test_sbatch_scripts_submitted_by_hand_train_and_end(slurm_cluster, tmp_path, hetjob):
+    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=10",
+                "-o", str(tmp_path / "s"), "--run-id", "hand", *(["--hetjob"] if hetjob else []))
+    assert out.returncode == 0, out.stderr
+    sub = subprocess.run(["bash", str(tmp_path / "s" / "submit.sh")], capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    run_dir = tmp_path / "hand"
+    try:
+        wait_for(lambda: any(c["state"] == "RUNNING" for c in status_json(run_dir)["components"]), 30,
+                 what="the hand-submitted jobs to run")
+        wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 10, 90, what="learner step 10")
+        wait_for(lambda: not queue_states(all_ids(run_dir)), 60, what="the run's jobs to end by themselves")
+    except BaseException:
+        hpcrl("cancel", str(run_dir))  # leave no job behind
+        raise
+    snap = status_json(run_dir)
+    # With a supervisor the run ends "finished"; a hetjob has none and simply has no job left.
+    assert snap["step"] == 10 and snap["state"] == ("ended" if hetjob else "finished"), snap

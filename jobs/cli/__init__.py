@@ -21,6 +21,15 @@ from hpcrl.jobs.schema import ConfigError
 VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim")
 
 
+def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None:
+    """The arguments every config-driven verb shares: CONFIG, KEY=VALUE overrides, --run-id."""
+    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4)")
+    if run_id:
+        p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
+
+
 class UsageError(Exception):
     """Bad command-line input that argparse cannot catch; exits 2 with the message."""
 

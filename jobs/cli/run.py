@@ -13,6 +13,8 @@ learner keeps its last checkpoint). Exit code 0 when the learner reached learner
 from __future__ import annotations
 
 import argparse
+
+from hpcrl.jobs.cli import add_config_args
 import sys
 import time
 
@@ -23,9 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="train: run every component (locally by default) and show progress",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, values parsed as YAML")
-    p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
+    add_config_args(p, run_id=True)
     p.add_argument("--timeout-min", type=float, help="give up (exit 1) if the run is not done after this many minutes")
     p.add_argument("--quiet", action="store_true", help="no progress line, only the summary")
     p.set_defaults(func=run)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_config_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sbatch", help="write readable sbatch scripts (and submit.sh) for a run",
                        description=__doc__.split("\n\n")[2].replace("\n", " "))
-    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. executor=slurm")
+    add_config_args(p, run_id=True)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder the scripts are written to")
-    p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
     p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
     p.add_argument("--hetjob", action="store_true", help="one heterogeneous job for all components")
     p.set_defaults(func=run)

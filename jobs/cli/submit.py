@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_config_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -24,9 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="start a run as Slurm jobs (executor: slurm) and return",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. executor=slurm")
-    p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
+    add_config_args(p, run_id=True)
     p.add_argument("--max-restarts", type=int, default=3, help="resubmissions allowed per component (default 3)")
     p.add_argument("--dry-run", action="store_true", help="print each component's sbatch script; submit nothing")
     p.set_defaults(func=run)

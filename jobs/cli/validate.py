@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_config_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -15,8 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "(e.g. learner.lr=3e-4 executor=slurm) go through the same schema."
         ),
     )
-    p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, values parsed as YAML")
+    add_config_args(p)
     p.add_argument("--print", dest="print_resolved", action="store_true", help="print the resolved config as YAML")
     p.set_defaults(func=run)
 

@@ -292,10 +292,9 @@ class GapPacker:
                 out.append(task)
         return out
 
-    def pop_oldest(self) -> RolloutTask | None:
-        """Take the oldest pending task regardless of size (an owner adopting it as its own work)."""
+    def _oldest_head(self, bits: int):
+        """(oldest head, bucket) over the non-empty buckets set in `bits`, or None."""
         best = None
-        bits = self._mask
         while bits:
             low = bits & -bits
             bits ^= low
@@ -303,6 +302,11 @@ class GapPacker:
             head = self._clean_head(k)
             if head is not None and (best is None or head < best[0]):
                 best = (head, k)
+        return best
+
+    def pop_oldest(self) -> RolloutTask | None:
+        """Take the oldest pending task regardless of size (an owner adopting it as its own work)."""
+        best = self._oldest_head(self._mask)
         if best is None:
             return None
         head, k = best
@@ -385,14 +389,7 @@ class GapPacker:
         until = self._until[g]
         kmax = bisect.bisect_right(EDGES, until - now - self.margin_s) - 1
         bits = self._mask & ((1 << (kmax + 1)) - 1) if kmax >= 0 else 0
-        best = None
-        while bits:
-            low = bits & -bits
-            bits ^= low
-            k = low.bit_length() - 1
-            head = self._clean_head(k)
-            if head is not None and (best is None or head < best[0]):
-                best = (head, k)
+        best = self._oldest_head(bits)
         if best is None:
             self._free.add((until, g))
             return None

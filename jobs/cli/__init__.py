@@ -34,6 +34,28 @@ class UsageError(Exception):
     """Bad command-line input that argparse cannot catch; exits 2 with the message."""
 
 
+def load_slurm_experiment(args: argparse.Namespace, verb: str):
+    """Config + overrides of a Slurm verb (`submit`, `sbatch`), with its domains checked before
+    anything is created. Returns (config, [config folder]) for the domain search path."""
+    from pathlib import Path
+
+    from hpcrl.jobs.config import load_config
+    from hpcrl.rl.domains import DomainError, load_domains
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.executor != "slurm":
+        raise UsageError(f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
+                         "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
+    if getattr(args, "max_restarts", 0) < 0:
+        raise UsageError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+    search = [str(Path(args.config).resolve().parent)]
+    try:
+        load_domains(cfg.domains, search)
+    except DomainError as exc:
+        raise UsageError(str(exc)) from None
+    return cfg, search
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcrl",

@@ -30,21 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hpcrl.jobs.cli import UsageError
-    from hpcrl.jobs.config import load_config
+    from hpcrl.jobs.cli import UsageError, load_slurm_experiment
     from hpcrl.jobs.rundir import create_run_dir
     from hpcrl.jobs.scripts import write_scripts
-    from hpcrl.rl.domains import DomainError, load_domains
 
-    cfg = load_config(args.config, args.overrides)
-    if cfg.executor != "slurm":
-        raise UsageError(f"executor is {cfg.executor!r}: sbatch scripts are for Slurm; set `executor: slurm` "
-                         "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
-    config_dir = str(Path(args.config).resolve().parent)
-    try:
-        load_domains(cfg.domains, [config_dir])
-    except DomainError as exc:
-        raise UsageError(str(exc)) from None
+    cfg, search = load_slurm_experiment(args, "sbatch")
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out}: exists and is not a folder")
@@ -53,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         raise UsageError(str(exc)) from None
     try:
-        paths = write_scripts(cfg, run_dir, out, [config_dir], max_restarts=args.max_restarts, hetjob=args.hetjob)
+        paths = write_scripts(cfg, run_dir, out, search, max_restarts=args.max_restarts, hetjob=args.hetjob)
     except ValueError as exc:
         import shutil
 

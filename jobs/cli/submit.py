@@ -36,27 +36,15 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from hpcrl.jobs.cli import UsageError
-    from hpcrl.jobs.config import load_config
+    from hpcrl.jobs.cli import UsageError, load_slurm_experiment
     from hpcrl.jobs.rundir import create_run_dir
     from hpcrl.jobs.slurmrun import dry_run_scripts, preflight, submit_run
-    from hpcrl.rl.domains import DomainError, load_domains
 
-    cfg = load_config(args.config, args.overrides)
-    if cfg.executor != "slurm":
-        raise UsageError(f"executor is {cfg.executor!r}: `hpcrl submit` starts Slurm jobs; set `executor: slurm` "
-                         "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
-    if args.max_restarts < 0:
-        raise UsageError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    config_dir = str(Path(args.config).resolve().parent)
-    try:
-        load_domains(cfg.domains, [config_dir])  # a bad domain fails before anything is created
-    except DomainError as exc:
-        raise UsageError(str(exc)) from None
+    cfg, search = load_slurm_experiment(args, "submit")
     if args.dry_run:
         # Scripts name the run directory a submission would create; nothing is created or queued.
         run_dir = Path(cfg.experiment.run_root) / (args.run_id or "RUN_ID")
-        for name, text in dry_run_scripts(cfg, run_dir, [config_dir]).items():
+        for name, text in dry_run_scripts(cfg, run_dir, search).items():
             print(f"# ===== {name} =====\n{text}")
         return 0
     try:
@@ -65,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     for warning in preflight(cfg):
         print(f"warning: {warning}", file=sys.stderr)
-    record = submit_run(cfg, run_dir, [config_dir], max_restarts=args.max_restarts)
+    record = submit_run(cfg, run_dir, search, max_restarts=args.max_restarts)
     print(f"run {run_dir.name}  ({run_dir})")
     for name, c in record["components"].items():
         print(f"  {name:<12} job {c['job_id']:<10} partition {getattr(cfg.slurm, c['role']).partition}")

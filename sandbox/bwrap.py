@@ -40,6 +40,7 @@ import os
 import re
 import select
 import shutil
+import threading
 import time
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, classify, rlimit_args
@@ -129,8 +130,9 @@ def _privdrop_args(uid: int) -> list[str]:
 
 
 class BwrapSession(Session):
-    def __init__(self, proc: Supervised, cg: RunCgroups | None, limits: Limits, status_r: int):
+    def __init__(self, proc: Supervised, cg: RunCgroups | None, limits: Limits, status_r: int, uid: int):
         self._proc = proc
+        self._uid = uid
         self._cg = cg
         self._limits = limits
         self._status_r = status_r
@@ -172,6 +174,8 @@ class BwrapSession(Session):
         try:
             raw = self._proc.wait()
         finally:
+            with _launch_lock:
+                _unreaped.discard(self._proc.pid)
             os.close(self._status_r)
             cg_stats = self._close_cgroups()
         oom, cpu_cg, peak_cg = cg_stats
@@ -181,7 +185,9 @@ class BwrapSession(Session):
         # bwrap reports the exit code only of a program it started; a run we killed never gets
         # that far, but the caller's kill of a live session is no setup failure either.
         started = b'"exit-code"' in raw.side or (self._proc.killed and b'"child-pid"' in raw.side)
-        _reap_init(raw.side)
+        if not _reap_init(raw.side):
+            # Killed before bwrap told us its init's pid, or the init outlived the wait: find it.
+            _reap_lost_inits(self._uid, wait_s=2.0 if self._proc.killed else 0.0)
         if raw.exit_code == 125 and not started and raw.stderr.startswith(b"sh: "):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
         ex = Exit(exit_code=raw.exit_code, signal=raw.signal, started=started, timed_out=raw.timed_out,
@@ -259,7 +265,9 @@ class BwrapBackend(Backend):
             proc = Supervised(cmd, env=dict(_LAUNCH_ENV), output_cap=limits.output_kb * 1024,
                               deadline=time.monotonic() + limits.wall_s, pass_fds=[*fds, status_w],
                               side_fd=status_r, on_kill=cg.kill if cg else None)
-            proc.start()
+            with _launch_lock:  # a sweep must never take a launched outer bwrap for a lost init
+                proc.start()
+                _unreaped.add(proc.pid)
         except BaseException:
             os.close(status_r)
             if cg is not None:
@@ -269,11 +277,14 @@ class BwrapBackend(Backend):
             os.close(status_w)
             for fd in fds:
                 os.close(fd)
-        return BwrapSession(proc, cg, limits, status_r)
+        return BwrapSession(proc, cg, limits, status_r, self.uid)
 
 
 _subreaper = False
 _announced = False
+# Pids of outer bwraps (our own children, run as the slot uid) not yet reaped by their session.
+_unreaped: set[int] = set()
+_launch_lock = threading.Lock()
 
 
 def _become_subreaper() -> bool:
@@ -290,30 +301,79 @@ def _become_subreaper() -> bool:
     return _subreaper
 
 
-def _reap_init(side: bytes, timeout_s: float = 5.0) -> None:
+def _reap_init(side: bytes, timeout_s: float = 5.0) -> bool:
     """Reap the sandbox's pid-1 (bwrap's init), orphaned to us when the outer bwrap exits.
 
     The outer bwrap exits as soon as the init reports the program's status, before the init
     itself is gone; its zombie would otherwise wait for the host's pid 1, which in a container
     may never reap. As subreaper we own it, and nobody else can reap it, so its pid is safe.
+    Returns whether it is gone (False: its pid is unknown, or it was still alive at the timeout).
     """
     if not _subreaper:
-        return
+        return True  # nothing comes to us; nothing to do
     m = re.search(rb'"child-pid": (\d+)', side)
     if not m:
-        return
+        return False
     pid = int(m.group(1))
     try:
         fd = os.pidfd_open(pid)
     except (ProcessLookupError, OSError):
-        return
+        return True  # already reaped
     try:
         select.select([fd], [], [], timeout_s)
-        os.waitpid(pid, os.WNOHANG)
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
     except ChildProcessError:
-        pass  # not ours after all (reaped elsewhere)
+        return False  # not (yet) ours: leave it to the sweep
     finally:
         os.close(fd)
+
+
+def _reap_lost_inits(uid: int, wait_s: float) -> None:
+    """Reap every orphaned sandbox init of slot `uid` that came to us: bwrap processes that are
+    our children but none of the outer bwraps we launched (those are in `_unreaped`).
+
+    Needed when the outer bwrap was killed before it reported its init's pid: the init, killed
+    with it, still comes to us as a zombie. Live ones (dying) are waited for up to `wait_s`.
+    """
+    if not _subreaper:
+        return
+    me = str(os.getpid())
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = 0
+        with _launch_lock:
+            for pid, state in _bwrap_children(me, uid):
+                if pid in _unreaped:
+                    continue
+                if state != "Z":
+                    alive += 1
+                    continue
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        if not alive or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+
+
+def _bwrap_children(ppid: str, uid: int) -> list[tuple[int, str]]:
+    """(pid, state) of the bwrap processes of `uid` whose parent is `ppid` (a /proc scan)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+            comm = stat[stat.index(b"(") + 1:stat.rindex(b")")]
+            state, parent = stat[stat.rindex(b")") + 2:].split(b" ", 2)[:2]
+            if comm != b"bwrap" or parent.decode() != ppid or os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        found.append((int(name), state.decode()))
+    return found
 
 
 def unavailable_reason(uid: int = 61000) -> str | None:

@@ -187,6 +187,7 @@ class Supervised:
         if not self.exited:
             self.kill()
             self._reap(block=True)
+        self._drain_side()
         self._wall = (self._exited_at or time.monotonic()) - self._t0
         self._cleanup()
         if self._status is None:
@@ -202,6 +203,21 @@ class Supervised:
         )
 
     # -- internals ---------------------------------------------------------------------------
+    def _drain_side(self) -> None:
+        # The loop ends once stdout/stderr are closed and the child is reaped, which can come
+        # before it got round to the side channel: what the child wrote there is in the pipe by
+        # now (it has exited), so read it without waiting.
+        if self.side_fd is None or self.side_fd not in self._open:
+            return
+        while len(self.side) < 65536:
+            try:
+                data = os.read(self.side_fd, _CHUNK)
+            except (BlockingIOError, OSError):
+                return
+            if not data:
+                return
+            self.side += data[: 65536 - len(self.side)]
+
     def _done(self) -> bool:
         if not self.exited:
             return False

@@ -197,6 +197,19 @@ def test_leaving_a_session_without_finishing_kills_the_program(backend):
     assert not host_residue([UID])
 
 
+def test_a_session_killed_at_any_moment_of_its_start_leaves_no_zombie(backend):
+    # The earliest kills land before bwrap has reported its init's pid: that init still comes
+    # to us (subreaper) and must be found and reaped, or it waits as a zombie for the host's
+    # init, which in a container may never reap. Delays step through the whole start-up.
+    spec = ExecSpec.single("python", "import time; time.sleep(60)")
+    for i in range(40):
+        s = backend.start(spec)
+        time.sleep(i * 0.0015)
+        s.kill()
+        assert s.finish().status != "ok"
+        assert host_residue([UID]) == [], f"after a kill {i * 1.5:.1f} ms into the start"
+
+
 def test_concurrent_runs_on_different_slots(backend):
     backends = [BwrapBackend(uid=UID + 1 + i) for i in range(3)]
     results = [None] * 3

@@ -283,19 +283,28 @@ def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(
     from hpcrl.rl.learner_service import AUDIT_NAME, lineage
     from hpcrl.slurm.command import run_slurm
 
-    # A 1-minute learner signalled 50 s ahead: USR2 about 10 s in (Slurm checks limits periodically, so
-    # it may come later, but well before the limit). No periodic checkpoint before step 1000: a resume
-    # past step 0 can only come from the checkpoint taken while draining on the signal.
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "slurm.learner.time_min=1",
-                "slurm.learner.signal_delay_s=50", "learner.max_steps=100000", "learner.checkpoint_every=1000",
+    # A 2-minute learner signalled 90 s ahead. slurmctld looks at time limits only every 30-60 s, at a
+    # moment unrelated to the job's start: USR2 comes 30 to 90 s in, which leaves the learner time to
+    # start (so its own handler, not submitit's, gets it) and 30 s or more to drain before the limit.
+    # (With a 1-minute limit signalled 50 s ahead, a check landing in the first 10 s sent nothing,
+    # and the next one found the job over its limit and killed it.) No periodic checkpoint before
+    # step 1000: a resume past step 0 can only come from the checkpoint taken while draining.
+    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "slurm.learner.time_min=2",
+                "slurm.learner.signal_delay_s=90", "learner.max_steps=100000", "learner.checkpoint_every=1000",
                 "--max-restarts", "0", "--run-id", "limit")
     assert out.returncode == 0, out.stderr
-    assert "warning: KillWait=2 s" in out.stderr and "warning: slurm.learner.signal_delay_s=50" in out.stderr
+    assert "warning: KillWait=2 s" in out.stderr and "warning: slurm.coordinator.signal_delay_s=30" in out.stderr
+    assert "slurm.learner.signal_delay_s" not in out.stderr  # 90 s ahead is no warning
     run_dir = tmp_path / "limit"
     learner = read_jobs(run_dir)["components"]["learner"]["job_id"]
     try:
-        wait_for(lambda: (run_dir / AUDIT_NAME).exists() and lineage(run_dir / AUDIT_NAME)[1] >= 2, 120,
-                 what="the learner to drain on SIGUSR2, requeue and start again")
+        try:
+            wait_for(lambda: (run_dir / AUDIT_NAME).exists() and lineage(run_dir / AUDIT_NAME)[1] >= 2, 200,
+                     what="the learner to drain on SIGUSR2, requeue and start again")
+        except AssertionError as exc:
+            acct = run_slurm(["sacct", "-D", "-X", "-j", learner, "--format=JobID,State,Start,End,Elapsed"], check=False)
+            log = hpcrl("logs", str(run_dir), "learner").stdout
+            raise AssertionError(f"{exc}\n{acct.stdout}\n{log[-3000:]}") from None
         jobs = read_jobs(run_dir)
         assert jobs["components"]["learner"]["history"] == [learner] and jobs["state"] == "running"
         audit = [json.loads(line) for line in (run_dir / AUDIT_NAME).read_text().splitlines()]

@@ -1,17 +1,20 @@
 """Trajectory transport throughput: the acknowledged CURVE path vs raw pyzmq PUSH/PULL.
 
-    .venv/bin/python bench/transport.py [--count 3000] [--repeat 5] [--flush-every 64]
+    .venv/bin/python bench/transport.py [--count 20000] [--repeat 5] [--flush-every 64]
 
-Both variants move the same frames (the msgpack header and the per-step token arrays of
-synthetic multi-step trajectories of ~4k tokens) from this process to a receiver process
-over TCP on 127.0.0.1; the clock runs from the first send until the sender knows the last
-message arrived.
+Every variant moves the same trajectories (synthetic, multi-step, ~4k tokens each) from this
+process to a receiver process over TCP on 127.0.0.1; the clock runs from the first send
+until the sender knows the last one arrived.
 
-* raw:    PUSH -> PULL, no security, no decoding; the receiver reports once it got them all.
+* raw:    PUSH -> PULL, one message per trajectory (a msgpack header and its three arrays,
+          encoded before the clock starts), no security, no decoding; the receiver reports
+          once it got them all.
 * raw+curve: the same with CURVE encryption (no ZAP, no decoding): what the crypto alone costs.
-* acked:  TrajectorySender (DEALER, CURVE) -> TrajectoryReceiver (ROUTER, CURVE, ZAP), which
-          decodes and validates every trajectory, deduplicates by id and acknowledges per
-          flush of --flush-every; the clock stops when the sender holds no unacknowledged one.
+* acked:  TrajectorySender (DEALER, CURVE) -> TrajectoryReceiver (ROUTER, CURVE, ZAP). The
+          sender encodes on the clock and sends batches (up to 32 trajectories or 1 MiB per
+          message); the receiver decodes and validates every trajectory, deduplicates by id and
+          acknowledges per flush of --flush-every; the clock stops when the sender holds no
+          unacknowledged one.
           The receiver's sink keeps trajectories in memory ("flush" = hand back the ids), so
           this times the transport, not the disk; `acked+hdf5` adds the real ShardWriter.
 
@@ -166,7 +169,9 @@ def run_acked(trajs: list, flush_every: int, ctx, hdf5: bool = False) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--count", type=int, default=3000)
+    # Enough for ~0.3 s of raw traffic: the last partial flush and the connection's ramp-up
+    # must not dominate the clock.
+    p.add_argument("--count", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--flush-every", type=int, default=64)
     p.add_argument("--with-hdf5", action="store_true", help="also time acked delivery into the real ShardWriter")

@@ -26,6 +26,7 @@ client); malformed requests are dropped with a log line; the server never dies o
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ import zmq
 
 from hpcrl.jobs.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
 
-__all__ = ["Reply", "RequestServer", "RequestClient", "RequestTimeout", "RemoteError",
+__all__ = ["Reply", "RequestServer", "RequestClient", "PendingRequest", "RequestTimeout", "RemoteError",
            "VersionPublisher", "VersionSubscriber"]
 
 log = logging.getLogger("hpcrl.transport")
@@ -131,6 +132,7 @@ class RequestClient:
         self.discover_timeout_s = discover_timeout_s
         self._sock: zmq.Socket | None = None
         self._ep = None
+        self._pending: PendingRequest | None = None
 
     def _socket(self, fresh: bool) -> zmq.Socket:
         if fresh and self._sock is not None:
@@ -143,39 +145,90 @@ class RequestClient:
 
     def request(self, kind: str, body: Any = None, arrays: Sequence[np.ndarray] = (), *,
                 timeout_s: float | None = None, retries: int | None = None) -> Envelope:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        retries = self.retries if retries is None else retries
-        rid = os.urandom(12).hex()
-        frames = encode(kind, body, arrays, msg_id=rid)
-        for attempt in range(retries + 1):
-            sock = self._socket(fresh=attempt > 0)
-            send_frames(sock, frames)
-            deadline = time.monotonic() + timeout_s
-            while (left := deadline - time.monotonic()) > 0:
-                if not sock.poll(int(left * 1000) + 1):
-                    break
-                try:
-                    env = decode(sock.recv_multipart(copy=False), self.node.limits)
-                except BadMessage as exc:
-                    log.warning("%s: dropped a malformed reply: %s", self.service, exc)
-                    continue
-                if env.msg_id != rid:
-                    continue  # a late reply to an earlier request
-                if env.kind == "error":
-                    raise RemoteError(f"{self.service} failed on {kind!r}: {(env.body or {}).get('message')}")
+        """Send and wait for the reply (retrying per attempt timeout); RequestTimeout / RemoteError."""
+        pending = self.start(kind, body, arrays, timeout_s=timeout_s, retries=retries)
+        while True:
+            env = pending.poll(3600.0)
+            if env is not None:
                 return env
-            if attempt < retries:
-                log.info("%s: no reply to %r within %.1f s (attempt %d/%d); retrying",
-                         self.service, kind, timeout_s, attempt + 1, retries + 1)
-        address = self._ep.address if self._ep else "?"
-        raise RequestTimeout(f"{self.service} at {address}: no reply to {kind!r} after {retries + 1} attempt(s) of "
-                             f"{timeout_s:.1f} s; is the service running, and does endpoints/{self.service}.json "
-                             "name it?")
+
+    def start(self, kind: str, body: Any = None, arrays: Sequence[np.ndarray] = (), *,
+              timeout_s: float | None = None, retries: int | None = None) -> "PendingRequest":
+        """Send without waiting: the caller goes on with its work and polls the returned request
+        (one outstanding request per client: its socket is shared)."""
+        if self._pending is not None and not self._pending.settled:
+            raise RuntimeError(f"{self.service}: a request ({self._pending.kind!r}) is still outstanding")
+        rid = os.urandom(12).hex()
+        self._pending = PendingRequest(self, kind, rid, encode(kind, body, arrays, msg_id=rid),
+                                       self.timeout_s if timeout_s is None else timeout_s,
+                                       self.retries if retries is None else retries)
+        return self._pending
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+
+
+class PendingRequest:
+    """A request in flight (RequestClient.start): `poll(wait_s)` gives the reply once it is there.
+
+    Same guarantees as `request()`: the id stays across attempts (the server replays its cached
+    reply), each retry uses a fresh socket and re-reads the endpoint, and after the last attempt
+    `poll` raises RequestTimeout.
+    """
+
+    def __init__(self, client: RequestClient, kind: str, rid: str, frames: list, timeout_s: float, retries: int):
+        self.client, self.kind, self.rid, self.frames = client, kind, rid, frames
+        self.timeout_s, self.retries = timeout_s, retries
+        self.attempt = 0
+        self.settled = False
+        self._send()
+
+    def _send(self) -> None:
+        self._sock = self.client._socket(fresh=self.attempt > 0)
+        send_frames(self._sock, self.frames)
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def poll(self, wait_s: float = 0.0) -> Envelope | None:
+        """The reply, if it arrives within `wait_s` (0: only look); None otherwise."""
+        if self.settled:
+            raise RuntimeError(f"{self.client.service}: the reply to {self.kind!r} was already taken")
+        end = time.monotonic() + wait_s
+        while True:
+            now = time.monotonic()
+            if now >= self.deadline:
+                if self.attempt >= self.retries:
+                    self.settled = True
+                    address = self.client._ep.address if self.client._ep else "?"
+                    raise RequestTimeout(
+                        f"{self.client.service} at {address}: no reply to {self.kind!r} after {self.retries + 1} "
+                        f"attempt(s) of {self.timeout_s:.1f} s; is the service running, and does "
+                        f"endpoints/{self.client.service}.json name it?")
+                log.info("%s: no reply to %r within %.1f s (attempt %d/%d); retrying",
+                         self.client.service, self.kind, self.timeout_s, self.attempt + 1, self.retries + 1)
+                self.attempt += 1
+                self._send()
+                continue
+            if self._sock.poll(max(0, math.ceil((min(end, self.deadline) - now) * 1000))):
+                env = self._receive()
+                if env is not None:
+                    return env
+            elif time.monotonic() >= end:
+                return None
+
+    def _receive(self) -> Envelope | None:
+        try:
+            env = decode(self._sock.recv_multipart(copy=False), self.client.node.limits)
+        except BadMessage as exc:
+            log.warning("%s: dropped a malformed reply: %s", self.client.service, exc)
+            return None
+        if env.msg_id != self.rid:
+            return None  # a late reply to an earlier request
+        self.settled = True
+        if env.kind == "error":
+            raise RemoteError(f"{self.client.service} failed on {self.kind!r}: {(env.body or {}).get('message')}")
+        return env
 
 
 class VersionPublisher:

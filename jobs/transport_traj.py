@@ -12,7 +12,8 @@
 
 PUSH/PULL cannot carry acknowledgements back, so the sender is a DEALER with a fixed routing
 id and the writer a ROUTER (with ZMQ_ROUTER_HANDOVER, so a reconnecting sender keeps its
-slot). Message id = trajectory id.
+slot). Trajectories travel in batches (message kind "trajs", see TrajectorySender); every
+acknowledgement and rejection names trajectory ids. A lone "traj" message is accepted too.
 
 Guarantees:
 * The writer acknowledges an id only after the flush that stored it returned, i.e. the
@@ -37,6 +38,7 @@ from typing import Callable, Protocol
 import zmq
 
 from hpcrl.jobs.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
+from hpcrl.rl.traj_wire import from_wire_batch, to_wire_batch, wire_bytes
 from hpcrl.rl.trajectory import Trajectory, TrajectoryError
 
 __all__ = ["TrajectorySender", "TrajectoryReceiver", "TrajectorySink"]
@@ -58,6 +60,12 @@ class TrajectorySink(Protocol):
 class TrajectorySender:
     """Acknowledged, resending delivery of trajectories to the store writer.
 
+    Trajectories travel in batches ("trajs": up to `batch_max` of them or `batch_bytes`, one
+    message of four frames): CURVE boxes, send calls and receive calls are paid per frame, and
+    at a few tens of kB per trajectory those per-frame costs, not the bytes, set the pace. A
+    batch that is not full leaves once its oldest trajectory waited `linger_s`, at the next
+    send() or pump(); wait_acked() and flush() send at once.
+
     `on_settled(traj_id, stored, reason)` is called once per trajectory when the writer answers:
     `stored=True` once it is flushed to disk, `stored=False` with the writer's reason when it
     was rejected. A caller that must not report work as done before it is durable (the
@@ -65,55 +73,91 @@ class TrajectorySender:
     """
 
     def __init__(self, node: Node, service: str = "store", *, max_unacked: int = 4096, resend_after_s: float = 15.0,
-                 block_s: float = 60.0, discover_timeout_s: float = 60.0,
+                 block_s: float = 60.0, discover_timeout_s: float = 60.0, batch_max: int = 32,
+                 batch_bytes: int = 1 << 20, linger_s: float = 0.005,
                  on_settled: Callable[[str, bool, str], None] | None = None):
+        if batch_max < 1 or batch_bytes < 1 or linger_s < 0:
+            raise ValueError(f"batch_max and batch_bytes must be >= 1 and linger_s >= 0 (got {batch_max}, "
+                             f"{batch_bytes}, {linger_s})")
         self.node = node
         self.on_settled = on_settled
         self.service = service
         self.max_unacked = max_unacked
         self.resend_after_s = resend_after_s
         self.block_s = block_s
+        self.batch_max, self.batch_bytes, self.linger_s = batch_max, batch_bytes, linger_s
         self.routing_id = f"{node.name}.{os.urandom(4).hex()}".encode()
-        self._frames: dict[str, list] = {}  # every unacknowledged id -> its encoded message
+        # Every unacknowledged id -> the trajectory and its size on the wire in bytes.
+        self._wire: dict[str, tuple[Trajectory, int]] = {}
         self._sent_at: OrderedDict[str, float] = OrderedDict()  # sent ids, oldest send first
-        self._unsent: deque[str] = deque()  # ids waiting for a send (never sent, or due again)
+        self._unsent: deque[tuple[str, int]] = deque()  # (id, bytes) waiting for a send (new, or due again)
+        self._unsent_bytes = 0
+        self._unsent_since = 0.0  # when the oldest id in _unsent was queued
         self._sock, self._ep = node.connect(zmq.DEALER, service, discover_timeout_s, routing_id=self.routing_id)
         self._checked_at = time.monotonic()
-        self.sent = self.resent = self.acked = 0
+        self.sent = self.resent = self.acked = self.batches = 0
         self.rejected: list[tuple[str, str]] = []
 
     @property
     def unacked(self) -> int:
-        return len(self._frames)
+        return len(self._wire)
 
     def send(self, traj: Trajectory) -> None:
-        """Queue and send one trajectory; blocks (pumping acks) while `max_unacked` are in flight."""
+        """Queue one trajectory and send what is due; blocks (pumping acks) while `max_unacked` are in flight."""
         deadline = time.monotonic() + self.block_s
-        while len(self._frames) >= self.max_unacked:
+        while len(self._wire) >= self.max_unacked:
             if time.monotonic() >= deadline:
-                raise TransportError(f"{len(self._frames)} trajectories unacknowledged by {self.service!r} for "
+                raise TransportError(f"{len(self._wire)} trajectories unacknowledged by {self.service!r} for "
                                      f"{self.block_s:.0f} s; is the store writer running?")
             self.pump(0.05)
         tid = traj.id
-        header, arrays = traj.to_wire()
-        self._frames[tid] = encode("traj", header, arrays, msg_id=tid)
-        self._unsent.append(tid)
+        self._wire[tid] = (traj, wire_bytes(traj))  # encoded when its batch leaves
+        self._queue(tid)
         self.sent += 1
         self._send_due()
 
-    def _send_due(self) -> None:
-        """Send queued ids in order until the socket pushes back (no peer yet, or HWM)."""
+    def flush(self) -> None:
+        """Send every queued trajectory now, full batch or not (as far as the socket takes them)."""
+        self._send_due(force=True)
+
+    def _queue(self, tid: str) -> None:
+        if not self._unsent:
+            self._unsent_since = time.monotonic()
+        size = self._wire[tid][1]
+        self._unsent.append((tid, size))
+        self._unsent_bytes += size
+
+    def _send_due(self, force: bool = False) -> None:
+        """Send queued ids in order, batch by batch, until the socket pushes back (no peer yet, or
+        HWM) or what is left is a partial batch younger than `linger_s`."""
         while self._unsent:
-            tid = self._unsent[0]
-            frames = self._frames.get(tid)
-            if frames is not None:
+            # Cheap test first: this runs once per send() and pump().
+            if not (force or len(self._unsent) >= self.batch_max or self._unsent_bytes >= self.batch_bytes
+                    or time.monotonic() - self._unsent_since >= self.linger_s):
+                return
+            batch: list[str] = []
+            size = taken = 0
+            for tid, n in self._unsent:
+                if tid in self._wire:  # acknowledged meanwhile: dropped with this batch
+                    if batch and (len(batch) >= self.batch_max or size + n > self.batch_bytes):
+                        break
+                    batch.append(tid)
+                    size += n
+                taken += 1
+            if batch:
+                body, arrays = to_wire_batch([self._wire[t][0] for t in batch])
                 try:
-                    send_frames(self._sock, frames, zmq.NOBLOCK)
+                    send_frames(self._sock, encode("trajs", body, arrays), zmq.NOBLOCK)
                 except zmq.Again:
                     return  # pump() retries
-                self._sent_at[tid] = time.monotonic()
+                self.batches += 1
+            now = time.monotonic()
+            for _ in range(taken):
+                self._unsent_bytes -= self._unsent.popleft()[1]
+            for tid in batch:
+                self._sent_at[tid] = now
                 self._sent_at.move_to_end(tid)
-            self._unsent.popleft()
+            self._unsent_since = now  # what is left starts its own wait
 
     def pump(self, timeout_s: float = 0.0) -> int:
         """Read acks (waiting up to `timeout_s` for the first), resend what is due; returns #acked."""
@@ -123,7 +167,7 @@ class TrajectorySender:
             wait_ms = 0
             n += self._on_reply(self._sock.recv_multipart(copy=False))
         now = time.monotonic()
-        if self._frames and now - self._checked_at >= 0.5:
+        if self._wire and now - self._checked_at >= 0.5:
             self._checked_at = now
             self._check_endpoint()
         # Oldest send first, so the scan stops at the first one that is not due.
@@ -132,7 +176,7 @@ class TrajectorySender:
             if now - sent_at < self.resend_after_s:
                 break
             del self._sent_at[tid]
-            self._unsent.append(tid)
+            self._queue(tid)
             self.resent += 1
         self._send_due()
         return n
@@ -148,7 +192,7 @@ class TrajectorySender:
             return 0
         n = 0
         for tid in ids:
-            if type(tid) is str and self._frames.pop(tid, None) is not None:
+            if type(tid) is str and self._wire.pop(tid, None) is not None:
                 self._sent_at.pop(tid, None)
                 n += 1
                 reason = ""
@@ -169,23 +213,27 @@ class TrajectorySender:
             return
         if ep.instance != self._ep.instance or ep.address != self._ep.address:
             log.info("%s restarted (%s -> %s); reconnecting and resending %d unacknowledged trajectories",
-                     self.service, self._ep.address, ep.address, len(self._frames))
+                     self.service, self._ep.address, ep.address, len(self._wire))
             self._sock.close(0)
             self._sock, self._ep = self.node.connect(zmq.DEALER, ep, routing_id=self.routing_id)
             self.resent += len(self._sent_at)
             self._sent_at.clear()
-            self._unsent = deque(self._frames)  # everything, in the original order
+            self._unsent.clear()
+            self._unsent_bytes = 0
+            for tid in self._wire:  # everything, in the original order
+                self._queue(tid)
 
     def wait_acked(self, timeout_s: float) -> bool:
         """Pump until nothing is unacknowledged (True) or `timeout_s` passes (False)."""
         deadline = time.monotonic() + timeout_s
-        while self._frames and time.monotonic() < deadline:
+        while self._wire and time.monotonic() < deadline:
+            self.flush()  # nothing more is coming: no batch waits for company
             self.pump(min(0.05, max(0.0, deadline - time.monotonic())))
-        return not self._frames
+        return not self._wire
 
     def close(self) -> None:
-        if self._frames:
-            log.warning("%s: closing with %d unacknowledged trajectories", self.service, len(self._frames))
+        if self._wire:
+            log.warning("%s: closing with %d unacknowledged trajectories", self.service, len(self._wire))
         self._sock.close(0)
 
 
@@ -226,18 +274,31 @@ class TrajectoryReceiver:
         tid = None
         try:
             env = decode(frames[1:], self.node.limits)
-            tid = env.msg_id
-            if env.kind != "traj":
+            if env.kind == "trajs":
+                items = from_wire_batch(env.body, env.arrays)
+            elif env.kind == "traj":  # one trajectory on its own (older senders, hand-made tools)
+                tid = env.msg_id
+                traj = Trajectory.from_wire(env.body, env.arrays)
+                if traj.id != tid:
+                    raise BadMessage(f"message id {tid!r} is not the trajectory's id {traj.id!r}")
+                items = [(tid, traj)]
+            else:
                 raise BadMessage(f"unexpected kind {env.kind!r}")
-            traj = Trajectory.from_wire(env.body, env.arrays)
-            if traj.id != tid:
-                raise BadMessage(f"message id {tid!r} is not the trajectory's id {traj.id!r}")
         except (BadMessage, TrajectoryError) as exc:
             self.dropped += 1
             log.warning("%s: dropped a message from %r: %s", self.endpoint.service, peer[:32], exc)
             if tid and isinstance(exc, TrajectoryError):
                 self._send(peer, "reject", {"ids": [tid], "reason": str(exc)})
             return
+        for tid, traj in items:
+            if isinstance(traj, TrajectoryError):
+                self.dropped += 1
+                log.warning("%s: rejected trajectory %s from %r: %s", self.endpoint.service, tid, peer[:32], traj)
+                self._send(peer, "reject", {"ids": [tid], "reason": str(traj)})
+            else:
+                self._accept(peer, tid, traj)
+
+    def _accept(self, peer: bytes, tid: str, traj: Trajectory) -> None:
         self.received += 1
         if self.sink.is_stored(tid):
             self.duplicates += 1

@@ -120,7 +120,8 @@ class Generator:
                 if self.version < 0:
                     time.sleep(0.05)  # waiting for the learner's first weights
                 elif not self._iterate(source, sink):
-                    time.sleep(0.01)  # the source had nothing for us
+                    # The source had nothing for us: a remote one waits for its sync's answer.
+                    getattr(source, "idle", time.sleep)(0.01)
                 now = time.perf_counter()
                 self.stats.wall_s += now - last  # kept current: a remote source reports it while we run
                 last = now

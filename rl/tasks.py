@@ -105,6 +105,9 @@ class TaskSource(Protocol):
 
     def failed(self, ticket: EpisodeTicket, reason: str) -> None: ...
 
+    # Optional: `idle(timeout_s)`, called when the generator has nothing to do, waits for news
+    # (a remote source: its coordinator's answer) instead of sleeping the whole timeout.
+
 
 class LocalTaskSource:
     """A TaskSource over a TaskSampler in the same process; failed episodes are issued again

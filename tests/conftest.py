@@ -4,9 +4,11 @@ be started fails the suite instead of skipping it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -89,3 +91,28 @@ def judge():
             pytest.fail(f"sandbox required (HPCRL_REQUIRE_SANDBOX=1) but unavailable: {exc}", pytrace=False)
         pytest.skip(f"sandbox unavailable: {exc}")
     return SandboxJudge(backend)
+
+
+@contextlib.contextmanager
+def server_thread(run_dir: Path, name: str, make, limits=None):
+    """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends."""
+    from hpcrl.jobs.transport import Limits, Node
+
+    ready, stop = threading.Event(), threading.Event()
+    holder = {}
+
+    def body():
+        with Node(run_dir, name, limits or Limits(), bind_host="127.0.0.1") as node:
+            holder["server"] = server = make(node)
+            ready.set()
+            while not stop.is_set():
+                server.poll_once(0.02)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    try:
+        yield holder["server"]
+    finally:
+        stop.set()
+        t.join(10)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -43,31 +42,9 @@ from hpcrl.jobs.transport_rpc import (
 from hpcrl.jobs.transport_traj import TrajectorySender
 from hpcrl.rl.shards import list_shards, read_segment
 from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
+from conftest import server_thread
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@contextlib.contextmanager
-def server_thread(run_dir: Path, name: str, make, limits: Limits = Limits()):
-    """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends."""
-    ready, stop = threading.Event(), threading.Event()
-    holder = {}
-
-    def body():
-        with Node(run_dir, name, limits, bind_host="127.0.0.1") as node:
-            holder["server"] = server = make(node)
-            ready.set()
-            while not stop.is_set():
-                server.poll_once(0.02)
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    assert ready.wait(10)
-    try:
-        yield holder["server"]
-    finally:
-        stop.set()
-        t.join(10)
 
 
 def echo(env):

@@ -73,7 +73,7 @@ class TrajectorySender:
     """
 
     def __init__(self, node: Node, service: str = "store", *, max_unacked: int = 4096, resend_after_s: float = 15.0,
-                 block_s: float = 60.0, discover_timeout_s: float = 60.0, batch_max: int = 32,
+                 block_s: float = 60.0, discover_timeout_s: float = 60.0, batch_max: int = 128,
                  batch_bytes: int = 1 << 20, linger_s: float = 0.005,
                  on_settled: Callable[[str, bool, str], None] | None = None):
         if batch_max < 1 or batch_bytes < 1 or linger_s < 0:

@@ -3,11 +3,13 @@
     .venv/bin/python bench/store.py [--count 1536] [--flush-every 64] [--repeat 5] [--dir /tmp]
 
 All three writers get the same trajectories (synthetic multi-step episodes of ~4k tokens) and
-the same durability: data fsynced once per flush of `--flush-every` trajectories.
+the same durability: data fsynced once per flush of `--flush-every` trajectories, and the
+directory fsynced once the file is new (a created file's name is not durable until then).
 
 * hdf5:  the real ShardWriter (append -> one immutable segment per flush -> fsync, rename,
          fsync dir; manifest at close).
-* raw:   the same columns (same encoder, same bytes) appended with ndarray.tofile to one file.
+* raw:   the same columns (same encoder and encode buffers, same bytes) appended with
+         ndarray.tofile to one file.
 * jsonl: one json.dumps(trajectory.to_dict()) line per trajectory (what many RL frameworks dump).
 
 "payload" is the bytes of the flat arrays and record tables (what raw writes); every rate is
@@ -34,7 +36,7 @@ from hpcrl.rl.shards import write_segment
 from hpcrl.rl.store_reader import StoreReader
 from hpcrl.rl.store_writer import ShardWriter
 from hpcrl.rl.synth import synth_trajectory
-from hpcrl.rl.traj_columns import Columns
+from hpcrl.rl.traj_columns import Columns, EncodeBuffers
 
 
 def batches(trajs, n):
@@ -49,25 +51,38 @@ def run_hdf5(trajs, flush_every, root: Path) -> float:
     return time.perf_counter() - t0
 
 
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def run_raw(trajs, flush_every, root: Path) -> float:
     t0 = time.perf_counter()
+    bufs = EncodeBuffers()  # as the writer encodes: same encoder, same buffer reuse
     with open(root / "raw.bin", "wb") as fh:
-        for batch in batches(trajs, flush_every):
-            for _, arr in Columns.encode(batch).arrays():
+        for i, batch in enumerate(batches(trajs, flush_every)):
+            for _, arr in Columns.encode(batch, bufs).arrays():
                 arr.tofile(fh)
             fh.flush()
             os.fsync(fh.fileno())
+            if i == 0:
+                fsync_dir(root)  # the new file's name, as the writer syncs each segment's
     return time.perf_counter() - t0
 
 
 def run_jsonl(trajs, flush_every, root: Path) -> float:
     t0 = time.perf_counter()
     with open(root / "trajs.jsonl", "w") as fh:
-        for batch in batches(trajs, flush_every):
+        for i, batch in enumerate(batches(trajs, flush_every)):
             for t in batch:
                 fh.write(json.dumps(t.to_dict()) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+            if i == 0:
+                fsync_dir(root)
     return time.perf_counter() - t0
 
 
@@ -81,11 +96,13 @@ def run_hdf5_storage(cols_list, root: Path) -> float:
 def run_raw_storage(cols_list, root: Path) -> float:
     t0 = time.perf_counter()
     with open(root / "raw.bin", "wb") as fh:
-        for cols in cols_list:
+        for i, cols in enumerate(cols_list):
             for _, arr in cols.arrays():
                 arr.tofile(fh)
             fh.flush()
             os.fsync(fh.fileno())
+            if i == 0:
+                fsync_dir(root)
     return time.perf_counter() - t0
 
 
@@ -129,6 +146,9 @@ def main() -> int:
             for name, fn in variants.items():
                 d = base / f"{name.replace(' ', '_')}-{r}"
                 d.mkdir()
+                # Start each variant with no dirty pages or pending deletes of the previous one
+                # in the journal: its fsyncs would otherwise pay for them.
+                os.sync()
                 times.setdefault(name, []).append(fn(d))
                 sizes[name] = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
                 if name == "hdf5":

@@ -16,13 +16,16 @@ argument); `FlushResult.ids` are exactly the trajectories that became durable. N
 
 Pipelining: the CPU part of a flush (encoding, checksum, HDF5 writes into `seg-*.h5.tmp`) runs
 in the caller's thread; the I/O part (fsync the file, rename, fsync the directory) runs on a
-background thread, so the next batch is encoded while the previous one syncs. At most
-`MAX_INFLIGHT` segments wait for their sync; segments become visible strictly in sequence
-order, and a FlushResult (the acknowledgement) is only returned for segments whose rename
-and directory fsync completed. If a sync fails, no later segment is renamed; their records
-go back into the buffer (nothing acknowledged, nothing lost) and the next call raises
-StoreError. `append`/`poll` therefore return the segments that completed since the last
-call (possibly several, merged into one FlushResult); `flush()`/`close()` wait for all.
+background thread, so the next batch is encoded while the previous one syncs (the caller's
+thread starts each segment's writeback as soon as it is written: `start_writeback`). At most
+`MAX_INFLIGHT` segments wait for their sync; the sync thread takes all that wait as one group
+(fsync + rename each in sequence order, then one directory fsync for the group), so segments
+become visible strictly in sequence order, and a FlushResult (the acknowledgement) is only
+returned for segments whose rename and directory fsync completed. If a sync fails, no later
+segment is renamed; their records go back into the buffer (nothing acknowledged, nothing
+lost) and the next call raises StoreError. `append`/`poll` therefore return the segments that
+completed since the last call (possibly several, merged into one FlushResult);
+`flush()`/`close()` wait for all.
 
 On start the writer finalizes the shards that an earlier, dead process with the same writer
 name left open (`recover_shard`), and loads the ids already stored under that name, so a
@@ -35,9 +38,11 @@ OWNER.json heartbeat (mtime, refreshed at each flush and at least every lease/3 
 from __future__ import annotations
 
 import calendar
+import ctypes
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -57,17 +62,17 @@ from hpcrl.rl.shards import (
     StoreError,
     atomic_write_json,
     finalize_shard,
+    fsync_path,
     list_shards,
     new_shard_dir,
     parse_segment_name,
-    publish_segment,
     read_segment,
     recover_shard,
     segment_name,
     short_host,
     write_segment_file,
 )
-from hpcrl.rl.traj_columns import Columns
+from hpcrl.rl.traj_columns import Columns, EncodeBuffers
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "owner_alive"]
@@ -75,7 +80,37 @@ __all__ = ["ShardWriter", "FlushResult", "owner_alive"]
 log = logging.getLogger("hpcrl.store")
 
 
-MAX_INFLIGHT = 2
+MAX_INFLIGHT = 4
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None: os does not expose it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages, do not wait
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages to disk now, without waiting (advisory: never fails).
+
+    The sync thread fsyncs segments one after another; a segment written while the previous
+    one syncs would otherwise sit in the page cache until its own fsync starts the I/O. Kicked
+    off at once, its data reaches the disk meanwhile and its fsync is mostly the journal
+    commit (~0.8 ms instead of ~1.0 here, and a shorter tail); with another job on one of two
+    cores, the writer then waited ~2 ms per 24 flushes for syncs instead of 7-13 ms. Unlike
+    posix_fadvise(DONTNEED) it keeps the pages cached for readers.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -123,8 +158,13 @@ def owner_alive(state: ShardState, lease_s: float) -> str | None:
 class _InFlight:
     """A segment written to its .tmp file, waiting for fsync + rename on the sync thread."""
 
-    def __init__(self, shard: Path, info: SegmentInfo, tmp: Path, batch: list[Trajectory], future: Future):
-        self.shard, self.info, self.tmp, self.batch, self.future = shard, info, tmp, batch, future
+    __slots__ = ("shard", "info", "tmp", "path", "fd", "batch", "future", "settled")
+
+    def __init__(self, shard: Path, info: SegmentInfo, tmp: Path, path: Path, fd: int, batch: list[Trajectory]):
+        self.shard, self.info, self.tmp, self.path, self.fd, self.batch = shard, info, tmp, path, fd, batch
+        self.future: Future = Future()  # the sync thread sets it: None, or why the sync failed
+        # Set on the sync thread once `future` is: a lock-free done() for append's hot path.
+        self.settled = False
 
 
 class ShardWriter:
@@ -144,6 +184,7 @@ class ShardWriter:
         self.recovered = self._recover_previous()
         self._stored: set[str] | None = self._load_ids() if dedup else None
         self._buffer: list[Trajectory] = []
+        self._bufs = EncodeBuffers()  # each flush's Columns are written before the next encode
         self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
         self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
         self._shard: Path | None = None
@@ -151,6 +192,7 @@ class ShardWriter:
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
         self._seq = 0
         self._inflight: deque[_InFlight] = deque()
+        self._to_sync: deque[_InFlight] = deque()  # handed to the sync thread, not yet taken by it
         self._done: list[_InFlight] = []  # synced, not yet reported in a FlushResult
         self._sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hpcrl-store-{writer}")
         self._sync_failed = threading.Event()  # set on the sync thread: later segments stay .tmp
@@ -218,7 +260,10 @@ class ShardWriter:
             self._oldest = time.monotonic()
         if len(self._buffer) >= self.cfg.flush_every or self.seconds_to_flush() == 0.0:
             self._submit()
-        return self._collect(block=False)
+        # Most appends only buffer: skip the pipeline bookkeeping while no sync has finished.
+        if self._done or (self._inflight and self._inflight[0].settled):
+            return self._collect(block=False)
+        return None
 
     def seconds_to_flush(self) -> float | None:
         """Seconds until `poll` has work: a due flush or a sync to collect (None: idle)."""
@@ -270,32 +315,65 @@ class ShardWriter:
         path = shard / segment_name(seq, int(now * 1e6))
         tmp = path.with_name(path.name + ".tmp")
         try:
-            info = write_segment_file(tmp, path.name, Columns.encode(self._buffer),
+            info = write_segment_file(tmp, path.name, Columns.encode(self._buffer, self._bufs),
                                       {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
                                       self.cfg.compression)
+            # Opened here, not on the sync thread: each call there that releases the GIL
+            # must win it back from this thread, which holds it while it encodes.
+            fd = os.open(tmp, os.O_RDONLY)
+            start_writeback(fd)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise StoreError(f"flush to {path} failed: {exc}; {len(self._buffer)} record(s) kept in memory, "
                              "free space or fix permissions and flush again") from exc
         self._seq = seq
         batch, self._buffer, self._oldest = self._buffer, [], None
-        self._inflight.append(_InFlight(shard, info, tmp, batch, self._sync.submit(self._publish, tmp, path)))
+        item = _InFlight(shard, info, tmp, path, fd, batch)
+        self._inflight.append(item)
+        self._to_sync.append(item)
+        self._sync.submit(self._sync_waiting)
         self._shard_rows += len(batch)
         if self._shard_rows >= self.cfg.shard_max_rows:
             self._drain()
             self._finalize()
             self._open_shard()
 
-    def _publish(self, tmp: Path, path: Path) -> None:
-        # Runs on the sync thread, in submission order. After one failure nothing else is
-        # renamed, so a visible seq is never followed by a missing smaller one.
-        if self._sync_failed.is_set():
-            raise StoreError("an earlier segment failed to sync")
+    def _sync_waiting(self) -> None:
+        """Sync thread: publish every segment handed over so far, as one group, in order.
+
+        Each file is fsynced before its rename; one directory fsync then covers the group's
+        renames (one journal commit, not one per segment) before any of them is reported
+        done. After one failure nothing else is renamed, so a visible seq is never followed
+        by a missing smaller one; the writer takes the failed batches back (`_rebuffer`).
+        """
+        group: list[_InFlight] = []
+        while self._to_sync:
+            group.append(self._to_sync.popleft())  # only this thread pops: never empty here
+        renamed: list[_InFlight] = []
+        error: BaseException | None = None
         try:
-            publish_segment(tmp, path)
-        except BaseException:
+            for item in group:
+                if self._sync_failed.is_set():
+                    raise StoreError("an earlier segment failed to sync")
+                os.fsync(item.fd)
+                os.rename(item.tmp, item.path)
+                renamed.append(item)
+        except BaseException as exc:  # noqa: BLE001 - handed to the writer through the futures
+            error = exc
             self._sync_failed.set()
-            raise
+        if renamed:
+            try:
+                fsync_path(renamed[0].shard, directory=True)  # a whole group is in one shard
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+                self._sync_failed.set()
+                renamed = []  # visible but not known durable: not acknowledged
+        for item in group:
+            if item in renamed:
+                item.future.set_result(None)
+            else:
+                item.future.set_exception(error)
+            item.settled = True
 
     def _wait_oldest(self) -> None:
         item = self._inflight[0]
@@ -309,6 +387,7 @@ class ShardWriter:
 
     def _complete(self, item: _InFlight) -> None:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
+        os.close(item.fd)
         self._segments.append(item.info)
         self._done.append(item)
 
@@ -320,6 +399,7 @@ class ShardWriter:
             if item.future.exception() is None:
                 self._complete(item)  # synced before the failure
                 continue
+            os.close(item.fd)
             item.tmp.unlink(missing_ok=True)
             batches += item.batch
         self._buffer = batches + self._buffer
@@ -331,7 +411,7 @@ class ShardWriter:
 
     def _collect(self, block: bool) -> FlushResult | None:
         """Acknowledge finished syncs (in order); with `block`, wait for all of them."""
-        while self._inflight and (block or self._inflight[0].future.done()):
+        while self._inflight and (block or self._inflight[0].settled):
             self._wait_oldest()
         return self._acknowledge()
 

@@ -30,6 +30,7 @@ from hpcrl.rl.shards import (
 from hpcrl.rl.store_reader import StoreReader
 from hpcrl.rl.store_writer import ShardWriter
 from hpcrl.rl.synth import SynthShape, synth_trajectory
+from hpcrl.rl.traj_columns import Columns, EncodeBuffers
 
 SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
 
@@ -125,8 +126,49 @@ def test_finalized_shard_matches_manifest_and_layout_is_flat_and_chunked(tmp_pat
             # Five flat datasets however many trajectories: no dataset per trajectory.
             assert sorted(f) == ["logprobs", "loss_mask", "steps", "tokens", "traj"]
             assert all(f[n].chunks is not None for n in f)
-            assert f["tokens"].maxshape == (None,)
+            assert f["tokens"].maxshape == f["tokens"].shape  # immutable: a fixed extent
             assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["crc32"] == info.crc32
+
+
+def test_segments_of_several_chunks_and_empty_datasets_round_trip(tmp_path, monkeypatch):
+    """Chunks written directly: a padded last chunk and zero-length datasets read back exact."""
+    import hpcrl.rl.shards as shards_mod
+
+    monkeypatch.setattr(shards_mod, "CHUNK_BYTES", 1000)  # tokens of 20 trajectories: many chunks
+    trajs = make(20)
+    path = tmp_path / "seg-000001-0000000000000000.h5"
+    cols = Columns.encode(trajs)
+    shards_mod.write_segment(path, cols, {"seq": 1})
+    back = read_segment(path)
+    assert [back.trajectory(i) for i in range(back.rows)] == trajs
+    with h5py.File(path, "r") as f:
+        assert f["tokens"].id.get_num_chunks() > 2 and len(f["tokens"]) % f["tokens"].chunks[0] != 0
+    empty = Columns.encode([], EncodeBuffers())
+    shards_mod.write_segment(tmp_path / "seg-000002-0000000000000000.h5", empty, {"seq": 2})
+    assert read_segment(tmp_path / "seg-000002-0000000000000000.h5").rows == 0
+
+
+def test_encode_buffers_give_the_same_columns_and_are_reused():
+    bufs = EncodeBuffers()
+    big, small = make(12, seed=1), make(3, seed=2)
+    a = Columns.encode(big, bufs)
+    assert all(x.tobytes() == y.tobytes() for (_, x), (_, y) in zip(a.arrays(), Columns.encode(big).arrays()))
+    tokens = a.tokens
+    b = Columns.encode(small, bufs)  # smaller: same memory, no new allocation
+    assert np.shares_memory(b.tokens, tokens) and b.crc32() == Columns.encode(small).crc32()
+    bigger = big + make(12, seed=3)
+    c = Columns.encode(bigger, bufs)  # larger: grows
+    assert c.crc32() == Columns.encode(bigger).crc32() and len(c.tokens) > len(tokens)
+
+
+def test_start_writeback_is_advisory(tmp_path):
+    from hpcrl.rl.store_writer import start_writeback
+
+    (tmp_path / "f").write_bytes(b"x" * 10_000)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    start_writeback(fd)
+    os.close(fd)
+    start_writeback(fd)  # a closed descriptor: ignored, never raises
 
 
 def test_shards_rotate_at_shard_max_rows(tmp_path):

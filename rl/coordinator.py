@@ -231,10 +231,16 @@ class Coordinator:
                 "busy": {"generator": busy_gen, "learner": float(self.learner.get("busy_fraction", 0.0)),
                          "sandbox": min(1.0, sandbox_busy)}}
 
-    def write_status(self) -> None:
+    def write_status(self, final: bool = False) -> None:
+        """`final`: the coordinator is exiting: the run "finished" (the learner reached max_steps)
+        or was "stopped" before (cancel, signal); this stays in status.json."""
         self._last_status = time.monotonic()
+        if final:
+            state = "finished" if int(self.learner.get("step", 0)) >= self.max_steps else "stopped"
+        else:
+            state = "stopping" if self.stopping else "running"
         status = {
-            "state": "stopping" if self.stopping else "running",
+            "state": state,
             "started": self.started,
             "updated": time.time(),
             "learner": {k: v for k, v in self.learner.items() if k != "reward_by_domain"},
@@ -267,7 +273,7 @@ class Coordinator:
                 self.tick()
         finally:
             with self._lock:
-                self.write_status()
+                self.write_status(final=True)
                 self._save()
 
 

@@ -94,6 +94,8 @@ def test_status_metrics_stop_and_restart(tmp_path):
     status = read_status(tmp_path)
     assert status["state"] == "stopping" and status["learner"]["step"] == 5 and status["counts"]["completed"] == 4
     assert status["reward_by_domain"] == {"arith/copy": 0.5} and "traj_per_s" in status and "busy" in status
+    c.write_status(final=True)  # what the coordinator leaves behind when it exits
+    assert read_status(tmp_path)["state"] == "finished"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all("traj_per_s" in r for r in rows)
 

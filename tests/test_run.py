@@ -61,6 +61,7 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
 
     status = read_status(run_dir)
     assert status["learner"]["step"] == 150 and status["counts"]["completed"] >= 150 * 256
+    assert status["state"] == "finished"  # not "stopping": the coordinator wrote its last word on exit
     assert set(status["busy"]) == {"generator", "learner", "sandbox"}
     assert all(r["traj_per_s"] > 0 for r in rows[10:])
     stat = hpcrl("status", str(run_dir))

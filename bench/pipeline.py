@@ -13,11 +13,15 @@ apply to both):
    `--seconds`: episodes completed (acknowledged by the store) per second, the generator
    process's CPU seconds per trajectory (psutil), busy fractions from status.json.
 
-Printed ratios: pipeline/baseline trajectories/s (on a 2-core machine the learner takes its
-share of the CPUs and flow control holds generators back to the learner's pace, so this is
-not the overhead), and the generator's CPU per trajectory pipeline/baseline - 1: the work a
-trajectory costs the generator for coordination (RPC syncs, serialization and store
-acknowledgements, weight loads) on top of sampling it; target <= 10 %.
+Printed: pipeline/baseline trajectories/s (on a 2-core machine the learner takes its share
+of the CPUs and flow control holds generators back to the learner's pace, so this ratio is
+not the overhead); the orchestration overhead, i.e. the share of the generator's wall time
+spent in coordination (its task source and sink: coordinator syncs, sending trajectories,
+store acknowledgements; and weight loads), timed around those calls; target <= 10 %. Also
+the generator process's CPU per trajectory against the baseline: on shared cores it also
+grows with the sampling itself (cache and memory bandwidth shared with the learner; the
+`sampling ms/trajectory` row shows by how much), so it bounds the overhead from above.
+`--unthrottled` lets the generator run flat out inside the pipeline (no flow control).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Trajectories/s of the full local pipeline against the generator alone in a tight loop
 (orchestration overhead), and each role's busy fraction.
 
-    .venv/bin/python bench/pipeline.py [--seconds 30] [--warmup 10] [--json out.json] [KEY=VALUE ...]
+    .venv/bin/python bench/pipeline.py [--seconds 30] [--warmup 10] [--unthrottled] [--pin] [--json out.json] [KEY=VALUE ...]
 
 Both measurements use the same config.yaml (domains, policy, episodes in flight; overrides
 apply to both):
@@ -21,7 +21,9 @@ store acknowledgements; and weight loads), timed around those calls; target <= 1
 the generator process's CPU per trajectory against the baseline: on shared cores it also
 grows with the sampling itself (cache and memory bandwidth shared with the learner; the
 `sampling ms/trajectory` row shows by how much), so it bounds the overhead from above.
-`--unthrottled` lets the generator run flat out inside the pipeline (no flow control).
+`--unthrottled` lets the generator run flat out inside the pipeline (no flow control);
+`--pin` gives the generator a core of its own in both measurements (the others get the rest),
+so that the throughput ratio measures orchestration and not the learner's share of the CPUs.
 """
 
 from __future__ import annotations
@@ -68,7 +70,26 @@ def baseline(cfg, seconds: float) -> dict:
             "sample_ms_per_traj": 1e3 * s.busy_s / max(s.trajectories, 1)}
 
 
-def pipeline(cfg, seconds: float, warmup: float) -> dict:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` onto `cpus` (affinity is per thread; new threads inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def pin_pipeline(run_dir, gen_cpus: set[int], rest_cpus: set[int]) -> None:
+    """The generator on its own core(s), every other component (and this process) on the rest."""
+    from hpcrl.jobs.runner import pids
+
+    pin(os.getpid(), rest_cpus)
+    for role in ("coordinator", "store", "learner", "gen"):
+        for pid in pids(run_dir, role):
+            pin(pid, gen_cpus if role == "gen" else rest_cpus)
+
+
+def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int]] | None = None) -> dict:
     import psutil
 
     from hpcrl.jobs.rundir import create_run_dir
@@ -84,8 +105,12 @@ def pipeline(cfg, seconds: float, warmup: float) -> dict:
             jobs._check()  # noqa: SLF001 - restart what dies while we wait
             if time.monotonic() > deadline:
                 raise SystemExit(f"bench/pipeline.py: no learner step within 180 s; see {run_dir}/submitit")
+            if pinned:
+                pin_pipeline(run_dir, *pinned)
             time.sleep(0.5)
         time.sleep(warmup)
+        if pinned:
+            pin_pipeline(run_dir, *pinned)  # threads started since
         gen = psutil.Process(pids(run_dir, "gen-0")[0])
 
         def sample():
@@ -125,6 +150,10 @@ def main() -> int:
     ap.add_argument("--unthrottled", action="store_true",
                     help="no flow control (generators run ahead of the learner at full speed): the generator's capacity "
                          "inside the pipeline, sharing the CPUs with learner, store and coordinator")
+    ap.add_argument("--pin", action="store_true",
+                    help="give the generator a core of its own (CPU 0) in both measurements and everything else the "
+                         "other cores: the throughput ratio is then the orchestration overhead alone, not the "
+                         "learner's share of the CPUs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     from hpcrl.jobs.config import load_config
@@ -134,9 +163,15 @@ def main() -> int:
                                     *(["coordinator.max_groups_ahead=1000000", "learner.max_staleness=1000000"]
                                       if args.unthrottled else []), *args.overrides])
     print(f"baseline: generator alone, {args.seconds:.0f} s ...", flush=True)
+    every = os.sched_getaffinity(0)
+    pinned = ({min(every)}, every - {min(every)}) if args.pin and len(every) > 1 else None
+    if pinned:
+        pin(os.getpid(), pinned[0])
     base = baseline(cfg, args.seconds)
+    if pinned:
+        pin(os.getpid(), every)  # the components inherit this process's affinity: undo it first
     print(f"pipeline: hpcrl run's components, {args.warmup:.0f} s warm-up + {args.seconds:.0f} s ...", flush=True)
-    pipe = pipeline(cfg, args.seconds, args.warmup)
+    pipe = pipeline(cfg, args.seconds, args.warmup, pinned)
     overhead = pipe["cpu_s_per_traj"] / base["cpu_s_per_traj"] - 1
     print()
     print(f"{'':28}{'baseline':>12}{'pipeline':>12}{'ratio':>9}")

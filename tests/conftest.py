@@ -94,8 +94,9 @@ def judge():
 
 
 @contextlib.contextmanager
-def server_thread(run_dir: Path, name: str, make, limits=None):
-    """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends."""
+def server_thread(run_dir: Path, name: str, make, limits=None, *, close=None):
+    """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends;
+    `close(server)` then runs in that thread, before its Node closes."""
     from hpcrl.jobs.transport import Limits, Node
 
     ready, stop = threading.Event(), threading.Event()
@@ -107,6 +108,8 @@ def server_thread(run_dir: Path, name: str, make, limits=None):
             ready.set()
             while not stop.is_set():
                 server.poll_once(0.02)
+            if close is not None:
+                close(server)
 
     t = threading.Thread(target=body, daemon=True)
     t.start()

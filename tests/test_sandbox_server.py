@@ -28,7 +28,7 @@ from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.residue import adopt_orphans, host_residue, reap_orphans
 from hpcrl.sandbox.server import SandboxServer
 from hpcrl.sandbox.spec import ExecSpec, Limits
-from conftest import require_bwrap
+from conftest import require_bwrap, server_thread
 
 UID = 61140
 UIDS = range(UID, UID + 4)
@@ -44,24 +44,16 @@ def server(run_dir: Path, slots: int = 2, queue: int = 8):
     """A SandboxServer in a thread of this process, on 127.0.0.1."""
     cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.queue={queue}"]).sandbox
     pool = SlotPool.from_config(cfg, slots=slots)
-    stop, ready, holder = threading.Event(), threading.Event(), {}
 
-    def body():
-        with Node(run_dir, "sandbox-0", bind_host="127.0.0.1") as node:
-            holder["server"] = srv = SandboxServer(node, "sandbox-0", pool)
-            ready.set()
-            srv.serve(stop, poll_s=0.05)
-            pool.close()
-            srv.close()
+    def close(srv):
+        pool.close()  # the server closes after its pool has stopped
+        srv.close()
 
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    assert ready.wait(10)
     try:
-        yield holder["server"]
+        with server_thread(run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool),
+                           close=close) as srv:
+            yield srv
     finally:
-        stop.set()
-        t.join(10)
         pool.close()
 
 

@@ -19,6 +19,7 @@ whose predecessor had already published version 43 publishes its weights as 44, 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -256,6 +257,14 @@ class Learner:
             # All ranks leave together: a rank tearing gloo down while a peer still talks to it
             # can abort the peer at exit ("terminate called without an active exception").
             torch.distributed.barrier()
+            # Release the engine (ZeRO-3 hooks, optimizer, its references to process groups)
+            # while the interpreter is whole: groups that survive until interpreter teardown
+            # join their gloo threads in arbitrary destructor order, which aborted a rank at
+            # exit once in a loaded test run.
+            if self.engine is not None:
+                self.engine.destroy()
+                self.engine = None
+                gc.collect()
             torch.distributed.destroy_process_group()
 
 

@@ -158,6 +158,22 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True)
+class SandboxCeilingConfig:
+    """The most a request may ask of a sandbox server; more is refused, whoever asks."""
+
+    wall_s: float = spec(300.0, help="wall-clock seconds per execution", gt=0)
+    cpu_s: float = spec(300.0, help="CPU seconds per execution", gt=0)
+    memory_mb: int = spec(8192, help="memory per execution, MiB", ge=16)
+    pids: int = spec(512, help="processes and threads per execution", ge=4)
+    file_size_mb: int = spec(1024, help="largest file an execution may write, MiB", gt=0)
+    output_kb: int = spec(65536, help="stdout and stderr each, KiB", gt=0)
+    open_files: int = spec(4096, help="open file descriptors per process", gt=0)
+    work_mb: int = spec(4096, help="tmpfs /work, MiB", gt=0)
+    tmp_mb: int = spec(4096, help="tmpfs /tmp, MiB", gt=0)
+    shm_mb: int = spec(1024, help="tmpfs /dev/shm, MiB", gt=0)
+
+
+@dataclass(frozen=True)
 class SandboxConfig:
     backend: Literal["bwrap", "apptainer"] = spec("bwrap", help="isolation backend for executing model code")
     slots: int = spec(2, help="concurrent executions per sandbox server", ge=1)
@@ -167,6 +183,8 @@ class SandboxConfig:
     image: str = spec("sandbox.sif", help="Apptainer image (backend: apptainer), built by `hpcrl sandbox build-image`", min_len=1)
     apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
     apptainer_cgroups: bool = spec(False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)")
+    ceiling: SandboxCeilingConfig = spec(factory=SandboxCeilingConfig,
+                                         help="the most limits a request may ask for; more is refused")
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,12 @@ Requests (envelopes with an id; body -> reply kind and body):
     info            {}                                            -> info {backend, languages, slots, queue, ...}
 
 and the replies that are not answers: `busy` (queue full: nothing ran; send again, under a new
-id, later), `bad_request` (malformed: sending again will not help), `sandbox_failed` (the
-sandbox infrastructure failed; the message says how).
+id, later), `bad_request` (malformed, or limits over `sandbox.ceiling`: sending again will not
+help), `sandbox_failed` (the sandbox infrastructure failed; the message says how).
+
+Limits come with each request, but never above the server's own `sandbox.ceiling` (defaults
+included: a judge request without limits asks for the harness's): a domain, or any other
+holder of the run's keys, cannot lift the isolation limits the site configured.
 
 Idempotency: a request id that is running gets its reply routed to whichever socket asked
 last (a client retries on a fresh socket), and an id already answered is answered again from
@@ -54,14 +58,23 @@ def _limits(d: Any) -> Limits | None:
     return Limits.from_wire(d) if d else None
 
 
-def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = lambda b, lim: None) -> Callable:
-    """Parse a request into a job `fn(backend) -> (reply kind, reply body)`; ValueError if malformed."""
+def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = lambda b, lim: None,
+         ceiling: Limits | None = None) -> Callable:
+    """Parse a request into a job `fn(backend) -> (reply kind, reply body)`; ValueError if malformed
+    or if it asks for more than `ceiling` (the limits it would run under, defaults included)."""
     from hpcrl.sandbox import judge
+
+    def within(limits: Limits, where: str) -> None:
+        if ceiling is not None:
+            limits.check_within(ceiling, where)  # the client's error names the request kind
 
     if not isinstance(body, dict):
         raise ValueError(f"{kind}: body must be a mapping")
     if kind == "exec":
         spec = ExecSpec.from_wire(body)
+        within(spec.limits, "limits")
+        if spec.compile_limits is not None:
+            within(spec.compile_limits, "compile_limits")
         return lambda backend: ("result", backend.run(spec).to_wire())
     if kind == "judge_io":
         try:
@@ -71,6 +84,7 @@ def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = l
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"judge_io: {exc}") from None
         limits = _limits(body.get("limits"))
+        within(limits or Limits(), "limits")
         return lambda backend: ("verdict", judge.judge_io(backend, language, files, cases, limits, stop_on_fail=stop).to_wire())
     if kind == "judge_function":
         try:
@@ -80,6 +94,7 @@ def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = l
         except KeyError as exc:
             raise ValueError(f"judge_function: missing {exc}") from None
         limits = _limits(body.get("limits"))
+        within(limits or judge.HARNESS_LIMITS, "limits")
         return lambda backend: ("verdict", judge.judge_function(backend, task, limits, warm=warm_for(backend, limits)).to_wire())
     raise ValueError(f"unknown request kind {kind!r}; kinds: exec, judge_io, judge_function, info")
 
@@ -87,8 +102,10 @@ def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = l
 class SandboxServer:
     """Requests in on a ROUTER, jobs out to the pool, replies back when a slot finishes."""
 
-    def __init__(self, node: Node, service: str, pool: SlotPool, *, replay_cache: int = 4096):
+    def __init__(self, node: Node, service: str, pool: SlotPool, *, replay_cache: int = 4096,
+                 ceiling: Limits | None = None):
         self.node = node
+        self.ceiling = ceiling  # requests over it are refused (bad_request), whoever sends them
         self.service = service
         self.pool = pool
         self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
@@ -121,7 +138,8 @@ class SandboxServer:
     def info(self) -> dict:
         b = self.pool.backends[0]
         return {"backend": b.describe(), "languages": list(b.languages()), "slots": self.pool.slots,
-                "queue": self.pool.queue_max, "busy": self.pool.busy, "queued": self.pool.queued}
+                "queue": self.pool.queue_max, "busy": self.pool.busy, "queued": self.pool.queued,
+                "ceiling": self.ceiling.to_wire() if self.ceiling is not None else None}
 
     def poll_once(self, timeout_s: float = 0.1) -> None:
         events = dict(self._poller.poll(int(timeout_s * 1000)))
@@ -171,7 +189,7 @@ class SandboxServer:
             self._send(peer, encode("info", self.info(), msg_id=rid))
             return
         try:
-            fn = _job(env.kind, env.body, self._warm_for)
+            fn = _job(env.kind, env.body, self._warm_for, self.ceiling)
         except ValueError as exc:
             self._finish(rid, peer, encode("bad_request", {"message": str(exc)}, msg_id=rid))
             return
@@ -228,6 +246,12 @@ class SandboxServer:
         self.sock.close(0)
 
 
+def ceiling_of(cfg) -> Limits:
+    """`sandbox.ceiling` of a SandboxConfig as Limits."""
+    c = cfg.ceiling
+    return Limits(**{f: getattr(c, f) for f in Limits.__dataclass_fields__})
+
+
 def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threading.Event | None = None) -> int:
     """Run a sandbox server until SIGTERM/SIGINT (or `stop`); returns the process exit code."""
     if not logging.getLogger().handlers:
@@ -240,7 +264,7 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
     pool.backends[0].check()
     node = Node(run_dir, name)
     try:
-        server = SandboxServer(node, name, pool)
+        server = SandboxServer(node, name, pool, ceiling=ceiling_of(cfg))
         log.info("sandbox server %s at %s: %d slot(s), queue %d; %s", name, server.endpoint.address,
                  pool.slots, pool.queue_max, pool.backends[0].describe())
         t0 = time.monotonic()

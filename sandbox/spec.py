@@ -53,6 +53,14 @@ class Limits:
     def replace(self, **changes: Any) -> "Limits":
         return dataclasses.replace(self, **changes)
 
+    def check_within(self, ceiling: "Limits", where: str = "limits") -> None:
+        """ValueError naming every field over `ceiling` (a sandbox server's `sandbox.ceiling`)."""
+        over = [f"{where}.{f.name}={getattr(self, f.name)} (ceiling {getattr(ceiling, f.name)})"
+                for f in dataclasses.fields(self) if getattr(self, f.name) > getattr(ceiling, f.name)]
+        if over:
+            raise ValueError(f"over this sandbox server's ceiling: {', '.join(over)}; ask for less, or raise "
+                             "sandbox.ceiling in the run's config")
+
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)
 

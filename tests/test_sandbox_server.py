@@ -26,7 +26,7 @@ from hpcrl.sandbox.judge import FunctionTask, IOCase
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.residue import adopt_orphans, host_residue, reap_orphans
-from hpcrl.sandbox.server import SandboxServer
+from hpcrl.sandbox.server import SandboxServer, ceiling_of
 from hpcrl.sandbox.spec import ExecSpec, Limits
 from conftest import require_bwrap, server_thread
 
@@ -40,9 +40,9 @@ def bwrap_ok():
 
 
 @contextlib.contextmanager
-def server(run_dir: Path, slots: int = 2, queue: int = 8):
-    """A SandboxServer in a thread of this process, on 127.0.0.1."""
-    cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.queue={queue}"]).sandbox
+def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str):
+    """A SandboxServer in a thread of this process, on 127.0.0.1, as `serve` configures it."""
+    cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.queue={queue}", *overrides]).sandbox
     pool = SlotPool.from_config(cfg, slots=slots)
 
     def close(srv):
@@ -50,7 +50,8 @@ def server(run_dir: Path, slots: int = 2, queue: int = 8):
         srv.close()
 
     try:
-        with server_thread(run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool),
+        with server_thread(run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool,
+                                                                           ceiling=ceiling_of(cfg)),
                            close=close) as srv:
             yield srv
     finally:
@@ -94,6 +95,27 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(bwrap_ok, r
         assert SandboxClient(node).run(ExecSpec.single("python", "print('still here')")).stdout == b"still here\n"
         sock.close(0)
         assert srv.dropped == 2
+
+
+def test_requests_over_the_ceiling_are_refused_whoever_sends_them(bwrap_ok, run_dir):
+    with server(run_dir, 2, 8, "sandbox.ceiling.memory_mb=256", "sandbox.ceiling.wall_s=5") as srv, \
+            Node(run_dir, "gen-0") as node:
+        c = SandboxClient(node)
+        assert c.info()["ceiling"]["memory_mb"] == 256
+        big = ExecSpec.single("python", "print(1)", limits=Limits(memory_mb=4096, wall_s=60))
+        with pytest.raises(ValueError, match=r"refused the exec request: over this sandbox server's ceiling: "
+                                             r"limits.wall_s=60 \(ceiling 5.0\), limits.memory_mb=4096 \(ceiling 256\); "
+                                             r"ask for less, or raise sandbox.ceiling"):
+            c.run(big)
+        # Defaults count too: the judge's harness asks for 512 MiB unless told otherwise.
+        task = FunctionTask("def f(x):\n    return x\n", "f", "def check(c):\n    assert c(1) == 1\n")
+        with pytest.raises(ValueError, match=r"judge_function request: over this sandbox server's ceiling: "
+                                             r"limits.wall_s=10.0 \(ceiling 5.0\), limits.memory_mb=512"):
+            c.judge_function(task)
+        assert c.judge_function(task, Limits(memory_mb=256, wall_s=5)).passed
+        assert c.run(ExecSpec.single("python", "print(2)", limits=Limits(memory_mb=128, wall_s=5))).stdout == b"2\n"
+        assert srv.served == 4
+    assert host_residue(UIDS) == []
 
 
 def test_a_full_queue_answers_busy_and_the_client_backs_off_until_served(bwrap_ok, run_dir):

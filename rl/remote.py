@@ -106,8 +106,8 @@ class RemoteTaskSource:
             self._failed.append([episode, f"store rejected the trajectory: {reason}"[:500]])
 
     # Syncs are pipelined: take() sends one and returns; its answer is picked up by a later
-    # take() or idle(). A blocking round trip per generator iteration cost ~20% of the
-    # generator's time on a busy machine, waiting for the coordinator to be scheduled.
+    # take() or idle(). A blocking round trip per generator iteration made the generator wait
+    # for the coordinator process to be scheduled, each time, on a machine short of cores.
 
     def _sync_due(self, want: int) -> bool:
         now = time.monotonic()

@@ -210,6 +210,19 @@ def test_a_session_killed_at_any_moment_of_its_start_leaves_no_zombie(backend):
         assert host_residue([UID]) == [], f"after a kill {i * 1.5:.1f} ms into the start"
 
 
+def test_an_init_whose_pid_was_never_learned_is_found_and_reaped(backend, monkeypatch):
+    # As if bwrap had been killed before it reported its init's pid: the init still comes to us
+    # (subreaper) and only the sweep can reap it; without it, a zombie stays for the host's init.
+    import hpcrl.sandbox.bwrap as bwrap_mod
+
+    monkeypatch.setattr(bwrap_mod, "_reap_init", lambda side, timeout_s=5.0: False)
+    s = backend.start(ExecSpec.single("python", "import sys; print('up', flush=True); sys.stdin.read()"))
+    assert s.read_line(timeout_s=10) == b"up\n"  # the init and the program run
+    s.kill()
+    assert s.finish().status != "ok"
+    assert host_residue([UID]) == []
+
+
 def test_concurrent_runs_on_different_slots(backend):
     backends = [BwrapBackend(uid=UID + 1 + i) for i in range(3)]
     results = [None] * 3

@@ -48,16 +48,9 @@ _ROW = 10  # values per step row
 
 
 def to_wire(traj: Trajectory) -> tuple[dict[str, Any], list[np.ndarray]]:
-    header: dict[str, Any] = {k: getattr(traj, k) for k in _SCALAR_FIELDS}
-    header["steps"] = [
-        [s.policy_version, s.reward, s.sandbox.status, s.sandbox.exit_code, s.sandbox.duration_s, s.generate_s,
-         s.env_s, len(s.prompt_tokens), len(s.action_tokens), len(s.observation_tokens)]
-        for s in traj.steps
-    ]
-    tokens = np.concatenate([a for s in traj.steps for a in (s.prompt_tokens, s.action_tokens, s.observation_tokens)])
-    logprobs = np.concatenate([s.action_logprobs for s in traj.steps])
-    mask = np.concatenate([s.loss_mask for s in traj.steps])
-    return header, [tokens, logprobs, mask]
+    """One trajectory's header and three arrays (a batch of one; see `to_wire_batch`)."""
+    body, arrays = to_wire_batch([traj])
+    return body["h"][0], arrays
 
 
 def to_wire_batch(trajs: Sequence[Trajectory]) -> tuple[dict[str, Any], list[np.ndarray]]:

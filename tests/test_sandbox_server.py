@@ -97,6 +97,15 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(bwrap_ok, r
         assert srv.dropped == 2
 
 
+def test_the_ceiling_config_names_every_limit():
+    # ceiling_of maps field by field: a limit added to Limits needs its sandbox.ceiling entry.
+    import dataclasses
+
+    from hpcrl.jobs.config import SandboxCeilingConfig
+
+    assert [f.name for f in dataclasses.fields(SandboxCeilingConfig)] == [f.name for f in dataclasses.fields(Limits)]
+
+
 def test_requests_over_the_ceiling_are_refused_whoever_sends_them(bwrap_ok, run_dir):
     with server(run_dir, 2, 8, "sandbox.ceiling.memory_mb=256", "sandbox.ceiling.wall_s=5") as srv, \
             Node(run_dir, "gen-0") as node:

@@ -45,8 +45,8 @@ DOMAINS = {"code": 2.0, "math": 3.0, "agent": 4.0, "cad": 6.0}  # median seconds
 
 def task_set(seed: int = 7):
     """Heavy-tailed rollout tasks, with estimates (p90) from earlier history of each domain."""
-    from hpcrl.slurm.estimates import DurationEstimator
-    from hpcrl.slurm.scheduler import RolloutTask
+    from hpcrl.slurm.backfill.estimates import DurationEstimator
+    from hpcrl.slurm.backfill.packer import RolloutTask
 
     rng = random.Random(seed)
     draw = lambda d: min(DOMAINS[d] * math.exp(0.7 * rng.gauss(0, 1)), 25.0)  # noqa: E731
@@ -64,8 +64,8 @@ def task_set(seed: int = 7):
 # ------------------------------------------------------------------------------ in the learner's job
 def learner_main(args: argparse.Namespace) -> int:
     """Alternate training and idle phases; in backfill mode lend each idle phase to rollout tasks."""
-    from hpcrl.slurm.rollout_worker import run_window, synthetic
-    from hpcrl.slurm.taskqueue import DirTaskQueue
+    from hpcrl.slurm.backfill.worker import run_window, synthetic
+    from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
 
     queue = DirTaskQueue(args.queue)
     job = os.environ.get("SLURM_JOB_ID", "local")
@@ -128,10 +128,10 @@ def others_on_gpu(own: set[str]) -> list[dict]:
 
 
 def run_mode(mode: str, workdir: Path) -> dict:
-    from hpcrl.jobs.config import SchedulerConfig
+    from hpcrl.core.config import SchedulerConfig
     from hpcrl.slurm import queries
-    from hpcrl.slurm.backfill import BackfillPlanner, RolloutJobs, live_window
-    from hpcrl.slurm.taskqueue import DirTaskQueue
+    from hpcrl.slurm.backfill.planner import BackfillPlanner, RolloutJobs, live_window
+    from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
 
     tmp = workdir / mode
     tmp.mkdir(parents=True)

@@ -81,7 +81,7 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 def pin_pipeline(run_dir, gen_cpus: set[int], rest_cpus: set[int]) -> None:
     """The generator on its own core(s), every other component (and this process) on the rest."""
-    from hpcrl.jobs.runner import pids
+    from hpcrl.jobs.supervise import pids
 
     pin(os.getpid(), rest_cpus)
     for role in ("coordinator", "store", "learner", "gen"):
@@ -92,12 +92,13 @@ def pin_pipeline(run_dir, gen_cpus: set[int], rest_cpus: set[int]) -> None:
 def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int]] | None = None) -> dict:
     import psutil
 
+    from hpcrl.jobs.launch import plan
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.jobs.runner import RunJobs, pids
+    from hpcrl.jobs.supervise import LocalRun, pids
     from hpcrl.rl.coordinator import read_status
 
     run_dir = create_run_dir(cfg)
-    jobs = RunJobs(cfg, run_dir)
+    jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir))
     try:
         jobs.start()
         deadline = time.monotonic() + 180
@@ -156,7 +157,7 @@ def main() -> int:
                          "learner's share of the CPUs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    from hpcrl.jobs.config import load_config
+    from hpcrl.core.config import load_config
 
     root = tempfile.mkdtemp(prefix="hpcrl-bench-")
     cfg = load_config(args.config, [f"experiment.run_root={root}", "experiment.name=bench", "learner.max_steps=100000",

@@ -35,12 +35,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hpcrl.jobs.config import load_config
+from hpcrl.core.config import load_config
 from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.judge import FunctionTask, judge_function
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.process import Supervised
-from hpcrl.sandbox.residue import host_residue
+from residue import host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from hpcrl.sandbox.warm import WarmHarness
 

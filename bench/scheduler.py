@@ -40,7 +40,7 @@ def build(packer, n_gpus: int, n_pending: int, rng: random.Random):
 
 
 def _task(i: int, rng: random.Random):
-    from hpcrl.slurm.scheduler import RolloutTask
+    from hpcrl.slurm.backfill.packer import RolloutTask
 
     return RolloutTask(i, f"d{i % 300}", rng.lognormvariate(math.log(8.0), 1.0), rng.randrange(10), i)
 
@@ -130,10 +130,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
     args = ap.parse_args()
-    from hpcrl.slurm.scheduler import GapPacker
-    from hpcrl.slurm.scheduler_ref import ReferencePacker
-    from hpcrl.slurm.sim import format_table, simulate
-    from hpcrl.slurm.sim_trace import World, load_trace
+    from hpcrl.slurm.backfill.packer import GapPacker
+    from packer_ref import ReferencePacker
+    from hpcrl.slurm.sim.run import format_table, simulate
+    from hpcrl.slurm.sim.trace import World, load_trace
 
     t_all = time.monotonic()
     big = 2_000 if args.quick else 10_000
@@ -163,7 +163,7 @@ def main() -> int:
         return 1
 
     print("\n2. simulated policies (trajectories per GPU-hour relative to sync)")
-    traces = sorted((ROOT / "slurm" / "traces").glob("*.yaml"))
+    traces = sorted((ROOT / "slurm" / "sim" / "traces").glob("*.yaml"))
     for path in traces:
         trace = load_trace(path)
         world = World(trace)
@@ -178,7 +178,7 @@ def main() -> int:
               f"tasks, work cut off at the end); {b.decisions} packer decisions")
 
     print("\n3. backfill on heavy-tail-300 against its knobs (busy fraction / traj per GPU-h)")
-    trace = load_trace(ROOT / "slurm" / "traces" / "heavy-tail-300.yaml")
+    trace = load_trace(ROOT / "slurm" / "sim" / "traces" / "heavy-tail-300.yaml")
     world = World(trace)
     chunks, quants = (0.0, 3.0, 8.0, 20.0), (0.1, 0.25, 0.5)
     print("  min_chunk_s \\ reclaim_quantile " + "".join(f"{q:>16}" for q in quants))

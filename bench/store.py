@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl.jobs.config import StoreConfig
-from hpcrl.rl.shards import write_segment
-from hpcrl.rl.store_reader import StoreReader
-from hpcrl.rl.store_writer import ShardWriter
+from hpcrl.core.config import StoreConfig
+from hpcrl.rl.store.layout import write_segment
+from hpcrl.rl.store.reader import StoreReader
+from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import synth_trajectory
-from hpcrl.rl.traj_columns import Columns, EncodeBuffers
+from hpcrl.rl.store.columns import Columns, EncodeBuffers
 
 
 def batches(trajs, n):

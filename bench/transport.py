@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from hpcrl.jobs.transport import Node, encode
-from hpcrl.jobs.transport_traj import TrajectoryReceiver, TrajectorySender
-from hpcrl.rl.store_writer import FlushResult
+from hpcrl.core.transport import Node, encode
+from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender
+from hpcrl.rl.store.writer import FlushResult
 from hpcrl.rl.synth import synth_trajectory
 
 
@@ -103,8 +103,8 @@ def raw_receiver(port_q, n: int, server_secret: bytes | None = None) -> None:
 
 
 def acked_receiver(run_dir: str, flush_every: int, hdf5: bool, ready, stop) -> None:
-    from hpcrl.jobs.config import StoreConfig
-    from hpcrl.rl.store_writer import ShardWriter
+    from hpcrl.core.config import StoreConfig
+    from hpcrl.rl.store.writer import ShardWriter
 
     sink = (ShardWriter(Path(run_dir) / "trajectories", "store-0", StoreConfig(flush_every=flush_every, flush_interval_s=0.05))
             if hdf5 else MemorySink(flush_every))

@@ -1,0 +1,12 @@
+"""The top floor: the CLI, launching a run's roles as jobs, supervising them, and what a run shows.
+
+    hpcrl run config.yaml             # jobs/cli/run.py -> launch.plan -> supervise.LocalRun
+    hpcrl submit config.yaml executor=slurm   # -> supervise.submit_run (jobs + a supervisor job)
+
+`components` are the picklable callables each job runs (store, coordinator, sandbox server,
+learner, generator); `launch` knows a run's roles and turns each into Slurm options and a
+submitit executor (the one translation); `supervise` watches the jobs and restarts what dies,
+locally (`LocalRun`) and on Slurm (`SupervisorComponent`); `scripts` renders plain sbatch
+scripts and is the command they run; `rundir` creates run directories; `report` and
+`slurmstatus` are what `hpcrl run` and `hpcrl status` print; `cli/` has one module per verb.
+"""

@@ -1,6 +1,6 @@
 """The run's job components: small picklable callables, the same on a laptop and on Slurm.
 
-    ex = make_executor(cfg.executor, cfg.slurm, "learner", folder=run_dir / "submitit")
+    ex = make_executor(cfg.executor, cfg.slurm, "learner", folder=run_dir / "submitit")   # jobs/launch.py
     job = ex.submit(LearnerComponent(run_dir, cfg.learner, cfg.policy, seed=cfg.experiment.seed))
 
 `__init__` keeps only plain config (frozen dataclasses, paths, names), so submitit can pickle
@@ -9,7 +9,7 @@ component writes `procs/<name>.json` (host, pid) into the run directory, and SIG
 (submitit's cancel) make it finish cleanly: the store flushes, the learner checkpoints,
 generators wait for their trajectories to be acknowledged. SIGUSR2, which Slurm sends
 `slurm.<role>.signal_delay_s` ahead of the time limit, does the same and then requeues the job
-(`_finish`): it runs again under the same job id and resumes from the run directory
+(`finish_job`): it runs again under the same job id and resumes from the run directory
 (checkpoints, store cursor, coordinator state). They stay `submitit.helpers.Checkpointable`,
 so a USR2 that arrives before the component installed its own handler still requeues the job.
 """
@@ -27,7 +27,10 @@ from pathlib import Path
 
 import submitit
 
-__all__ = ["StoreComponent", "SandboxComponent", "CoordinatorComponent", "LearnerComponent", "GeneratorComponent"]
+from hpcrl.core.files import atomic_write_json
+
+__all__ = ["StoreComponent", "SandboxComponent", "CoordinatorComponent", "LearnerComponent", "GeneratorComponent",
+           "start_component", "finish_job"]
 
 log = logging.getLogger("hpcrl.components")
 
@@ -39,7 +42,7 @@ class _Stop(threading.Event):
     requeue = False
 
 
-def _start(run_dir: Path, name: str, role: str) -> _Stop:
+def start_component(run_dir: Path, name: str, role: str) -> _Stop:
     """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs file."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
@@ -59,14 +62,12 @@ def _start(run_dir: Path, name: str, role: str) -> _Stop:
         signal.signal(signal.SIGUSR2, time_limit)
     procs = run_dir / "procs"
     procs.mkdir(exist_ok=True)
-    tmp = procs / f".{name}.tmp"
-    tmp.write_text(json.dumps({"name": name, "role": role, "host": socket.gethostname(), "pid": os.getpid(),
-                               "started": time.time()}))
-    os.replace(tmp, procs / f"{name}.json")
+    atomic_write_json(procs / f"{name}.json", {"name": name, "role": role, "host": socket.gethostname(),
+                                               "pid": os.getpid(), "started": time.time()})
     return stop
 
 
-def _finish(stop: _Stop, result):
+def finish_job(stop: _Stop, result):
     """Requeue the job after a SIGUSR2 drain (rank 0 only; the same job id runs again later)."""
     job = os.environ.get("SLURM_JOB_ID")
     if stop.requeue and job and os.environ.get("SLURM_PROCID", "0") == "0":
@@ -89,21 +90,21 @@ def _threads(n: int) -> None:
 
 
 class StoreComponent(submitit.helpers.Checkpointable):
-    """The trajectory store writer (hpcrl.rl.store_writer behind hpcrl.jobs.transport_traj)."""
+    """The trajectory store writer (hpcrl.rl.store.writer behind hpcrl.rl.store.stream)."""
 
     def __init__(self, run_dir, store_cfg, name: str = "store-0"):
         self.run_dir, self.cfg, self.name = Path(run_dir), store_cfg, name
 
     def __call__(self) -> str:
-        from hpcrl.jobs.transport import Node
-        from hpcrl.jobs.transport_traj import TrajectoryReceiver
-        from hpcrl.rl.store_writer import ShardWriter
+        from hpcrl.core.transport import Node
+        from hpcrl.rl.store.stream import TrajectoryReceiver
+        from hpcrl.rl.store.writer import ShardWriter
 
-        stop = _start(self.run_dir, self.name, "store")
+        stop = start_component(self.run_dir, self.name, "store")
         writer = ShardWriter(self.run_dir / "trajectories", self.name, self.cfg)
         with Node(self.run_dir, self.name) as node:
             TrajectoryReceiver(node, "store", writer).serve(stop)  # flushes and finalizes the shard at the end
-        return _finish(stop, "stopped")
+        return finish_job(stop, "stopped")
 
 
 class SandboxComponent(submitit.helpers.Checkpointable):
@@ -115,8 +116,8 @@ class SandboxComponent(submitit.helpers.Checkpointable):
     def __call__(self) -> int:
         from hpcrl.sandbox.server import serve
 
-        stop = _start(self.run_dir, self.name, "sandbox")
-        return _finish(stop, serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop))
+        stop = start_component(self.run_dir, self.name, "sandbox")
+        return finish_job(stop, serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop))
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
@@ -127,15 +128,15 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
         self.max_staleness, self.max_steps = learner_cfg.max_staleness, learner_cfg.max_steps
 
     def __call__(self) -> str:
-        from hpcrl.jobs.transport import Node
+        from hpcrl.core.transport import Node
         from hpcrl.rl.coordinator import Coordinator
 
-        stop = _start(self.run_dir, "coordinator", "coordinator")
+        stop = start_component(self.run_dir, "coordinator", "coordinator")
         coord = Coordinator(self.run_dir, self.weights, self.group_size, self.batch_groups, self.max_staleness,
                             self.max_steps, self.seed, self.cfg)
         with Node(self.run_dir, "coordinator") as node:
             coord.serve(node, stop)
-        return _finish(stop, "stopped")
+        return finish_job(stop, "stopped")
 
 
 class LearnerComponent(submitit.helpers.Checkpointable):
@@ -159,12 +160,12 @@ class LearnerComponent(submitit.helpers.Checkpointable):
         except RuntimeError:
             pass  # not inside a submitit job (run by hand): rl/distenv.py finds the ranks itself
         rank = os.environ.get("RANK", "0")
-        stop = _start(self.run_dir, f"learner-{rank}", "learner")
+        stop = start_component(self.run_dir, f"learner-{rank}", "learner")
         _threads(self.torch_threads)
         step = run_learner(self.run_dir, self.cfg, self.policy, self.seed, stop)
         if step >= self.cfg.max_steps:
             stop.requeue = False  # done: a signal that came with the last step must not start it again
-        return _finish(stop, step)
+        return finish_job(stop, step)
 
 
 class GeneratorComponent(submitit.helpers.Checkpointable):
@@ -175,8 +176,8 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         self.search_path, self.sandbox_slots, self.torch_threads = tuple(search_path), sandbox_slots, torch_threads
 
     def __call__(self) -> dict:
-        from hpcrl.jobs.transport import Node
-        from hpcrl.jobs.transport_traj import TrajectorySender
+        from hpcrl.core.transport import Node
+        from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.domains import load_domains
         from hpcrl.rl.generator import Generator
         from hpcrl.rl.meter import BusyMeter
@@ -184,7 +185,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
         from hpcrl.rl.weights import WeightStore
 
-        stop = _start(self.run_dir, self.name, "generator")
+        stop = start_component(self.run_dir, self.name, "generator")
         _threads(self.torch_threads)
         domains = load_domains(self.domains, self.search_path)
         policy = Policy.load(self.policy, seed=self.seed)
@@ -213,5 +214,5 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
             finally:
                 source.close()
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
-            return _finish(stop, {"stopped_by": "coordinator" if source.should_stop() else "signal",
+            return finish_job(stop, {"stopped_by": "coordinator" if source.should_stop() else "signal",
                                   "trajectories": gen.stats.trajectories, "busy_fraction": gen.stats.busy_fraction})

@@ -1,59 +1,128 @@
-"""Turn a role's config into a submitit executor: the one place resources become Slurm options.
+"""Launching a run's roles: which components a run has, the one translation from a role's config
+to Slurm options, the submitit executor for it, and submitting a run to Slurm.
 
+    roles = plan(cfg, run_dir, domains)                  # store, coordinator, sandbox-N?, learner, gen-N
     ex = make_executor(cfg.executor, cfg.slurm, "learner", folder=run_dir / "submitit")
-    job = ex.submit(component)
+    job = ex.submit(roles[3].component)
+    scripts = dry_run_scripts(cfg, run_dir, roles)       # {component: sbatch text}; submits nothing
 
 `executor: local` gives submitit's LocalExecutor (same component classes, processes on this
-machine); `executor: slurm` gives its SlurmExecutor with partition, time, nodes, tasks,
-CPUs, GPUs (GRES), memory, account, QoS, signal delay and extra directives from the config.
+machine); `executor: slurm` gives its SlurmExecutor with the options `role_resources` derives
+from `slurm.<role>`: partition, time, nodes, tasks, CPUs, GPUs (GRES), memory, account, QoS,
+extra directives. `hpcrl sbatch` renders its scripts from the same `Resources`.
+
+Each component goes to its role's partition: store writer and coordinator on
+`slurm.coordinator`, the learner on `slurm.learner`, generators on `slurm.generator`, sandbox
+servers on `slurm.sandbox` as one job array. `<run>/jobs.json` (written atomically) maps
+component -> current job id, earlier job ids and restarts; `hpcrl status/cancel/logs` and the
+supervisor (jobs/supervise.py) read it.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Mapping, Sequence
 
 import submitit
 
-from hpcrl.jobs.config import SlurmConfig, SlurmRoleConfig
+from hpcrl.core.config import Config, SlurmConfig
+from hpcrl.core.files import atomic_write_json, read_json
+from hpcrl.jobs.components import (
+    CoordinatorComponent,
+    GeneratorComponent,
+    LearnerComponent,
+    SandboxComponent,
+    StoreComponent,
+)
+from hpcrl.rl.domains import load_domains
+from hpcrl.slurm.command import run_slurm
+from hpcrl.slurm.sbatch import Resources
+
+__all__ = ["Role", "plan", "role_resources", "slurm_parameters", "make_executor", "slurm_executor", "dry_run_scripts",
+           "preflight", "read_jobs", "write_jobs", "check_slurm", "JOBS_NAME", "SUPERVISOR"]
+
+JOBS_NAME = "jobs.json"
+SUPERVISOR = "supervisor"
+
+
+@dataclass
+class Role:
+    """One component of a run and the job that runs it now."""
+
+    name: str  # store, coordinator, sandbox-0, learner, gen-0, ...
+    slurm_role: str  # the slurm.<section> it runs with: coordinator, learner, generator, sandbox
+    component: Any
+    job: Any = None
+    restarts: int = 0
+    history: list = field(default_factory=list)
+
+
+def plan(cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | None = None,
+         search_path: Sequence[str] = ()) -> list[Role]:
+    """The run's components in start order. `domains` ({name: Domain}, as `load_domains` gives
+    them) decides whether sandbox servers are needed; they are loaded here when not given."""
+    run_dir = Path(run_dir)
+    if domains is None:
+        domains = load_domains(cfg.domains, search_path)
+    needs_sandbox = any(d.needs_executor for d in domains.values())
+    seed = cfg.experiment.seed
+    sandboxes = [f"sandbox-{i}" for i in range(cfg.sandbox.servers)] if needs_sandbox else []
+    return [
+        Role("store", "coordinator", StoreComponent(run_dir, cfg.store)),
+        Role("coordinator", "coordinator", CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed)),
+        *[Role(s, "sandbox", SandboxComponent(run_dir, cfg.sandbox, s)) for s in sandboxes],
+        Role("learner", "learner", LearnerComponent(run_dir, cfg.learner, cfg.policy, seed)),
+        *[Role(f"gen-{i}", "generator",
+               GeneratorComponent(run_dir, f"gen-{i}", cfg.generators, cfg.policy, cfg.domains, sandboxes,
+                                  seed + 1000 * (i + 1), search_path, cfg.sandbox.slots * len(sandboxes)))
+          for i in range(cfg.generators.count)],
+    ]
+
+
+# -- roles as Slurm options ---------------------------------------------------------------------
+
+
+def role_resources(slurm: SlurmConfig, role: str) -> Resources:
+    """What `slurm.<role>` asks of Slurm: the one place a role's config becomes job options."""
+    r = slurm.role(role)
+    return Resources(partition=r.partition, time_min=r.time_min, nodes=r.nodes, ntasks_per_node=r.tasks_per_node,
+                     cpus_per_task=r.cpus_per_task, gpus_per_node=r.gpus_per_node,
+                     mem_mb=max(1, round(r.mem_gb * 1024)), account=slurm.account, qos=slurm.qos,
+                     extra={**slurm.extra_directives, **r.extra_directives})
 
 
 def slurm_parameters(slurm: SlurmConfig, role: str, job_name: str) -> dict:
     """submitit.SlurmExecutor keywords for one role (pure; tested without a cluster)."""
-    r: SlurmRoleConfig = slurm.role(role)
+    res = role_resources(slurm, role)
     params: dict = {
-        "partition": r.partition,
-        "time": r.time_min,
-        "nodes": r.nodes,
-        "ntasks_per_node": r.tasks_per_node,
-        "cpus_per_task": r.cpus_per_task,
-        "mem": f"{max(1, round(r.mem_gb * 1024))}M",
-        "signal_delay_s": r.signal_delay_s,
+        "partition": res.partition,
+        "time": res.time_min,
+        "nodes": res.nodes,
+        "ntasks_per_node": res.ntasks_per_node,
+        "cpus_per_task": res.cpus_per_task,
+        "mem": f"{res.mem_mb}M",
+        "signal_delay_s": slurm.role(role).signal_delay_s,
         "job_name": job_name,
     }
-    if r.gpus_per_node:
-        params["gpus_per_node"] = r.gpus_per_node
-    if slurm.account:
-        params["account"] = slurm.account
-    if slurm.qos:
-        params["qos"] = slurm.qos
-    extra = {**slurm.extra_directives, **r.extra_directives}
-    if extra:
+    if res.gpus_per_node:
+        params["gpus_per_node"] = res.gpus_per_node
+    if res.account:
+        params["account"] = res.account
+    if res.qos:
+        params["qos"] = res.qos
+    if res.extra:
         # submitit writes `key_name` as `--key-name`; either spelling in the config works.
-        params["additional_parameters"] = {k.replace("-", "_"): v for k, v in extra.items()}
+        params["additional_parameters"] = {k.replace("-", "_"): v for k, v in res.extra.items()}
     if slurm.setup:
         params["setup"] = list(slurm.setup)
     return params
 
 
-def make_executor(
-    kind: Literal["local", "slurm"],
-    slurm: SlurmConfig,
-    role: str,
-    folder: str | os.PathLike,
-    job_name: str | None = None,
-) -> submitit.Executor:
+def make_executor(kind: Literal["local", "slurm"], slurm: SlurmConfig, role: str, folder: str | os.PathLike,
+                  job_name: str | None = None) -> submitit.Executor:
     """A submitit executor for `role` ('coordinator', 'learner', 'generator', 'sandbox')."""
     folder = Path(folder)
     name = job_name or f"hpcrl-{role}"
@@ -69,3 +138,70 @@ def make_executor(
         ex.update_parameters(timeout_min=r.time_min, tasks_per_node=r.tasks_per_node, gpus_per_node=r.gpus_per_node)
         return ex
     raise ValueError(f"unknown executor {kind!r}; choose local or slurm")
+
+
+# -- a run on Slurm ------------------------------------------------------------------------------
+
+
+def read_jobs(run_dir: str | os.PathLike) -> dict | None:
+    return read_json(Path(run_dir) / JOBS_NAME)
+
+
+def write_jobs(run_dir: str | os.PathLike, record: dict) -> None:
+    """Atomically and durably: readers (status, cancel) never see half a file."""
+    atomic_write_json(Path(run_dir) / JOBS_NAME, record)
+
+
+def slurm_executor(cfg: Config, run_dir: Path, slurm_role: str, name: str) -> submitit.Executor:
+    return make_executor("slurm", cfg.slurm, slurm_role, run_dir / "submitit", job_name=f"hpcrl-{run_dir.name}-{name}")
+
+
+def check_slurm(cfg: Config) -> None:
+    if cfg.executor != "slurm":
+        raise ValueError(f"a Slurm run needs executor: slurm (got {cfg.executor!r}); `hpcrl run` runs locally")
+
+
+def dry_run_scripts(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Role]) -> dict[str, str]:
+    """The sbatch script submitit would submit for each component (and the supervisor); nothing is queued."""
+    check_slurm(cfg)
+    run_dir = Path(run_dir)
+    out = {}
+    sandboxes = sum(r.slurm_role == "sandbox" for r in roles)
+    for name, slurm_role in [(r.name, r.slurm_role) for r in roles] + [(SUPERVISOR, "coordinator")]:
+        if slurm_role == "sandbox":
+            if name != "sandbox-0":
+                continue
+            name = "sandbox"  # one job array, as submit_run submits it
+        ex = slurm_executor(cfg, run_dir, slurm_role, name)
+        if name == "sandbox":
+            ex.parameters["map_count"] = sandboxes
+        out[name] = ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+    return out
+
+
+def preflight(cfg: Config) -> list[str]:
+    """Warnings about cluster settings (`scontrol show config`) that break requeue or signals."""
+    conf = {}
+    for line in run_slurm(["scontrol", "show", "config"]).stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            conf[key.strip()] = value.strip()
+    warn = []
+    if conf.get("JobRequeue") == "0":
+        warn.append("JobRequeue=0: jobs are not requeueable, so a component at its time limit cannot requeue "
+                    "itself; the supervisor resubmits it instead (a new job id, one restart of its budget)")
+    kill_wait = int((conf.get("KillWait") or "30").split()[0])
+    if kill_wait < 10:
+        warn.append(f"KillWait={kill_wait} s: a cancelled or requeued component has only that long after SIGTERM to "
+                    "checkpoint and flush; the learner may resume from an older checkpoint and the store's open "
+                    "shard is then recovered at next open")
+    mode = conf.get("PreemptMode", "OFF").upper()
+    if conf.get("PreemptType", "preempt/none") != "preempt/none" and ("CANCEL" in mode or "SUSPEND" in mode):
+        warn.append(f"PreemptMode={mode}: preempted components are cancelled or suspended, not requeued; the "
+                    "supervisor resubmits cancelled ones (each costs a restart)")
+    for role in ("coordinator", "learner", "generator", "sandbox"):
+        delay = cfg.slurm.role(role).signal_delay_s
+        if delay < 60:
+            warn.append(f"slurm.{role}.signal_delay_s={delay}: Slurm checks time limits about once a minute, so the "
+                        "USR2 that starts the drain may come too late; 120 or more is safer")
+    return warn

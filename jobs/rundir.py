@@ -11,7 +11,7 @@ import secrets
 import time
 from pathlib import Path
 
-from hpcrl.jobs.config import Config, write_resolved
+from hpcrl.core.config import Config, write_resolved
 
 
 def new_run_id(cfg: Config) -> str:

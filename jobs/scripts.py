@@ -1,12 +1,21 @@
-"""Plain, readable sbatch scripts for a run, for users who submit by hand (`hpcrl sbatch`).
+"""Plain, readable sbatch scripts for a run, for users who submit by hand (`hpcrl sbatch`), and
+the command those scripts run.
 
-    paths = write_scripts(cfg, run_dir, out_dir, search_path=[config_dir])   # one script per component
-    paths = write_scripts(cfg, run_dir, out_dir, hetjob=True)                # one heterogeneous job
+    paths = write_scripts(cfg, run_dir, out_dir, roles, search_path=[config_dir])   # one script per component
+    paths = write_scripts(cfg, run_dir, out_dir, roles, hetjob=True)                # one heterogeneous job
 
-Each script asks for its role's resources (slurm.<role>), runs
-`python -m hpcrl.jobs.component RUN_DIR NAME` under srun and writes its output where
-submitit would (RUN_DIR/submitit/<job id>_0_log.out/.err), so `hpcrl status/logs/cancel` work the
-same. `submit.sh` submits them in dependency-free order, records the job ids in jobs.json and
+    python -m hpcrl.jobs.scripts RUN_DIR learner [--search-path DIR]      # inside a Slurm job
+    python -m hpcrl.jobs.scripts RUN_DIR supervisor --max-restarts 3
+    python -m hpcrl.jobs.scripts RUN_DIR --record store=101 learner=103 --supervisor-job 105
+
+Each script asks for its role's resources (`launch.role_resources`, the same options `hpcrl
+submit` asks for), runs `python -m hpcrl.jobs.scripts RUN_DIR NAME` under srun and writes its
+output where submitit would (RUN_DIR/submitit/<job id>_0_log.out/.err), so `hpcrl
+status/logs/cancel` work the same. That command rebuilds the component from
+RUN_DIR/config.resolved.yaml exactly as `hpcrl submit` builds it and runs it as under submitit:
+its return value (or error) lands in RUN_DIR/submitit/<job id>_0_result.pkl, so the supervisor
+treats hand-submitted and submitit-submitted jobs alike. `--record` writes the job ids
+submit.sh got from sbatch into RUN_DIR/jobs.json. `submit.sh` submits them in dependency-free order, records the job ids in jobs.json and
 submits the supervisor last, which resubmits components that die (as under `hpcrl submit`).
 
 The heterogeneous mode puts every component in one `#SBATCH hetjob` script: Slurm starts them
@@ -16,31 +25,31 @@ component that dies is not replaced, and the whole job is requeued (`--requeue`)
 
 from __future__ import annotations
 
+import argparse
 import os
+import pickle
 import shlex
 import sys
+import time
+import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from hpcrl.jobs.config import Config, SlurmRoleConfig
+from hpcrl.core.config import RESOLVED_NAME, Config, load_config
+from hpcrl.core.files import atomic_write_bytes
+from hpcrl.jobs.launch import SUPERVISOR, Role, plan, read_jobs, role_resources, write_jobs
+from hpcrl.jobs.supervise import SupervisorComponent
 from hpcrl.slurm.sbatch import Resources, render_script, write_script
 
-__all__ = ["write_scripts", "resources"]
-
-
-def resources(cfg: Config, role: str) -> Resources:
-    r: SlurmRoleConfig = cfg.slurm.role(role)
-    return Resources(partition=r.partition, time_min=r.time_min, nodes=r.nodes, ntasks_per_node=r.tasks_per_node,
-                     cpus_per_task=r.cpus_per_task, gpus_per_node=r.gpus_per_node,
-                     mem_mb=max(1, round(r.mem_gb * 1024)), account=cfg.slurm.account, qos=cfg.slurm.qos,
-                     extra={**cfg.slurm.extra_directives, **r.extra_directives})
+__all__ = ["write_scripts", "build", "main"]
 
 
 def _command(run_dir: Path, name: str, search_path: Sequence[str], max_restarts: int) -> str:
-    argv = [sys.executable, "-u", "-m", "hpcrl.jobs.component", str(run_dir), name]
+    argv = [sys.executable, "-u", "-m", "hpcrl.jobs.scripts", str(run_dir), name]
     for p in search_path:
         argv += ["--search-path", str(p)]
-    if name == "supervisor":
+    if name == SUPERVISOR:
         argv += ["--max-restarts", str(max_restarts)]
     # The sandbox array's task index picks the server: leave $SLURM_ARRAY_TASK_ID to the shell.
     return shlex.join(argv).replace("'sandbox-$SLURM_ARRAY_TASK_ID'", '"sandbox-$SLURM_ARRAY_TASK_ID"')
@@ -56,18 +65,12 @@ def _preamble(cfg: Config, role: str) -> list[str]:
     return lines
 
 
-def _components(cfg: Config, run_dir: Path, search_path: Sequence[str]) -> list[tuple[str, str]]:
-    from hpcrl.jobs.slurmrun import _roles
-
-    return [(r.name, r.slurm_role) for r in _roles(cfg, run_dir, search_path, 0).roles]
-
-
-def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.PathLike, search_path: Sequence[str] = (),
-                  max_restarts: int = 3, hetjob: bool = False) -> list[Path]:
+def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Sequence[Role],
+                  search_path: Sequence[str] = (), max_restarts: int = 3, hetjob: bool = False) -> list[Path]:
     """Write the scripts and submit.sh into out_dir; return their paths (submit.sh last)."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir)
     logs = run_dir / "submitit"
-    comps = _components(cfg, run_dir, search_path)
+    comps = [(r.name, r.slurm_role) for r in roles]
     if hetjob:
         return _write_hetjob(cfg, run_dir, out_dir, comps, search_path, logs)
     py = shlex.quote(sys.executable)
@@ -83,11 +86,11 @@ def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.Pat
     record = []
     sandboxes = [n for n, role in comps if role == "sandbox"]
     for name, role in [*[c for c in comps if c[1] != "sandbox"], *([("sandbox", "sandbox")] if sandboxes else [])]:
-        res = resources(cfg, role)
+        res = role_resources(cfg.slurm, role)
         extra = {}
         if name == "sandbox":
             extra["array"] = f"0-{len(sandboxes) - 1}"
-        res = Resources(**{**res.__dict__, "extra": {**res.extra, **extra}})
+        res = replace(res, extra={**res.extra, **extra})
         signal_s = cfg.slurm.role(role).signal_delay_s
         cmd_name = "sandbox-$SLURM_ARRAY_TASK_ID" if name == "sandbox" else name
         out = f"{logs}/%A_%a_0_log" if name == "sandbox" else f"{logs}/%j_0_log"
@@ -104,14 +107,14 @@ def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.Pat
             record += [f"sandbox-{i}=${{sandbox}}_{i}" for i in range(len(sandboxes))]
         else:
             record.append(f"{name}=${var}")
-    sup = resources(cfg, "coordinator")
+    sup = role_resources(cfg.slurm, "coordinator")
     text = render_script([sup], [*_preamble(cfg, "coordinator"),
-                                 f"srun --unbuffered {_command(run_dir, 'supervisor', search_path, max_restarts)}"],
+                                 f"srun --unbuffered {_command(run_dir, SUPERVISOR, search_path, max_restarts)}"],
                          job_name=f"hpcrl-{run_dir.name}-supervisor", output=f"{logs}/%j_0_log.out",
                          error=f"{logs}/%j_0_log.err", signal=f"USR2@{cfg.slurm.coordinator.signal_delay_s}",
                          requeue=True, header_comment=f"hpcrl run {run_dir.name}: resubmits components that die.")
     paths.append(write_script(text, out_dir / "supervisor.sbatch"))
-    component = f"{py} -m hpcrl.jobs.component {shlex.quote(str(run_dir))}"
+    component = f"{py} -m hpcrl.jobs.scripts {shlex.quote(str(run_dir))}"
     submit += [f"{component} --record {' '.join(record)}",
                "supervisor=$(sub supervisor.sbatch)",
                f"{component} --supervisor-job \"$supervisor\"",
@@ -134,7 +137,7 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
         parts.setdefault(cfg.slurm.role(role).partition, []).append((name, role))
     groups, body, pids = [], [], {}
     for g, (partition, members) in enumerate(parts.items()):
-        res = [resources(cfg, role) for _, role in members]
+        res = [role_resources(cfg.slurm, role) for _, role in members]
         groups.append(Resources(partition=partition, time_min=max(r.time_min for r in res), nodes=1,
                                 ntasks_per_node=sum(r.ntasks_per_node for r in res),
                                 cpus_per_task=max(r.cpus_per_task for r in res),
@@ -167,7 +170,7 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
                                          "No supervisor: a component that dies is not replaced; requeue the job."))
     script = write_script(text, out_dir / "run.hetjob.sbatch")
     py = shlex.quote(sys.executable)
-    component = f"{py} -m hpcrl.jobs.component {shlex.quote(str(run_dir))}"
+    component = f"{py} -m hpcrl.jobs.scripts {shlex.quote(str(run_dir))}"
     # Slurm names a heterogeneous job's groups <id>+<offset>; squeue/sacct/scancel take them.
     offset = {name: g for g, members in enumerate(parts.values()) for name, _ in members}
     record = " ".join(f"{n}=$job+{offset[n]}" for n, _ in comps)
@@ -176,3 +179,88 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
               'job=$(sbatch --parsable run.hetjob.sbatch); job=${job%%;*}',
               f"{component} --record {record}", f'echo "run {run_dir.name}: hetjob $job"', ""]
     return [script, write_script("\n".join(submit), out_dir / "submit.sh")]
+
+
+# -- the command the scripts run ------------------------------------------------------------------
+
+
+def build(run_dir: Path, name: str, search_path: Sequence[str] = (), max_restarts: int = 3):
+    """The picklable component called `name` ('store', 'learner', 'gen-0', 'supervisor', ...)."""
+    cfg = load_config(run_dir / RESOLVED_NAME)
+    if name == SUPERVISOR:
+        return SupervisorComponent(run_dir, cfg, tuple(search_path), max_restarts)
+    roles = {r.name: r for r in plan(cfg, run_dir, search_path=search_path)}
+    if name not in roles:
+        raise SystemExit(f"{name!r} is not a component of {run_dir}; components: {', '.join(roles)}, {SUPERVISOR}")
+    return roles[name].component
+
+
+def _result_path(run_dir: Path) -> Path | None:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SLURM_PROCID", "0") != "0":
+        return None
+    if os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return run_dir / "submitit" / f"{job}_0_result.pkl"
+
+
+def run_component(run_dir: Path, name: str, search_path: Sequence[str], max_restarts: int) -> int:
+    component = build(run_dir, name, search_path, max_restarts)
+    out = _result_path(run_dir)
+    try:
+        value = component()
+        outcome = ("success", value)
+    except BaseException:  # recorded for the supervisor, then re-raised
+        outcome = ("error", traceback.format_exc())
+        raise
+    finally:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # submitit's own result format: the supervisor reads hand-submitted jobs the same way.
+            atomic_write_bytes(out, pickle.dumps(outcome))
+    print(f"{name} returned {value!r}", flush=True)
+    return 0
+
+
+def record_jobs(run_dir: Path, pairs: list[str], supervisor: str | None, search_path: Sequence[str],
+                max_restarts: int) -> int:
+    rec = read_jobs(run_dir) or {"executor": "slurm", "run_dir": str(run_dir), "submitted": time.time(),
+                                 "state": "submitted", "message": "", "max_restarts": max_restarts,
+                                 "search_path": list(search_path), "components": {}}
+    roles = {"store": "coordinator", "coordinator": "coordinator", "learner": "learner"}
+    for pair in pairs:
+        name, _, job = pair.partition("=")
+        if not job:
+            raise SystemExit(f"--record takes NAME=JOBID pairs (got {pair!r})")
+        role = roles.get(name) or ("generator" if name.startswith("gen-") else "sandbox")
+        old = rec["components"].get(name, {"history": [], "restarts": 0})
+        rec["components"][name] = {"role": role, "job_id": job, "history": [*old["history"], job],
+                                   "restarts": old["restarts"]}
+    if supervisor:
+        rec["supervisor"] = {"job_id": supervisor, "history": [supervisor]}
+        rec["state"] = "running"
+    write_jobs(run_dir, rec)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hpcrl.jobs.scripts",
+                                description="Run one component of a run in the foreground (what the scripts of "
+                                            "`hpcrl sbatch` call), or record the job ids submit.sh got.")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("name", nargs="?", help="component to run: store, coordinator, learner, gen-N, sandbox-N, supervisor")
+    p.add_argument("--search-path", action="append", default=[], help="folder searched for site domain modules")
+    p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
+    p.add_argument("--record", nargs="*", metavar="NAME=JOBID", help="write these job ids into jobs.json instead")
+    p.add_argument("--supervisor-job", help="with --record: the supervisor's job id")
+    args = p.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    if args.record is not None or args.supervisor_job:
+        return record_jobs(run_dir, args.record or [], args.supervisor_job, args.search_path, args.max_restarts)
+    if not args.name:
+        p.error("name the component to run (or use --record)")
+    return run_component(run_dir, args.name, args.search_path, args.max_restarts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

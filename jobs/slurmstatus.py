@@ -54,7 +54,7 @@ def _heartbeats(name: str, status: dict, now: float) -> tuple[float | None, dict
 
 
 def snapshot(run_dir: str | os.PathLike) -> dict:
-    from hpcrl.jobs.slurmrun import read_jobs
+    from hpcrl.jobs.launch import read_jobs
     from hpcrl.rl.coordinator import read_status
 
     run_dir = Path(run_dir)
@@ -75,7 +75,7 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         "components": [],
     }
     if jobs is None:
-        from hpcrl.jobs.runner import pids
+        from hpcrl.jobs.supervise import pids
 
         for f in sorted((run_dir / "procs").glob("*.json")):
             name = f.stem

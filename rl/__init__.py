@@ -1,0 +1,15 @@
+"""Reinforcement learning: the policy, rollout generation, the learner, and what connects them.
+
+    from hpcrl.rl.policy import Policy               # a Hugging Face causal LM and its tokenizer
+    from hpcrl.rl.generator import Generator         # many episodes in flight, batched sampling
+    from hpcrl.rl.learner_service import run_learner # DeepSpeed ZeRO-3: read the store, train, publish
+
+`trajectory` is the record of one episode; `store/` keeps them (HDF5 shards, the wire form,
+acknowledged delivery). `domains/` are the task families and their environments and rewards;
+`tasks` hands out episodes and `coordinator` leases them across generators with flow control;
+`sampler` and `generator` produce trajectories, `remote` links a generator to the run
+(coordinator, store, sandboxes, policy versions); `batch` groups trajectories, `algorithms`
+holds the losses, `learner` the DeepSpeed engine and `learner_service` its loop; `weights`
+publishes policy versions; `inprocess` runs generator and learner in one process for
+debugging; `synth` makes synthetic trajectories for benchmarks and drills.
+"""

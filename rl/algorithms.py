@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcrl.jobs.config import AlgorithmConfig
+from hpcrl.core.config import AlgorithmConfig
 from hpcrl.rl.registry import Registry
 
 __all__ = ["ALGORITHMS", "Algorithm", "GRPO", "Reinforce", "TokenBatch", "make_algorithm", "group_advantages"]

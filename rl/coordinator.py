@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from hpcrl.jobs.config import CoordinatorConfig
+from hpcrl.core.config import CoordinatorConfig
+from hpcrl.core.files import atomic_write_text
 from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
 
 __all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
@@ -57,9 +58,7 @@ class _Lease:
 
 
 def _atomic_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1, default=str))
 
 
 def read_status(run_dir: str | os.PathLike) -> dict | None:
@@ -264,7 +263,7 @@ class Coordinator:
 
     def serve(self, node, stop: threading.Event) -> None:
         """Answer requests until `stop` is set; status and state are written on the way out too."""
-        from hpcrl.jobs.transport_rpc import Reply, RequestServer
+        from hpcrl.core.rpc import Reply, RequestServer
 
         server = RequestServer(node, "coordinator", lambda env: Reply("ok", self.handle(env.kind, env.body)))
         try:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from hpcrl.jobs.config import GeneratorConfig
+from hpcrl.core.config import GeneratorConfig
 from hpcrl.rl.domains import Domain, Environment, ExecFeedback, StepResult
 from hpcrl.rl.policy import Policy
 from hpcrl.rl.sampler import Sampler

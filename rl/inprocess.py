@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.jobs.config import Config, load_config
+from hpcrl.core.config import Config, load_config
 from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.domains import SandboxJudge, load_domains
 from hpcrl.rl.generator import Generator
@@ -43,7 +43,7 @@ def train_in_process(cfg: Config, run_dir: str | Path, on_step: Callable[[dict],
     domains = load_domains(cfg.domains)
     executor = None
     if any(d.needs_executor for d in domains.values()):
-        from hpcrl.sandbox.backend import make_backend
+        from hpcrl.sandbox.auto import make_backend
 
         executor = SandboxJudge(make_backend(cfg.sandbox))
     policy = Policy.load(cfg.policy, seed=seed)

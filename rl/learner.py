@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hpcrl.jobs.config import LearnerConfig, PolicyConfig
+from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
 from hpcrl.rl.batch import collate
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from hpcrl.jobs.config import LearnerConfig, PolicyConfig
+from hpcrl.core.config import LearnerConfig, PolicyConfig
+from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.meter import BusyMeter
@@ -43,17 +44,16 @@ class _Rank0:
     """What only rank 0 does: store, buffer, transport, audit."""
 
     def __init__(self, run_dir: Path, cfg: LearnerConfig, learner: Learner, extra: dict):
-        from hpcrl.jobs.transport import Node
-        from hpcrl.jobs.transport_rpc import RequestClient, VersionPublisher
-        from hpcrl.rl.store_reader import StoreReader
+        from hpcrl.core.transport import Node
+        from hpcrl.core.rpc import RequestClient, VersionPublisher
+        from hpcrl.rl.store.reader import StoreReader
 
         self.run_dir, self.cfg, self.learner = run_dir, cfg, learner
         self.node = Node(run_dir, "learner")
         self.pub = VersionPublisher(self.node)
         self.coord = RequestClient(self.node, "coordinator", timeout_s=2.0, retries=1, discover_timeout_s=60.0)
         (run_dir / "trajectories").mkdir(exist_ok=True)
-        # Staleness is judged per group by the buffer: the reader hands over everything.
-        self.reader = StoreReader(run_dir / "trajectories", max_staleness=None)
+        self.reader = StoreReader(run_dir / "trajectories")  # staleness is the buffer's call, per group
         self.reader.load_state_dict(extra.get("reader", {}))
         self.buffer = GroupBuffer(cfg.group_size)
         self.buffer.load_state_dict(extra.get("buffer", {}))
@@ -122,10 +122,7 @@ class _Rank0:
         buf = extra["buffer"]
         data = {"step": self.learner.step, "version": self.learner.version, "reader": extra["reader"],
                 "buffered": [r["id"] for r in buf["open"] + buf["complete"]], "pending_dropped": buf["dropped"]}
-        path = self.run_dir / CURSOR_NAME
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        atomic_write_json(self.run_dir / CURSOR_NAME, data)
 
     def close(self) -> None:
         self.audit.close()

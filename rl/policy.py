@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch
 
-from hpcrl.jobs.config import PolicyConfig, TinyModelConfig
+from hpcrl.core.config import PolicyConfig, TinyModelConfig
 
 __all__ = [
     "SPECIAL_TOKENS",

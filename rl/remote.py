@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from hpcrl.jobs.transport_rpc import RequestTimeout
+from hpcrl.core.rpc import RequestTimeout
 from hpcrl.rl.coordinator import ticket_from_row
 from hpcrl.rl.tasks import EpisodeTicket
 from hpcrl.rl.trajectory import Trajectory
@@ -31,7 +31,7 @@ log = logging.getLogger("hpcrl.generator")
 class RemoteTaskSource:
     def __init__(self, node, name: str, sender, stats: Callable[[], dict] = dict, *, timeout_s: float = 5.0,
                  idle_sync_s: float = 0.5, empty_backoff_s: float = 0.05):
-        from hpcrl.jobs.transport_rpc import RequestClient
+        from hpcrl.core.rpc import RequestClient
 
         self.name = name
         self.sender = sender
@@ -215,8 +215,8 @@ class AnnouncedWeights:
         self._checked = 0.0
 
     def _subscriber(self):
-        from hpcrl.jobs.transport import TransportError, read_endpoint
-        from hpcrl.jobs.transport_rpc import VersionSubscriber
+        from hpcrl.core.transport import TransportError, read_endpoint
+        from hpcrl.core.rpc import VersionSubscriber
 
         try:
             ep = read_endpoint(self.node.run_dir, "policy")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal
 
 import numpy as np
 
@@ -203,7 +203,7 @@ class Step:
                  action_logprobs: np.ndarray, loss_mask: np.ndarray, observation_tokens: np.ndarray, reward: float,
                  sandbox: SandboxOutcome, generate_s: float, env_s: float) -> "Step":
         """Build without re-checking: only for values already checked (stored and checksummed
-        after validation, or checked in bulk by `from_wire`). Skips ~10 checks per step."""
+        after validation, or checked in bulk by `Columns.row_errors`). Skips ~10 checks per step."""
         self = object.__new__(cls)
         self.__dict__.update(
             policy_version=policy_version, reward=reward, sandbox=sandbox, generate_s=generate_s, env_s=env_s,
@@ -371,19 +371,6 @@ class Trajectory:
         if "id" in data and data["id"] != traj.id:
             raise TrajectoryError(f"trajectory: id {data['id']!r} does not match run/generator/episode ({traj.id!r})")
         return traj
-
-    # -- wire form (transport): see hpcrl.rl.traj_wire --------------------------------------
-
-    def to_wire(self) -> tuple[dict[str, Any], list[np.ndarray]]:
-        from hpcrl.rl.traj_wire import to_wire
-
-        return to_wire(self)
-
-    @classmethod
-    def from_wire(cls, header: Any, arrays: Sequence[np.ndarray]) -> "Trajectory":
-        from hpcrl.rl.traj_wire import from_wire
-
-        return from_wire(header, arrays)
 
 
 _SCALAR_FIELDS = (

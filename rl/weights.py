@@ -23,6 +23,7 @@ from typing import Mapping
 
 import torch
 
+from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.policy import load_weights, save_weights
 
 __all__ = ["WeightStore"]
@@ -42,9 +43,7 @@ class WeightStore:
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         path = save_weights(state_dict, self.path_of(version), version)
-        tmp = self.dir / f".latest.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"version": version, "file": path.name}))
-        os.replace(tmp, self.dir / "latest.json")
+        atomic_write_json(self.dir / "latest.json", {"version": version, "file": path.name})
         self._prune(version)
         return path
 

@@ -1,6 +1,6 @@
 """What every sandbox backend shares: compile-then-run, sessions, and turning exits into statuses.
 
-    backend = make_backend(cfg.sandbox)            # BwrapBackend or ApptainerBackend
+    backend = make_backend(cfg.sandbox)            # hpcrl.sandbox.auto: BwrapBackend or ApptainerBackend
     result = backend.run(ExecSpec.single("python", "print(42)"))
     with backend.session(spec) as s:               # a live program, for the judge
         s.send(b"...\\n"); line = s.read_line(timeout_s=2); result = s.finish()
@@ -24,7 +24,7 @@ from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import ExecResult, SandboxError
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
-__all__ = ["Backend", "Session", "Exit", "CompileFailed", "classify", "make_backend", "rlimit_args"]
+__all__ = ["Backend", "Session", "Exit", "CompileFailed", "classify", "rlimit_args"]
 
 
 class Session(abc.ABC):
@@ -229,16 +229,3 @@ class CompileFailed(Exception):
     def __init__(self, result: ExecResult):
         super().__init__(result.status)
         self.result = result
-
-
-def make_backend(cfg, slot: int = 0) -> Backend:
-    """The backend `cfg` (a SandboxConfig) names, for slot `slot` (per-slot uid on bwrap)."""
-    if cfg.backend == "bwrap":
-        from hpcrl.sandbox.bwrap import BwrapBackend
-
-        return BwrapBackend(uid=cfg.uid_base + slot)
-    if cfg.backend == "apptainer":
-        from hpcrl.sandbox.apptainer import ApptainerBackend
-
-        return ApptainerBackend(image=cfg.image, apptainer=cfg.apptainer, cgroups=cfg.apptainer_cgroups)
-    raise SandboxError(f"unknown sandbox backend {cfg.backend!r}; choose bwrap or apptainer")

@@ -22,8 +22,8 @@ import random
 import time
 from typing import Any, Sequence
 
-from hpcrl.jobs.transport import Node, TransportError, read_endpoint
-from hpcrl.jobs.transport_rpc import RequestClient, RequestTimeout
+from hpcrl.core.transport import Node, TransportError, read_endpoint
+from hpcrl.core.rpc import RequestClient, RequestTimeout
 from hpcrl.sandbox.judge import FunctionTask, IOCase, Verdict
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import ExecResult, SandboxError

@@ -26,7 +26,7 @@ import builtins
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from hpcrl.sandbox.backend import Backend, Session
 from hpcrl.sandbox.languages import get_language
@@ -36,9 +36,6 @@ from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 __all__ = ["IOCase", "CaseVerdict", "Verdict", "FunctionTask", "JudgeError", "judge_io", "judge_function",
            "start_harness", "HARNESS_LIMITS"]
-
-if TYPE_CHECKING:
-    from hpcrl.sandbox.warm import WarmHarness
 
 _HARNESS_SOURCE = (Path(__file__).resolve().parent / "pyharness.py").read_bytes()
 
@@ -220,7 +217,7 @@ def start_harness(backend: Backend, limits: Limits | None = None) -> Session:
 
 
 def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None = None, *,
-                   warm: "WarmHarness | None" = None) -> Verdict:
+                   warm: Any = None) -> Verdict:
     """Run `check(candidate)` here against the candidate running in a sandbox; see the module docstring.
 
     `warm` (a `hpcrl.sandbox.warm.WarmHarness` of this backend and these limits) hands over a

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hpcrl.sandbox.spec import Limits
+from hpcrl.core.config import Limits
 
 __all__ = ["Language", "register", "get_language", "languages", "available_languages"]
 

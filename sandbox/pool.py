@@ -18,7 +18,8 @@ import queue
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
-from hpcrl.sandbox.backend import Backend, make_backend
+from hpcrl.sandbox.auto import make_backend
+from hpcrl.sandbox.backend import Backend
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The sandbox server: a slot pool behind a CURVE ZeroMQ ROUTER (hpcrl.jobs.transport).
+"""The sandbox server: a slot pool behind a CURVE ZeroMQ ROUTER (hpcrl.core.transport).
 
     hpcrl sandbox serve --slots 4 --run-dir runs/quickstart-20261202-120000-ab12 [--name sandbox-0]
 
@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import zmq
 
-from hpcrl.jobs.transport import BadMessage, Node, decode, encode
+from hpcrl.core.transport import BadMessage, Node, decode, encode
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.result import SandboxError
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
@@ -246,12 +246,6 @@ class SandboxServer:
         self.sock.close(0)
 
 
-def ceiling_of(cfg) -> Limits:
-    """`sandbox.ceiling` of a SandboxConfig as Limits."""
-    c = cfg.ceiling
-    return Limits(**{f: getattr(c, f) for f in Limits.__dataclass_fields__})
-
-
 def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threading.Event | None = None) -> int:
     """Run a sandbox server until SIGTERM/SIGINT (or `stop`); returns the process exit code."""
     if not logging.getLogger().handlers:
@@ -264,7 +258,7 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
     pool.backends[0].check()
     node = Node(run_dir, name)
     try:
-        server = SandboxServer(node, name, pool, ceiling=ceiling_of(cfg))
+        server = SandboxServer(node, name, pool, ceiling=cfg.ceiling)
         log.info("sandbox server %s at %s: %d slot(s), queue %d; %s", name, server.endpoint.address,
                  pool.slots, pool.queue_max, pool.backends[0].describe())
         t0 = time.monotonic()

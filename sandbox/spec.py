@@ -10,64 +10,16 @@ happens at construction: a bad spec raises `ValueError` naming the field, never 
 
 from __future__ import annotations
 
-import dataclasses
 import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcrl.core.config import Limits
+
 __all__ = ["Limits", "SourceFile", "ExecSpec"]
 
 _PATH_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits of one execution. Sizes in MiB/KiB, times in seconds.
-
-    `output_kb` caps stdout and stderr each; going over kills the run (status output_limit).
-    `work_mb`, `tmp_mb`, `shm_mb` are the sizes of the tmpfs mounts /work, /tmp and /dev/shm.
-    """
-
-    wall_s: float = 10.0
-    cpu_s: float = 10.0
-    memory_mb: int = 512
-    pids: int = 64
-    file_size_mb: int = 16
-    output_kb: int = 1024
-    open_files: int = 256
-    work_mb: int = 64
-    tmp_mb: int = 64
-    shm_mb: int = 16
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"Limits.{f.name}: must be a number > 0 (got {value!r})")
-        if self.memory_mb < 16:
-            raise ValueError(f"Limits.memory_mb: must be >= 16; no interpreter starts in less (got {self.memory_mb})")
-        if self.pids < 4:
-            raise ValueError(f"Limits.pids: must be >= 4; the sandbox itself needs a few (got {self.pids})")
-
-    def replace(self, **changes: Any) -> "Limits":
-        return dataclasses.replace(self, **changes)
-
-    def check_within(self, ceiling: "Limits", where: str = "limits") -> None:
-        """ValueError naming every field over `ceiling` (a sandbox server's `sandbox.ceiling`)."""
-        over = [f"{where}.{f.name}={getattr(self, f.name)} (ceiling {getattr(ceiling, f.name)})"
-                for f in dataclasses.fields(self) if getattr(self, f.name) > getattr(ceiling, f.name)]
-        if over:
-            raise ValueError(f"over this sandbox server's ceiling: {', '.join(over)}; ask for less, or raise "
-                             "sandbox.ceiling in the run's config")
-
-    def to_wire(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "limits") -> "Limits":
-        """From a mapping of field names (missing ones default); ValueError naming unknown keys."""
-        return _limits(data, where)
 
 
 @dataclass(frozen=True)
@@ -162,20 +114,9 @@ class ExecSpec:
                 files=files,
                 stdin=data.get("stdin") or b"",
                 argv=tuple(data.get("argv") or ()),
-                limits=_limits(data.get("limits"), "limits"),
-                compile_limits=_limits(data["compile_limits"], "compile_limits") if data.get("compile_limits") else None,
+                limits=Limits.from_wire(data.get("limits"), "limits"),
+                compile_limits=Limits.from_wire(data["compile_limits"], "compile_limits") if data.get("compile_limits") else None,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"exec spec: {exc}") from None
 
-
-def _limits(data: Any, where: str) -> Limits:
-    if data is None:
-        return Limits()
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping")
-    names = {f.name for f in dataclasses.fields(Limits)}
-    unknown = set(data) - names
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(names))}")
-    return Limits(**data)

@@ -23,6 +23,7 @@ import time
 from collections import deque
 
 from hpcrl.sandbox.backend import Backend, Session
+from hpcrl.sandbox.judge import HARNESS_LIMITS, start_harness
 from hpcrl.sandbox.spec import Limits
 
 __all__ = ["WarmHarness"]
@@ -34,8 +35,6 @@ IDLE_S = 600.0
 
 class WarmHarness:
     def __init__(self, backend: Backend, limits: Limits | None = None, spares: int = 1):
-        from hpcrl.sandbox.judge import HARNESS_LIMITS
-
         if spares < 1:
             raise ValueError(f"spares must be >= 1 (got {spares})")
         self.backend = backend
@@ -47,8 +46,6 @@ class WarmHarness:
             self._spares.append(self._start())
 
     def _start(self) -> tuple[float, Session]:
-        from hpcrl.sandbox.judge import start_harness
-
         s = start_harness(self.backend, self.limits)
         s.restart_clock(IDLE_S + 60)  # its real wall clock starts in take()
         return time.monotonic(), s

@@ -78,9 +78,9 @@ def require_bwrap(uid: int) -> None:
 @pytest.fixture(scope="module")
 def judge():
     """A SandboxJudge on the configured local backend (bwrap), for the code domains."""
-    from hpcrl.jobs.config import SandboxConfig
+    from hpcrl.core.config import SandboxConfig
     from hpcrl.rl.domains.code import SandboxJudge
-    from hpcrl.sandbox.backend import make_backend
+    from hpcrl.sandbox.auto import make_backend
     from hpcrl.sandbox.result import SandboxError
 
     try:
@@ -97,13 +97,13 @@ def judge():
 def server_thread(run_dir: Path, name: str, make, limits=None, *, close=None):
     """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends;
     `close(server)` then runs in that thread, before its Node closes."""
-    from hpcrl.jobs.transport import Limits, Node
+    from hpcrl.core.transport import WireLimits, Node
 
     ready, stop = threading.Event(), threading.Event()
     holder = {}
 
     def body():
-        with Node(run_dir, name, limits or Limits(), bind_host="127.0.0.1") as node:
+        with Node(run_dir, name, limits or WireLimits(), bind_host="127.0.0.1") as node:
             holder["server"] = server = make(node)
             ready.set()
             while not stop.is_set():

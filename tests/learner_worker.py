@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hpcrl.jobs.config import load_config
+from hpcrl.core.config import load_config
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.trajectory import Trajectory
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.jobs.config import AlgorithmConfig, load_config
+from hpcrl.core.config import AlgorithmConfig, load_config
 from hpcrl.rl.algorithms import ALGORITHMS, TokenBatch, group_advantages, make_algorithm
 from hpcrl.rl.batch import GroupBuffer, collate, layout
 from hpcrl.rl.registry import UnknownName

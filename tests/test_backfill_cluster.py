@@ -16,13 +16,13 @@ import json
 
 import pytest
 
-from hpcrl.jobs.config import SchedulerConfig
+from hpcrl.core.config import SchedulerConfig
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import run_slurm
-from hpcrl.slurm.backfill import BackfillPlanner, RolloutJobs, live_window
+from hpcrl.slurm.backfill.planner import BackfillPlanner, RolloutJobs, live_window
 from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
-from hpcrl.slurm.scheduler import RolloutTask
-from hpcrl.slurm.taskqueue import DirTaskQueue
+from hpcrl.slurm.backfill.packer import RolloutTask
+from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
 from conftest import wait_for
 
 pytestmark = pytest.mark.slurm

@@ -10,7 +10,7 @@ import h5py
 import pytest
 
 from hpcrl.jobs.cli import main
-from hpcrl.rl.shards import MANIFEST_NAME, list_shards, read_segment
+from hpcrl.rl.store.layout import MANIFEST_NAME, list_shards, read_segment
 from hpcrl.rl.trajectory import Trajectory
 
 

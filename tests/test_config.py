@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpcrl.jobs.config import RESOLVED_NAME, Config, load_config
+from hpcrl.core.config import RESOLVED_NAME, Config, load_config
 from hpcrl.jobs.rundir import create_run_dir
-from hpcrl.jobs.schema import ConfigError, leaf_paths
+from hpcrl.core.schema import ConfigError, leaf_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config.yaml"

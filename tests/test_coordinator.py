@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpcrl.jobs.config import CoordinatorConfig
+from hpcrl.core.config import CoordinatorConfig
 from hpcrl.rl.coordinator import Coordinator, read_status, ticket_from_row
 
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from hpcrl.jobs.config import DomainConfig, load_config
+from hpcrl.core.config import DomainConfig, load_config
 from hpcrl.rl.domains import (
     DOMAIN_FAMILIES,
     REWARDS,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.jobs.config import GeneratorConfig, PolicyConfig, TinyModelConfig
+from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
 from hpcrl.rl.domains import Domain, Environment, PromptDomain, StepResult, get_domain
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.policy import Policy, full_state_dict, token_logprobs

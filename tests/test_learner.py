@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcrl.jobs.config import load_config
+from hpcrl.core.config import load_config
 from hpcrl.rl.domains import load_domains
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.policy import Policy, read_weights
@@ -37,7 +37,7 @@ TIMEOUT_S = 120
 
 def write_config(tmp: Path) -> Path:
     cfg = load_config(None, OVERRIDES)
-    from hpcrl.jobs.config import dump_config
+    from hpcrl.core.config import dump_config
 
     path = tmp / "learner.yaml"
     path.write_text(dump_config(cfg))

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from hpcrl.jobs.config import PolicyConfig, TinyModelConfig, load_config
+from hpcrl.core.config import PolicyConfig, TinyModelConfig, load_config
 from hpcrl.rl.policy import (
     CHARSET,
     SPECIAL_TOKENS,
@@ -131,7 +131,7 @@ def test_sampler_stops_on_stop_strings_and_is_seeded():
 def test_policy_config_section_in_default_config():
     cfg = load_config(None)
     assert cfg.policy.path is None and cfg.policy.tiny.hidden_size % cfg.policy.tiny.num_heads == 0
-    from hpcrl.jobs.schema import ConfigError
+    from hpcrl.core.schema import ConfigError
 
     with pytest.raises(ConfigError, match="must divide hidden_size"):
         load_config(None, ["policy.tiny.num_heads=3"])

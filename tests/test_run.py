@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.jobs.runner import pids
+from hpcrl.jobs.supervise import pids
 from hpcrl.rl.coordinator import read_status
 from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME, lineage
 
@@ -73,7 +73,7 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
 
 @pytest.mark.slow
 def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_path):
-    from hpcrl.rl.store_reader import StoreReader, iter_segments
+    from hpcrl.rl.store.reader import StoreReader, iter_segments
 
     proc = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path}", "learner.max_steps=40",
                  "learner.checkpoint_every=10", "--run-id", "kill")
@@ -119,11 +119,11 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
 @pytest.mark.slow
 def test_code_domains_run_through_a_sandbox_server(tmp_path):
     """Multi-step code episodes: the generator's env threads call the sandbox server job."""
-    from hpcrl.rl.store_reader import StoreReader
+    from hpcrl.rl.store.reader import StoreReader
 
     if os.environ.get("HPCRL_REQUIRE_SANDBOX") != "1":
-        from hpcrl.jobs.config import SandboxConfig
-        from hpcrl.sandbox.backend import make_backend
+        from hpcrl.core.config import SandboxConfig
+        from hpcrl.sandbox.auto import make_backend
         from hpcrl.sandbox.result import SandboxError
 
         try:

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
-from hpcrl.sandbox.residue import Snapshot, host_residue
+from residue import Snapshot, host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits
 from conftest import require_bwrap
 

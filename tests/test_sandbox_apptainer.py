@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from hpcrl.jobs.config import load_config
+from hpcrl.core.config import load_config
 from hpcrl.sandbox.apptainer import ApptainerBackend, ShSession, apptainer_args, build_args, default_def_file
-from hpcrl.sandbox.backend import make_backend
+from hpcrl.sandbox.auto import make_backend
 from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.spec import ExecSpec, Limits
 

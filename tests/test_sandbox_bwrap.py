@@ -15,7 +15,7 @@ import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
-from hpcrl.sandbox.residue import host_residue
+from residue import host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from conftest import require_bwrap
 

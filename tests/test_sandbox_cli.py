@@ -89,7 +89,7 @@ def test_exec_without_json_passes_the_program_output_through(bwrap_ok, tmp_path,
     (("--lang", "cobol", "{prog}"), "unknown language 'cobol'; registered: bash, c, cpp, node, python"),
     (("--lang", "python", "/nonexistent/prog.py"), "no such file"),
     (("--lang", "python", "{prog}", "--memory-mb", "1"), "--memory-mb: must be >= 16"),
-    (("--lang", "python", "{prog}", "--timeout-s", "0"), "--timeout-s: must be a number > 0"),
+    (("--lang", "python", "{prog}", "--timeout-s", "0"), "--timeout-s: must be > 0"),
     (("--lang", "python", "{prog}", "--stdin", "/nonexistent/in"), "--stdin: no such file"),
 ])
 def test_bad_input_exits_2_with_what_to_fix(tmp_path, config, args, message):

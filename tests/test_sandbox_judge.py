@@ -15,7 +15,7 @@ import pytest
 from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.judge import FunctionTask, IOCase, JudgeError, judge_function, judge_io
-from hpcrl.sandbox.residue import host_residue
+from residue import host_residue
 from hpcrl.sandbox.spec import Limits
 from conftest import require_bwrap
 

@@ -1,4 +1,4 @@
-"""The gap packer (slurm/scheduler.py) and the duration estimates (slurm/estimates.py).
+"""The gap packer (slurm/backfill/packer.py) and the duration estimates (slurm/backfill/estimates.py).
 
 Properties: packing never delays an owner and never puts two tasks on one GPU; tasks fit
 their windows by their (rounded-up) estimates; oldest policy version goes first; a preempted
@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from hpcrl.slurm.estimates import DurationEstimator
-from hpcrl.slurm.scheduler import GapPacker, RolloutTask, fit_length
-from hpcrl.slurm.scheduler_ref import ReferencePacker
+from hpcrl.slurm.backfill.estimates import DurationEstimator
+from hpcrl.slurm.backfill.packer import GapPacker, RolloutTask, fit_length
+from packer_ref import ReferencePacker
 
 
 def task(i: int, est: float, version: int = 0, chunk: float = 0.0) -> RolloutTask:

@@ -1,5 +1,5 @@
-"""Cluster-backfill sizing (slurm/backfill.py), task leases (slurm/taskqueue.py) and the rollout
-worker (slurm/rollout_worker.py), without a cluster. tests/test_backfill_cluster.py runs the
+"""Cluster-backfill sizing (slurm/backfill/planner.py), task leases (slurm/backfill/taskqueue.py) and the rollout
+worker (slurm/backfill/worker.py), without a cluster. tests/test_backfill_cluster.py runs the
 same code against the dev Slurm cluster."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.jobs.config import SchedulerConfig
-from hpcrl.slurm.backfill import BackfillPlanner, find_window
-from hpcrl.slurm.estimates import DurationEstimator
+from hpcrl.core.config import SchedulerConfig
+from hpcrl.slurm.backfill.planner import BackfillPlanner, find_window
+from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
-from hpcrl.slurm.rollout_worker import run_window
-from hpcrl.slurm.scheduler import RolloutTask
-from hpcrl.slurm.taskqueue import DirTaskQueue, TaskQueueError
+from hpcrl.slurm.backfill.worker import run_window
+from hpcrl.slurm.backfill.packer import RolloutTask
+from hpcrl.slurm.backfill.taskqueue import DirTaskQueue, TaskQueueError
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW = dt.datetime(2026, 12, 2, 12, 0, 0)
@@ -195,7 +195,7 @@ def test_interrupted_task_stores_nothing_and_is_reissued(tmp_path):
 
 
 def worker(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.slurm.rollout_worker", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "hpcrl.slurm.backfill.worker", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.jobs.schema import ConfigError
-from hpcrl.slurm.sim import POLICIES, format_table, simulate
-from hpcrl.slurm.sim_backfill import BackfillPolicy
-from hpcrl.slurm.sim_engine import BORROW, OWNER, GpuLedger, SimInvariantError, check_conservation
-from hpcrl.slurm.sim_trace import World, load_trace, parse_trace
+from hpcrl.core.schema import ConfigError
+from hpcrl.slurm.sim.run import POLICIES, format_table, simulate
+from hpcrl.slurm.sim.backfill import BackfillPolicy
+from hpcrl.slurm.sim.engine import BORROW, OWNER, GpuLedger, SimInvariantError, check_conservation
+from hpcrl.slurm.sim.trace import World, load_trace, parse_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT / "slurm" / "traces"
+TRACES = ROOT / "slurm" / "sim" / "traces"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import submitit
 
-from hpcrl.jobs.config import load_config
+from hpcrl.core.config import load_config
 from hpcrl.jobs.launch import make_executor
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm

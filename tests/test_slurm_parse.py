@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from hpcrl.jobs.config import load_config
+from hpcrl.core.config import load_config
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.slurm import parse
 from hpcrl.slurm.command import SlurmCommandError, run_slurm

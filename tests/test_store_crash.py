@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rl.shards import QUARANTINE_DIR, list_shards, read_segment
+from hpcrl.rl.store.layout import QUARANTINE_DIR, list_shards, read_segment
 
 WRITER = "drill"
 EPISODES_PER_RUN = 1_000_000  # run k writes episodes k*1e6 .. : ids never collide across runs
@@ -83,7 +83,7 @@ def _check_store(store: Path, acked: dict[int, int]) -> dict:
 def test_sigkill_loop_loses_nothing_acknowledged(tmp_path):
     store = tmp_path / "store"
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["hpcrl.jobs.cli.traj", "hpcrl.rl.store_writer", "hpcrl.rl.synth", "h5py", "numpy"])
+    ctx.set_forkserver_preload(["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.synth", "h5py", "numpy"])
     rng = random.Random(1234)
     acked: dict[int, int] = {}
     kills = 0

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from hpcrl.jobs.slurmrun import queue_states, read_jobs
+from hpcrl.jobs.launch import read_jobs
+from hpcrl.jobs.supervise import queue_states
 from hpcrl.rl.coordinator import read_status
 
 pytestmark = pytest.mark.slurm
@@ -94,7 +95,7 @@ def test_sbatch_writes_readable_scripts_and_refuses_a_multi_node_hetjob(tmp_path
     learner = (tmp_path / "s" / "learner.sbatch").read_text()
     for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=1", "#SBATCH --requeue",
                  "#SBATCH --signal=USR2@30", f"#SBATCH --output={tmp_path}/hand/submitit/%j_0_log.out",
-                 f"-m hpcrl.jobs.component {tmp_path}/hand learner"):
+                 f"-m hpcrl.jobs.scripts {tmp_path}/hand learner"):
         assert line in learner, line
     assert subprocess.run(["bash", "-n", str(tmp_path / "s" / "submit.sh")]).returncode == 0
     assert (tmp_path / "hand" / "config.resolved.yaml").exists()
@@ -202,7 +203,7 @@ def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_pat
 
 def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tmp_path):
     from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME, lineage
-    from hpcrl.rl.store_reader import StoreReader, iter_segments
+    from hpcrl.rl.store.reader import StoreReader, iter_segments
     from hpcrl.slurm.command import run_slurm
 
     t0 = time.monotonic()
@@ -345,7 +346,7 @@ def test_sandbox_servers_are_submitted_as_one_job_array(slurm_cluster, tmp_path)
         out = hpcrl("cancel", str(run_dir), "--grace-s", "0")
     assert out.returncode == 0, out.stderr
     assert not queue_states(all_ids(run_dir)), "cancel returns once every job has left the queue"
-    from hpcrl.rl.shards import list_shards
+    from hpcrl.rl.store.layout import list_shards
 
     open_shards = [s.name for s in list_shards(run_dir / "trajectories") if not s.finalized]
     if open_shards:

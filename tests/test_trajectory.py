@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
-from hpcrl.rl.traj_columns import Columns, ColumnsError
+from hpcrl.rl.store.columns import Columns, ColumnsError
 from hpcrl.rl.trajectory import SCHEMA_VERSION, SandboxOutcome, Step, Trajectory, TrajectoryError
 
 
@@ -127,35 +127,75 @@ def test_from_dict_rejects_unknown_missing_and_mismatched():
         Trajectory.from_dict(d)
 
 
-def test_wire_round_trip_and_mismatch():
+def test_wire_form_is_the_columns_zero_copy_and_framing_is_checked():
     t = traj()
-    header, arrays = t.to_wire()
-    assert [a.dtype for a in arrays] == [np.int32, np.float32, np.uint8]
-    assert len(arrays[0]) == t.n_tokens and len(arrays[1]) == len(arrays[2]) == 4
-    back = Trajectory.from_wire(header, arrays)
-    assert back == t
-    assert np.shares_memory(back.steps[1].action_tokens, arrays[0])  # views of the received arrays
-    with pytest.raises(TrajectoryError, match="expected 3 arrays"):
-        Trajectory.from_wire(header, arrays[:-1])
-    with pytest.raises(TrajectoryError, match="arrays hold"):
-        Trajectory.from_wire(header, [arrays[0][:-1], arrays[1], arrays[2]])
-    bad = [arrays[0], arrays[1].copy(), arrays[2]]
-    bad[1][3] = 0.5
-    with pytest.raises(TrajectoryError, match=r"steps\[1\]: step.action_logprobs: log-probabilities"):
-        Trajectory.from_wire(header, bad)
-    header["steps"][0][2] = "exploded"
-    with pytest.raises(TrajectoryError, match=r"steps\[0\]"):
-        Trajectory.from_wire(header, arrays)
+    body, arrays = Columns.encode([t]).to_wire()
+    assert [a.dtype for a in arrays] == [np.uint8, np.uint8, np.int32, np.float32, np.uint8]
+    assert len(arrays[2]) == t.n_tokens and len(arrays[3]) == len(arrays[4]) == 4 and body["ids"] == [t.id]
+    back = Columns.from_wire(body, arrays)
+    assert back.row_errors() == [None] and back.trajectory(0) == t
+    assert np.shares_memory(back.trajectory(0).steps[1].action_tokens, arrays[2])  # views of the received arrays
+    with pytest.raises(ColumnsError, match="expected 5 1-D arrays"):
+        Columns.from_wire(body, arrays[:-1])
+    with pytest.raises(ColumnsError, match="fall outside the tokens"):
+        Columns.from_wire(body, [*arrays[:2], arrays[2][:-1], *arrays[3:]])
+    with pytest.raises(ColumnsError, match="not back to back"):
+        Columns.from_wire(body, [*arrays[:2], np.concatenate([arrays[2], arrays[2][:1]]), *arrays[3:]])
+    with pytest.raises(ColumnsError, match="not whole"):
+        Columns.from_wire(body, [arrays[0][:-1], *arrays[1:]])
+    with pytest.raises(ColumnsError, match="ids do not name"):
+        Columns.from_wire(dict(body, ids=["run1/gen-0/13"]), arrays)
+    with pytest.raises(ColumnsError, match="code tables"):
+        Columns.from_wire(dict(body, names=[["none", "bored"], body["names"][1]]), arrays)
+    bad = [a.copy() for a in arrays]
+    bad[3][3] = 0.5
+    assert "steps[1].action_logprobs: log-probabilities" in Columns.from_wire(body, bad).row_errors()[0]
 
 
-def test_wire_slow_path_accepts_what_the_constructor_accepts():
-    t = traj()
-    header, arrays = t.to_wire()
-    wide = [arrays[0].astype(np.int64), arrays[1].astype(np.float64), arrays[2].astype(bool)]
-    assert Trajectory.from_wire(header, wide) == t
-    header["final_reward"] = float("nan")
-    with pytest.raises(TrajectoryError, match="final_reward: must be finite"):
-        Trajectory.from_wire(header, arrays)
+def _broken(table: str, field: str, value, row: int = 0):
+    cols = Columns.encode([traj(), traj(episode=13)])
+    getattr(cols, table)[field][row] = value
+    return cols
+
+
+@pytest.mark.parametrize("cols, fragment", [
+    (_broken("traj", "final_reward", float("nan")), "final_reward: must be finite"),
+    (_broken("traj", "started_at", -1.0), "started_at: must be >= 0"),
+    (_broken("traj", "schema_version", SCHEMA_VERSION + 1), "upgrade hpcrl"),
+    (_broken("traj", "run", b"run\x01"), "control characters"),
+    (_broken("traj", "episode", 14, row=1), "does not match its fields"),
+    (_broken("traj", "n_tokens", 3), "n_tokens or policy version range"),
+    (_broken("traj", "max_policy_version", 9), "n_tokens or policy version range"),
+    (_broken("steps", "reward", float("inf"), row=2), "steps[0].reward: must be finite"),
+    (_broken("steps", "generate_s", -0.5), "steps[0].generate_s"),
+    (_broken("steps", "sandbox_s", float("nan")), "sandbox.duration_s"),
+])
+def test_row_errors_refuse_what_the_constructors_refuse_and_name_the_row(cols, fragment):
+    errors = cols.row_errors()
+    bad = [i for i, e in enumerate(errors) if e]
+    assert len(bad) == 1 and fragment in errors[bad[0]], errors
+
+
+def test_row_errors_see_bad_token_and_mask_values():
+    cols = Columns.encode([traj(), traj(episode=13)])
+    cols.tokens[-1] = -3
+    cols.loss_mask[0] = 2
+    errors = cols.row_errors()
+    assert "loss_mask" in errors[0] and "token ids must be in" in errors[1]
+
+
+def test_take_and_concat_keep_the_canonical_layout():
+    rng = np.random.default_rng(2)
+    trajs = [synth_trajectory(rng, "r", "g", i, TINY_SHAPE) for i in range(9)]
+    cols = Columns.encode(trajs)
+    part = cols.take([7, 2, 4])
+    part.validate(canonical=True)
+    assert [part.trajectory(i) for i in range(3)] == [trajs[7], trajs[2], trajs[4]]
+    long_name = traj(run="a-much-longer-run-name-than-r", episode=1)
+    both = Columns.concat([part, Columns.encode([long_name])])
+    both.validate(canonical=True)
+    assert both.row_errors() == [None] * 4
+    assert [both.trajectory(i) for i in range(4)] == [trajs[7], trajs[2], trajs[4], long_name]
 
 
 def test_columns_round_trip_many_shapes():

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import zmq
 
-from hpcrl.jobs.transport import (
+from hpcrl.core.transport import (
     BadMessage,
     Endpoint,
-    Limits,
+    WireLimits,
     Node,
     RunKeys,
     TransportError,
@@ -30,7 +30,7 @@ from hpcrl.jobs.transport import (
     publish_endpoint,
     read_endpoint,
 )
-from hpcrl.jobs.transport_rpc import (
+from hpcrl.core.rpc import (
     RemoteError,
     Reply,
     RequestClient,
@@ -39,8 +39,8 @@ from hpcrl.jobs.transport_rpc import (
     VersionPublisher,
     VersionSubscriber,
 )
-from hpcrl.jobs.transport_traj import TrajectorySender
-from hpcrl.rl.shards import list_shards, read_segment
+from hpcrl.rl.store.stream import TrajectorySender
+from hpcrl.rl.store.layout import list_shards, read_segment
 from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 from conftest import server_thread
 
@@ -119,7 +119,7 @@ def _header(**kw):
 )
 def test_decode_rejects_bad_input_with_a_reason(frames, fragment):
     with pytest.raises(BadMessage) as err:
-        decode(frames, Limits(max_message_bytes=256))
+        decode(frames, WireLimits(max_message_bytes=256))
     assert fragment in str(err.value)
 
 
@@ -136,8 +136,10 @@ def test_no_pickle_anywhere_in_the_message_path(monkeypatch, tmp_path):
 
     banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
     banned_attrs = {"send_pyobj", "recv_pyobj", "send_serialized", "recv_serialized"}
-    sources = [REPO / "jobs" / n for n in ("transport.py", "transport_rpc.py", "transport_traj.py")]
-    sources += sorted((REPO / "rl").glob("*.py"))
+    # Every module that touches a socket: the ground floor, the RL side (store stream included)
+    # and the sandbox server and client.
+    sources = sorted((REPO / "core").glob("*.py")) + sorted((REPO / "rl").rglob("*.py"))
+    sources += [REPO / "sandbox" / "server.py", REPO / "sandbox" / "client.py"]
     for path in sources:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -154,9 +156,9 @@ def test_no_pickle_anywhere_in_the_message_path(monkeypatch, tmp_path):
 
     for name in ("dumps", "loads", "dump", "load"):
         monkeypatch.setattr(pickle, name, refuse)
-    from hpcrl.jobs.config import StoreConfig
-    from hpcrl.jobs.transport_traj import TrajectoryReceiver
-    from hpcrl.rl.store_writer import ShardWriter
+    from hpcrl.core.config import StoreConfig
+    from hpcrl.rl.store.stream import TrajectoryReceiver
+    from hpcrl.rl.store.writer import ShardWriter
 
     make = lambda n: TrajectoryReceiver(n, "store", ShardWriter(tmp_path / "t", "s-0", StoreConfig(flush_every=2)))  # noqa: E731
     with server_thread(tmp_path, "s-0", make):
@@ -241,7 +243,7 @@ def test_curve_rejects_unknown_peer_wrong_key_and_plaintext_and_keeps_serving(tm
 
 def test_oversized_and_malformed_are_dropped_and_server_keeps_serving(tmp_path, caplog):
     run = tmp_path / "run"
-    limits = Limits(max_message_bytes=64 << 10)
+    limits = WireLimits(max_message_bytes=64 << 10)
     caplog.set_level(logging.INFO, logger="hpcrl.transport")
     with server_thread(run, "svc-0", lambda n: RequestServer(n, "echo", echo), limits) as server:
         with Node(run, "gen-0") as node:
@@ -351,7 +353,7 @@ def test_policy_versions_reach_late_subscribers_and_garbage_is_dropped(tmp_path,
 
 
 def _start_service(run: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.rl.store_service", str(run), "--bind-host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "store_service.py"), str(run), "--bind-host", "127.0.0.1",
                              "--flush-every", "8", "--flush-interval", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
@@ -394,27 +396,31 @@ def test_ack_and_resend_across_a_writer_kill_loses_and_duplicates_nothing(tmp_pa
 
 
 def test_invalid_trajectory_is_rejected_and_receiver_keeps_serving(tmp_path, caplog):
-    from hpcrl.jobs.config import StoreConfig
-    from hpcrl.jobs.transport_traj import TrajectoryReceiver
-    from hpcrl.rl.store_writer import ShardWriter
+    from hpcrl.core.config import StoreConfig
+    from hpcrl.rl.store.columns import Columns
+    from hpcrl.rl.store.stream import TrajectoryReceiver
+    from hpcrl.rl.store.writer import ShardWriter
 
     run = tmp_path / "run"
     rng = np.random.default_rng(1)
     good = synth_trajectory(rng, "r", "gen-0", 1, TINY_SHAPE)
-    header, arrays = synth_trajectory(rng, "r", "gen-0", 2, TINY_SHAPE).to_wire()
-    header["truncation"] = "bored"
+    cols = Columns.encode([synth_trajectory(rng, "r", "gen-0", 2, TINY_SHAPE)])
+    cols.traj["schema_version"][0] = 99
+    body, arrays = cols.to_wire()
     caplog.set_level(logging.WARNING, logger="hpcrl.transport")
     make = lambda n: TrajectoryReceiver(n, "store", ShardWriter(run / "trajectories", "store-0",  # noqa: E731
                                                                 StoreConfig(flush_every=1)))
     with server_thread(run, "store-0", make) as receiver:
         with Node(run, "gen-0") as node:
             raw, _ = node.connect(zmq.DEALER, "store")
-            raw.send_multipart(encode("traj", header, arrays, msg_id="r/gen-0/2"))
+            raw.send_multipart(encode("traj", {"steps": []}, msg_id="r/gen-0/3"))  # no such kind: dropped
+            raw.send_multipart(encode("trajs", body, arrays))
             assert raw.poll(5000)
             reply = decode(raw.recv_multipart())
-            assert reply.kind == "reject" and "truncation" in reply.body["reason"]
+            assert reply.kind == "reject" and reply.body["ids"] == ["r/gen-0/2"]
+            assert "upgrade hpcrl" in reply.body["reason"]
             sender = TrajectorySender(node, "store")
             sender.send(good)
             assert sender.wait_acked(10)
-        assert receiver.dropped == 1 and receiver.received == 1
-    assert any("dropped a message" in r.message for r in caplog.records)
+        assert receiver.dropped == 2 and receiver.received == 1
+    assert any("unexpected kind 'traj'" in r.message for r in caplog.records)

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import zmq
 
-from hpcrl.jobs.config import StoreConfig
-from hpcrl.jobs.transport import Node, decode, encode
-from hpcrl.jobs.transport_rpc import Reply, RequestClient, RequestServer, RequestTimeout
-from hpcrl.jobs.transport_traj import TrajectoryReceiver, TrajectorySender
-from hpcrl.rl.store_writer import ShardWriter
+from hpcrl.core.config import StoreConfig
+from hpcrl.core.transport import Node, decode, encode
+from hpcrl.core.rpc import Reply, RequestClient, RequestServer, RequestTimeout
+from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender
+from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
-from hpcrl.rl.traj_wire import from_wire_batch, to_wire_batch
-from hpcrl.rl.trajectory import TrajectoryError
+from hpcrl.rl.store.columns import Columns, ColumnsError
 from conftest import server_thread
 
 
@@ -34,23 +33,20 @@ def store(run):
 
 def test_batch_wire_round_trip_and_one_bad_trajectory_costs_only_itself():
     sent = trajs(5)
-    body, arrays = to_wire_batch(sent)
-    assert len(arrays) == 3 and len(body["ids"]) == 5
-    assert [t for _, t in from_wire_batch(body, arrays)] == sent
+    body, arrays = Columns.encode(sent).to_wire()
+    assert len(arrays) == 5 and body["ids"] == [t.id for t in sent]
+    cols = Columns.from_wire(body, arrays)
+    assert cols.row_errors() == [None] * 5 and [cols.trajectory(i) for i in range(5)] == sent
     # A NaN in the second trajectory's logprobs fails the batch-wide check: each is then checked alone.
-    bad_lp = arrays[1].copy()
-    bad_lp[body["n"][0][1]] = np.nan
-    out = from_wire_batch(body, [arrays[0], bad_lp, arrays[2]])
-    assert [tid for tid, t in out if isinstance(t, TrajectoryError)] == [sent[1].id]
-    assert "logprob" in str(out[1][1]) and [t for _, t in out[2:]] == sent[2:]
-    # A header that lies about its trajectory's id is that trajectory's error too.
-    body2 = dict(body, ids=[*body["ids"][:4], "r/gen-0/999"])
-    assert "is not the trajectory's id" in str(from_wire_batch(body2, arrays)[4][1])
+    bad_lp = arrays[3].copy()
+    bad_lp[cols.steps["action_start"][cols.traj["step_start"][1]]] = np.nan
+    errors = Columns.from_wire(body, [*arrays[:3], bad_lp, arrays[4]]).row_errors()
+    assert [i for i, e in enumerate(errors) if e] == [1] and "logprob" in errors[1]
     # Inconsistent framing: the whole batch is refused.
-    with pytest.raises(TrajectoryError, match="do not hold what n announces"):
-        from_wire_batch(dict(body, n=[[1, 1]] * 5), arrays)
-    with pytest.raises(TrajectoryError, match="ids, h, n must be lists of one length"):
-        from_wire_batch(dict(body, ids=body["ids"][:2]), arrays)
+    with pytest.raises(ColumnsError, match="differ in length"):
+        Columns.from_wire(body, [*arrays[:3], arrays[3][:-1], arrays[4]])
+    with pytest.raises(ColumnsError, match="ids do not name"):
+        Columns.from_wire(dict(body, ids=body["ids"][:2]), arrays)
 
 
 def test_trajectories_travel_in_batches_and_a_partial_batch_leaves_after_its_linger(tmp_path):
@@ -77,32 +73,41 @@ def test_trajectories_travel_in_batches_and_a_partial_batch_leaves_after_its_lin
 def test_a_batch_with_a_bad_trajectory_stores_the_rest_and_rejects_it(tmp_path, caplog):
     run = tmp_path / "run"
     sent = trajs(3)
-    body, arrays = to_wire_batch(sent)
-    body["h"][1]["truncation"] = "bored"
+    cols = Columns.encode(sent)
+    cols.traj["final_reward"][1] = float("inf")
+    body, arrays = cols.to_wire()
     caplog.set_level(logging.WARNING, logger="hpcrl.transport")
-    with server_thread(run, "store-0", store(run)) as receiver, Node(run, "gen-0") as node:
-        raw, _ = node.connect(zmq.DEALER, "store")
-        raw.send_multipart(encode("trajs", body, arrays))
+
+    def replies(sock, n: int) -> tuple[set, dict]:
         acked, rejected = set(), {}
         deadline = time.monotonic() + 10
-        while len(acked) + len(rejected) < 3 and raw.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            reply = decode(raw.recv_multipart())
+        while len(acked) + len(rejected) < n and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            reply = decode(sock.recv_multipart())
             for tid in reply.body["ids"]:
                 if reply.kind == "ack":
                     acked.add(tid)
                 else:
                     rejected[tid] = reply.body["reason"]
+        return acked, rejected
+
+    with server_thread(run, "store-0", store(run)) as receiver, Node(run, "gen-0") as node:
+        raw, _ = node.connect(zmq.DEALER, "store")
+        raw.send_multipart(encode("trajs", body, arrays))
+        acked, rejected = replies(raw, 3)
         assert acked == {sent[0].id, sent[2].id} and list(rejected) == [sent[1].id]
-        assert "truncation" in rejected[sent[1].id]
-        # Broken framing: dropped as a whole with a log line, and the receiver goes on.
-        raw.send_multipart(encode("trajs", dict(body, n=[[1, 1]] * 3), arrays))
-        assert not raw.poll(300)
+        assert "final_reward" in rejected[sent[1].id]
+        # Broken framing: the batch is rejected whole, by its ids (resending it could only fail again).
+        others = trajs(2, start=10)
+        body2, arrays2 = Columns.encode(others).to_wire()
+        raw.send_multipart(encode("trajs", body2, [*arrays2[:2], arrays2[2][:-1], *arrays2[3:]]))
+        acked, rejected = replies(raw, 2)
+        assert not acked and set(rejected) == {t.id for t in others} and "broken batch" in rejected[others[0].id]
         sender = TrajectorySender(node, "store")
         sender.send(trajs(1, start=50)[0])
         assert sender.wait_acked(10)
         raw.close(0)
-    assert receiver.received == 3 and receiver.dropped == 2
-    assert any("do not hold what n announces" in r.message for r in caplog.records)
+    assert receiver.received == 3 and receiver.dropped == 3
+    assert any("fall outside the tokens" in r.message for r in caplog.records)
 
 
 def test_a_request_sent_without_waiting_is_polled_retried_and_times_out(tmp_path):

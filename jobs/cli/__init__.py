@@ -15,7 +15,7 @@ import importlib
 import sys
 
 from hpcrl import __version__
-from hpcrl.jobs.schema import ConfigError
+from hpcrl.core.schema import ConfigError
 
 # Verb modules in the order `--help` lists them.
 VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim")
@@ -34,26 +34,27 @@ class UsageError(Exception):
     """Bad command-line input that argparse cannot catch; exits 2 with the message."""
 
 
-def load_slurm_experiment(args: argparse.Namespace, verb: str):
-    """Config + overrides of a Slurm verb (`submit`, `sbatch`), with its domains checked before
-    anything is created. Returns (config, [config folder]) for the domain search path."""
+def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
+    """Config + overrides of a config-driven verb, its domains loaded (once: the launch plan
+    takes them) and checked before anything is created. Returns (config, [config folder] as the
+    domain search path, {name: Domain})."""
     from pathlib import Path
 
-    from hpcrl.jobs.config import load_config
+    from hpcrl.core.config import load_config
     from hpcrl.rl.domains import DomainError, load_domains
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.executor != "slurm":
+    if slurm and cfg.executor != "slurm":
         raise UsageError(f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
                          "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
     if getattr(args, "max_restarts", 0) < 0:
         raise UsageError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
     search = [str(Path(args.config).resolve().parent)]
     try:
-        load_domains(cfg.domains, search)
+        domains = load_domains(cfg.domains, search)
     except DomainError as exc:
         raise UsageError(str(exc)) from None
-    return cfg, search
+    return cfg, search, domains
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def slurm_jobs(run_dir):
     """jobs.json of a Slurm run, or UsageError (exit 2) naming why there is none."""
     from hpcrl.jobs.cli import UsageError
-    from hpcrl.jobs.slurmrun import read_jobs
+    from hpcrl.jobs.launch import read_jobs
 
     jobs = read_jobs(run_dir)
     if jobs is None:
@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from hpcrl.jobs.cli.status import resolve_run_dir
-    from hpcrl.jobs.slurmrun import CANCEL_NAME, queue_states, write_jobs
-    from hpcrl.rl.shards import list_shards
+    from hpcrl.jobs.launch import write_jobs
+    from hpcrl.jobs.supervise import CANCEL_NAME, queue_states
+    from hpcrl.rl.store.layout import list_shards
     from hpcrl.slurm import queries
 
     run_dir = resolve_run_dir(args.run, args.config)

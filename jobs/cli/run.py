@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 
-from hpcrl.jobs.cli import add_config_args
 import sys
 import time
+
+from hpcrl.jobs.cli import add_config_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,23 +36,16 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from hpcrl.jobs.config import load_config
+    from hpcrl.jobs.cli import load_experiment
+    from hpcrl.jobs.launch import plan
     from hpcrl.jobs.report import progress_line, read_metrics, write_reward_png
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.jobs.runner import RunFailed, RunJobs
-    from hpcrl.rl.domains import DomainError, load_domains
+    from hpcrl.jobs.supervise import LocalRun, RunFailed
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cfg = load_config(args.config, args.overrides)
-    config_dir = str(Path(args.config).resolve().parent)
-    try:
-        load_domains(cfg.domains, [config_dir])  # a bad domain fails before anything is created
-    except DomainError as exc:
-        from hpcrl.jobs.cli import UsageError
-
-        raise UsageError(str(exc)) from None
+    cfg, search, domains = load_experiment(args, "run")  # a bad domain fails before anything is created
     run_dir = create_run_dir(cfg, args.run_id)
-    jobs = RunJobs(cfg, run_dir, search_path=[config_dir])
+    jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains, search))
     print(f"run directory {run_dir}", flush=True)
     tty = sys.stdout.isatty()
     last_print = [0.0]

@@ -83,14 +83,14 @@ def _usage(p: argparse.ArgumentParser) -> int:
 
 
 def _sandbox_cfg(args: argparse.Namespace):
-    from hpcrl.jobs.config import load_config
+    from hpcrl.core.config import load_config
 
     return load_config(args.config).sandbox
 
 
 def _backend(args: argparse.Namespace):
     from hpcrl.jobs.cli import UsageError
-    from hpcrl.sandbox.backend import make_backend
+    from hpcrl.sandbox.auto import make_backend
 
     if args.slot < 0:
         raise UsageError(f"--slot must be >= 0 (got {args.slot})")

@@ -30,11 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hpcrl.jobs.cli import UsageError, load_slurm_experiment
+    from hpcrl.jobs.cli import UsageError, load_experiment
+    from hpcrl.jobs.launch import plan
     from hpcrl.jobs.rundir import create_run_dir
     from hpcrl.jobs.scripts import write_scripts
 
-    cfg, search = load_slurm_experiment(args, "sbatch")
+    cfg, search, domains = load_experiment(args, "sbatch", slurm=True)
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out}: exists and is not a folder")
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         raise UsageError(str(exc)) from None
     try:
-        paths = write_scripts(cfg, run_dir, out, search, max_restarts=args.max_restarts, hetjob=args.hetjob)
+        paths = write_scripts(cfg, run_dir, out, plan(cfg, run_dir, domains, search), search,
+                              max_restarts=args.max_restarts, hetjob=args.hetjob)
     except ValueError as exc:
         import shutil
 

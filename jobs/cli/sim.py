@@ -1,10 +1,10 @@
 """`hpcrl sim TRACE.yaml --policy sync|async|backfill|all [--json] [--plot FILE]`: simulate GPU utilization.
 
-    hpcrl sim slurm/traces/heavy-tail-300.yaml --policy backfill --plot util.png
-    hpcrl sim slurm/traces/heavy-tail-300.yaml --policy all          # the policy table
+    hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy backfill --plot util.png
+    hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy all          # the policy table
 
 Runs the rollout scheduling policies on a simulated clock over a trace (format:
-slurm/traces/README.md) and prints GPU busy fractions per role and overall, throughput in
+slurm/sim/traces/README.md) and prints GPU busy fractions per role and overall, throughput in
 trajectories per GPU-hour, and the staleness of the trajectories trained on. A bad trace or
 argument exits 2 with one line naming the key or option.
 """
@@ -25,10 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Drive the rollout scheduler with a simulated clock over TRACE (GPUs, sandbox slots, hundreds of "
             "domains with heavy-tailed generation and sandbox times). Prints GPU busy fraction per role and "
-            "overall, trajectories per GPU-hour and the staleness distribution. Example traces: slurm/traces/."
+            "overall, trajectories per GPU-hour and the staleness distribution. Example traces: slurm/sim/traces/."
         ),
     )
-    p.add_argument("trace", help="trace YAML file, e.g. slurm/traces/heavy-tail-300.yaml")
+    p.add_argument("trace", help="trace YAML file, e.g. slurm/sim/traces/heavy-tail-300.yaml")
     p.add_argument("--policy", choices=("sync", "async", "backfill", "all"), default=None,
                    help="scheduling policy (default: the trace's scheduler.policy); 'all' prints the table of policies")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if args.bins < 10:
         raise UsageError(f"--bins must be at least 10 (got {args.bins})")
 
-    from hpcrl.slurm.sim import format_table, plot_timeline, simulate
-    from hpcrl.slurm.sim_trace import World, load_trace
+    from hpcrl.slurm.sim.run import format_table, plot_timeline, simulate
+    from hpcrl.slurm.sim.trace import World, load_trace
 
     trace = load_trace(args.trace)
     policies = ["sync", "async", "backfill"] if args.policy == "all" else [args.policy or trace.scheduler.policy]

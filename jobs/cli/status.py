@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run_root(config: str):
     from pathlib import Path
 
-    from hpcrl.jobs.config import load_config
+    from hpcrl.core.config import load_config
 
     try:
         return Path(load_config(config).experiment.run_root)
@@ -68,7 +68,7 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
         snap = snapshot(run_dir)
         return snapshot_text(snap), 0
     from hpcrl.jobs.report import status_text
-    from hpcrl.jobs.runner import pids
+    from hpcrl.jobs.supervise import pids
 
     status = read_status(run_dir)
     alive = {role: pids(run_dir, role) for role in ("coordinator", "store", "learner", "gen", "sandbox")}

@@ -36,15 +36,16 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from hpcrl.jobs.cli import UsageError, load_slurm_experiment
+    from hpcrl.jobs.cli import UsageError, load_experiment
+    from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.jobs.slurmrun import dry_run_scripts, preflight, submit_run
+    from hpcrl.jobs.supervise import submit_run
 
-    cfg, search = load_slurm_experiment(args, "submit")
+    cfg, search, domains = load_experiment(args, "submit", slurm=True)
     if args.dry_run:
         # Scripts name the run directory a submission would create; nothing is created or queued.
         run_dir = Path(cfg.experiment.run_root) / (args.run_id or "RUN_ID")
-        for name, text in dry_run_scripts(cfg, run_dir, search).items():
+        for name, text in dry_run_scripts(cfg, run_dir, plan(cfg, run_dir, domains, search)).items():
             print(f"# ===== {name} =====\n{text}")
         return 0
     try:
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     for warning in preflight(cfg):
         print(f"warning: {warning}", file=sys.stderr)
-    record = submit_run(cfg, run_dir, search, max_restarts=args.max_restarts)
+    record = submit_run(cfg, run_dir, plan(cfg, run_dir, domains, search), search, max_restarts=args.max_restarts)
     print(f"run {run_dir.name}  ({run_dir})")
     for name, c in record["components"].items():
         print(f"  {name:<12} job {c['job_id']:<10} partition {getattr(cfg.slurm, c['role']).partition}")

@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _store(args: argparse.Namespace) -> Path:
-    from hpcrl.rl.store_reader import resolve_store
+    from hpcrl.rl.store.reader import resolve_store
 
     store = resolve_store(args.path)
     if not store.is_dir():
@@ -76,7 +76,7 @@ def _emit(args: argparse.Namespace, data, lines: list[str]) -> None:
 
 def _shard_rows(state) -> tuple[int, int, list[str]]:
     """(rows, bytes, problems) of a shard from its manifest, or its visible segments if open."""
-    from hpcrl.rl.shards import SegmentError, read_segment
+    from hpcrl.rl.store.layout import SegmentError, read_segment
 
     if state.manifest is not None:
         return state.manifest.rows, sum(s.bytes for s in state.manifest.segments), []
@@ -93,7 +93,7 @@ def _shard_rows(state) -> tuple[int, int, list[str]]:
 
 
 def _status(state) -> str:
-    from hpcrl.rl.store_writer import owner_alive
+    from hpcrl.rl.store.writer import owner_alive
 
     if state.manifest is not None:
         return state.manifest.status
@@ -101,7 +101,7 @@ def _status(state) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from hpcrl.rl.shards import list_shards
+    from hpcrl.rl.store.layout import list_shards
 
     shards = []
     for state in list_shards(_store(args)):
@@ -120,7 +120,7 @@ def run_ls(args: argparse.Namespace) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from hpcrl.rl.store_reader import iter_segments
+    from hpcrl.rl.store.reader import iter_segments
 
     bad: list[str] = []
     n = steps = tokens = size = 0
@@ -157,8 +157,8 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from hpcrl.rl.shards import SegmentError, list_shards, read_segment, read_shard, recover_shard
-    from hpcrl.rl.store_writer import owner_alive
+    from hpcrl.rl.store.layout import SegmentError, list_shards, read_segment, read_shard, recover_shard
+    from hpcrl.rl.store.writer import owner_alive
 
     store = _store(args)
     report = []
@@ -198,7 +198,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from hpcrl.rl.store_reader import iter_segments
+    from hpcrl.rl.store.reader import iter_segments
 
     store = _store(args)
     bad: list[str] = []
@@ -223,11 +223,11 @@ def run_synth(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from hpcrl.jobs.config import StoreConfig
-    from hpcrl.jobs.schema import from_dict
-    from hpcrl.rl.shards import StoreError
-    from hpcrl.rl.store_reader import resolve_store
-    from hpcrl.rl.store_writer import ShardWriter
+    from hpcrl.core.config import StoreConfig
+    from hpcrl.core.schema import from_dict
+    from hpcrl.rl.store.layout import StoreError
+    from hpcrl.rl.store.reader import resolve_store
+    from hpcrl.rl.store.writer import ShardWriter
     from hpcrl.rl.synth import DEFAULT_SHAPE, TINY_SHAPE, synth_trajectory
 
     if args.count < 1:

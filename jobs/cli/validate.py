@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpcrl.jobs.config import dump_config, load_config
+    from hpcrl.core.config import dump_config, load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.print_resolved:

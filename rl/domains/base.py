@@ -16,58 +16,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
+
+from hpcrl.rl.domains.rewards import REWARDS
+from hpcrl.rl.domains.types import ActionSpec, ExecFeedback, StepResult, Task
 
 __all__ = ["Task", "StepResult", "ActionSpec", "Environment", "Domain", "SingleTurnEnv", "PromptDomain", "ExecFeedback"]
-
-
-@dataclass(frozen=True)
-class Task:
-    """One task instance. `id` is unique within the domain for the life of a run (it carries the
-    index the coordinator handed out), so a trajectory's (domain, task) names its GRPO group."""
-
-    domain: str
-    id: str
-    prompt: str
-    data: Mapping[str, Any] = field(default_factory=dict)
-
-
-class StepResult(NamedTuple):
-    observation: str
-    reward: float
-    done: bool
-    info: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class ActionSpec:
-    """How long one action may be, and which strings end it early (kept in the action)."""
-
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"ActionSpec.max_tokens: must be an int >= 1 (got {self.max_tokens!r})")
-
-
-@dataclass(frozen=True)
-class ExecFeedback:
-    """What executing an action gave, in sandbox-neutral terms (see rl/domains/code.py).
-
-    `status` uses the trajectory store's sandbox vocabulary: ok, error, timeout, oom, crash.
-    """
-
-    passed: int
-    total: int
-    status: str
-    exit_code: int
-    duration_s: float
-    message: str
-
-    @property
-    def all_passed(self) -> bool:
-        return self.total > 0 and self.passed == self.total
 
 
 class Environment(abc.ABC):
@@ -135,7 +89,6 @@ class PromptDomain(Domain):
 
     def __init__(self, name: str, prompts, reward: str | Callable[..., float] = "exact", max_tokens: int = 16,
                  stop: tuple[str, ...] = ()):
-        from hpcrl.rl.domains.rewards import REWARDS  # rewards imports this module
 
         pairs = [tuple(p) for p in prompts]
         if not pairs or any(len(p) != 2 or not isinstance(p[0], str) for p in pairs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hpcrl.rl.domains.base import ExecFeedback, Task
+from hpcrl.rl.domains.types import ExecFeedback, Task
 from hpcrl.rl.registry import Registry
 
 __all__ = ["REWARDS", "RewardFn", "exact", "prefix", "tests_passed", "all_tests"]

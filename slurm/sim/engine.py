@@ -1,6 +1,6 @@
 """The simulator's machinery: a discrete-event loop, GPU accounting, sandboxes, the training side.
 
-The policies (slurm/sim_policies.py, slurm/sim_backfill.py) build on `SimBase`; this module
+The policies (slurm/sim/policies.py, slurm/sim/backfill.py) build on `SimBase`; this module
 knows nothing about scheduling. Its job is to keep the books honest:
 
 * `GpuLedger` holds every GPU's state at every instant: idle, running its owner's work, or
@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from hpcrl.slurm.sim_trace import EpisodeSpec
+from hpcrl.slurm.sim.trace import EpisodeSpec
 
 IDLE, OWNER, BORROW = 0, 1, 2
 KINDS = ("idle", "owner", "packed", "lost")  # accounting categories; BORROW ends as packed or lost

@@ -9,14 +9,16 @@ one, and a test keeps the two in step. Each component receives only its own sect
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
-from hpcrl.jobs.schema import ConfigError, apply_overrides, from_dict, load_yaml_text, spec, to_dict
+from hpcrl.core.files import atomic_write_text
+from hpcrl.core.schema import ConfigError, apply_overrides, check_bounds, from_dict, load_yaml_text, spec, to_dict
 
 RESOLVED_NAME = "config.resolved.yaml"
 
@@ -158,19 +160,57 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True)
-class SandboxCeilingConfig:
-    """The most a request may ask of a sandbox server; more is refused, whoever asks."""
+class Limits:
+    """Resource limits of one sandboxed execution; as `sandbox.ceiling`, the most a request may ask.
 
-    wall_s: float = spec(300.0, help="wall-clock seconds per execution", gt=0)
-    cpu_s: float = spec(300.0, help="CPU seconds per execution", gt=0)
-    memory_mb: int = spec(8192, help="memory per execution, MiB", ge=16)
-    pids: int = spec(512, help="processes and threads per execution", ge=4)
-    file_size_mb: int = spec(1024, help="largest file an execution may write, MiB", gt=0)
-    output_kb: int = spec(65536, help="stdout and stderr each, KiB", gt=0)
-    open_files: int = spec(4096, help="open file descriptors per process", gt=0)
-    work_mb: int = spec(4096, help="tmpfs /work, MiB", gt=0)
-    tmp_mb: int = spec(4096, help="tmpfs /tmp, MiB", gt=0)
-    shm_mb: int = spec(1024, help="tmpfs /dev/shm, MiB", gt=0)
+    Built from YAML (the ceiling) or in code (`Limits(wall_s=5)`, a request's limits): both get
+    the same checks, from the same field specs. Going over `output_kb` kills the run.
+    """
+
+    wall_s: float = spec(10.0, help="wall-clock seconds per execution", gt=0)
+    cpu_s: float = spec(10.0, help="CPU seconds per execution", gt=0)
+    memory_mb: int = spec(512, help="memory per execution, MiB (no interpreter starts in less than 16)", ge=16)
+    pids: int = spec(64, help="processes and threads per execution (the sandbox itself needs 4)", ge=4)
+    file_size_mb: int = spec(16, help="largest file an execution may write, MiB", gt=0)
+    output_kb: int = spec(1024, help="stdout and stderr each, KiB", gt=0)
+    open_files: int = spec(256, help="open file descriptors per process", gt=0)
+    work_mb: int = spec(64, help="tmpfs /work, MiB", gt=0)
+    tmp_mb: int = spec(64, help="tmpfs /tmp, MiB", gt=0)
+    shm_mb: int = spec(16, help="tmpfs /dev/shm, MiB", gt=0)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"Limits.{f.name}", f"must be a number (got {value!r})")
+        check_bounds(self, "Limits")
+
+    def replace(self, **changes: Any) -> "Limits":
+        return dataclasses.replace(self, **changes)
+
+    def check_within(self, ceiling: "Limits", where: str = "limits") -> None:
+        """ValueError naming every field over `ceiling` (a sandbox server's `sandbox.ceiling`)."""
+        over = [f"{where}.{f.name}={getattr(self, f.name)} (ceiling {getattr(ceiling, f.name)})"
+                for f in dataclasses.fields(self) if getattr(self, f.name) > getattr(ceiling, f.name)]
+        if over:
+            raise ValueError(f"over this sandbox server's ceiling: {', '.join(over)}; ask for less, or raise "
+                             "sandbox.ceiling in the run's config")
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any, where: str = "limits") -> "Limits":
+        """From a mapping of field names (missing ones default); ValueError naming unknown keys."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a mapping")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(names))}")
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -183,8 +223,11 @@ class SandboxConfig:
     image: str = spec("sandbox.sif", help="Apptainer image (backend: apptainer), built by `hpcrl sandbox build-image`", min_len=1)
     apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
     apptainer_cgroups: bool = spec(False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)")
-    ceiling: SandboxCeilingConfig = spec(factory=SandboxCeilingConfig,
-                                         help="the most limits a request may ask for; more is refused")
+    ceiling: Limits = spec(
+        factory=lambda: Limits(wall_s=300.0, cpu_s=300.0, memory_mb=8192, pids=512, file_size_mb=1024, output_kb=65536,
+                               open_files=4096, work_mb=4096, tmp_mb=4096, shm_mb=1024),
+        help="the most limits a request may ask for; more is refused",
+    )
 
 
 @dataclass(frozen=True)
@@ -288,7 +331,5 @@ def dump_config(cfg: Config) -> str:
 def write_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
     """Write the fully resolved config into a run directory (atomically)."""
     out = Path(run_dir) / RESOLVED_NAME
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text("# Resolved by hpcrl: every field, defaults and overrides applied.\n" + dump_config(cfg))
-    os.replace(tmp, out)
+    atomic_write_text(out, "# Resolved by hpcrl: every field, defaults and overrides applied.\n" + dump_config(cfg))
     return out

@@ -23,15 +23,15 @@ Per-run security and discovery (files in the run directory)::
 
 Sockets, one Node per process (owns the context and the ZAP authenticator thread)::
 
-    node = Node(run_dir, "gen-0", limits=Limits(), bind_host="*")
+    node = Node(run_dir, "gen-0", limits=WireLimits(), bind_host="*")
     sock, ep = node.bind(zmq.ROUTER, "store")      # CURVE server on a free port, endpoint published
     sock, ep = node.connect(zmq.DEALER, "store")   # CURVE client of the published endpoint
     node.log_events()                              # log handshake failures/disconnects seen on bound sockets
     node.close()
 
-Patterns built on these: `hpcrl.jobs.transport_rpc` (RequestServer/RequestClient with
+Patterns built on these: `hpcrl.core.rpc` (RequestServer/RequestClient with
 timeouts, retries and idempotent replays; VersionPublisher/VersionSubscriber over PUB/SUB)
-and `hpcrl.jobs.transport_traj` (TrajectorySender/TrajectoryReceiver: acknowledged, lossless,
+and `hpcrl.rl.store.stream` (TrajectorySender/TrajectoryReceiver: acknowledged, lossless,
 deduplicated delivery to the shard writer).
 
 Security model: every server socket is a CURVE server with the ZAP domain "hpcrl"; a client
@@ -66,7 +66,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["TransportError", "BadMessage", "Limits", "Envelope", "encode", "decode", "send_frames", "KeyPair",
+from hpcrl.core.files import atomic_write_json
+
+__all__ = ["TransportError", "BadMessage", "WireLimits", "Envelope", "encode", "decode", "send_frames", "KeyPair",
            "RunKeys", "Endpoint", "publish_endpoint", "read_endpoint", "Node"]
 
 log = logging.getLogger("hpcrl.transport")
@@ -86,7 +88,7 @@ class BadMessage(ValueError):
 
 
 @dataclass(frozen=True)
-class Limits:
+class WireLimits:
     max_message_bytes: int = 256 << 20  # per frame (ZMQ_MAXMSGSIZE) and per message (decode)
     max_frames: int = 4096
     max_header_bytes: int = 1 << 20
@@ -143,7 +145,7 @@ def _wire_dtype(spec: str) -> np.dtype:
     return dtype
 
 
-def decode(frames: Sequence[Any], limits: Limits = Limits()) -> Envelope:
+def decode(frames: Sequence[Any], limits: WireLimits = WireLimits()) -> Envelope:
     """Parse and check one message; arrays are zero-copy read-only views of the frames.
 
     This runs once per trajectory on the store writer, so it avoids per-frame allocations
@@ -347,18 +349,13 @@ def _endpoint_path(run_dir: str | os.PathLike, service: str) -> Path:
 
 
 def publish_endpoint(run_dir: str | os.PathLike, service: str, address: str, public_key: bytes) -> Endpoint:
-    """Write endpoints/<service>.json atomically (tmp + fsync + rename): readers never see half."""
+    """Write endpoints/<service>.json atomically and durably: readers never see half."""
     path = _endpoint_path(run_dir, service)
     path.parent.mkdir(parents=True, exist_ok=True)
     ep = Endpoint(service, address, public_key, os.urandom(8).hex())
     data = {"service": service, "address": address, "public_key": public_key.decode(), "instance": ep.instance,
             "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data)
     return ep
 
 
@@ -390,7 +387,7 @@ _LOGGED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAI
 class Node:
     """One process's transport: a context, its CURVE identity, the ZAP allow-list, sockets."""
 
-    def __init__(self, run_dir: str | os.PathLike, name: str, limits: Limits = Limits(), *,
+    def __init__(self, run_dir: str | os.PathLike, name: str, limits: WireLimits = WireLimits(), *,
                  bind_host: str = "*", advertise_host: str | None = None):
         self.run_dir = Path(run_dir)
         self.name = name

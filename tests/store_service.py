@@ -1,6 +1,6 @@
-"""The store writer service: receives trajectories over CURVE ZeroMQ, writes shards, acknowledges.
+"""A stand-alone store writer service for the transport and crash tests: receives trajectories over CURVE ZeroMQ, writes shards, acknowledges.
 
-    python -m hpcrl.rl.store_service RUN_DIR [--name store-0] [--service store]
+    python tests/store_service.py RUN_DIR [--name store-0] [--service store]
 
 Binds a ROUTER socket, publishes `RUN_DIR/endpoints/<service>.json`, writes shards under
 `RUN_DIR/trajectories` with the run's `store` config (from config.resolved.yaml when present;
@@ -19,12 +19,12 @@ import sys
 import threading
 from pathlib import Path
 
-from hpcrl.jobs.config import RESOLVED_NAME, StoreConfig, load_config
-from hpcrl.jobs.schema import ConfigError, from_dict
-from hpcrl.jobs.transport import Node
-from hpcrl.jobs.transport_traj import TrajectoryReceiver
-from hpcrl.rl.shards import StoreError
-from hpcrl.rl.store_writer import ShardWriter
+from hpcrl.core.config import RESOLVED_NAME, StoreConfig, load_config
+from hpcrl.core.schema import ConfigError, from_dict
+from hpcrl.core.transport import Node
+from hpcrl.rl.store.stream import TrajectoryReceiver
+from hpcrl.rl.store.layout import StoreError
+from hpcrl.rl.store.writer import ShardWriter
 
 
 def store_config(run_dir: Path, overrides: dict) -> StoreConfig:
@@ -34,7 +34,7 @@ def store_config(run_dir: Path, overrides: dict) -> StoreConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcrl.rl.store_service", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tests/store_service.py", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="the run directory")
     p.add_argument("--name", default="store-0", help="writer and CURVE key name (default store-0)")
     p.add_argument("--service", default="store", help="endpoint name senders look up (default store)")

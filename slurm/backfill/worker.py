@@ -1,7 +1,7 @@
 """The process inside a rollout job (or an owner's idle window): claim a task that fits, run it, store it.
 
-    python -m hpcrl.slurm.rollout_worker --queue RUN/rollout-queue --owner slurm-$SLURM_JOB_ID \
-        --runner hpcrl.slurm.rollout_worker:synthetic --margin-s 5
+    python -m hpcrl.slurm.backfill.worker --queue RUN/rollout-queue --owner slurm-$SLURM_JOB_ID \
+        --runner hpcrl.slurm.backfill.worker:synthetic --margin-s 5
 
 Inside a Slurm job the deadline is the job's EndTime (Slurm may have cut the limit down to
 --time-min to fit a backfill window, so the script's own --time is not the truth); outside,
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from hpcrl.slurm.scheduler import GapPacker, RolloutTask
-from hpcrl.slurm.taskqueue import DirTaskQueue
+from hpcrl.slurm.backfill.packer import GapPacker, RolloutTask
+from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
 
 Runner = Callable[[RolloutTask, dict, threading.Event], "dict | None"]
 
@@ -57,7 +57,7 @@ def synthetic(task: RolloutTask, payload: dict, stop: threading.Event) -> dict |
 def load_runner(spec: str) -> Runner:
     module, _, attr = spec.partition(":")
     if not module or not attr:
-        raise ValueError(f"--runner {spec!r}: expected module:function, e.g. hpcrl.slurm.rollout_worker:synthetic")
+        raise ValueError(f"--runner {spec!r}: expected module:function, e.g. hpcrl.slurm.backfill.worker:synthetic")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
@@ -111,11 +111,11 @@ def slurm_deadline(job_id: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcrl.slurm.rollout_worker", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m hpcrl.slurm.backfill.worker", description=__doc__.split("\n\n")[0])
     ap.add_argument("--queue", required=True, help="the task queue folder (DirTaskQueue)")
     ap.add_argument("--owner", required=True, help="claim name, e.g. slurm-$SLURM_JOB_ID")
     ap.add_argument("--until", type=float, help="deadline, epoch seconds (default: the Slurm job's EndTime)")
-    ap.add_argument("--runner", default="hpcrl.slurm.rollout_worker:synthetic", help="module:function that runs one task")
+    ap.add_argument("--runner", default="hpcrl.slurm.backfill.worker:synthetic", help="module:function that runs one task")
     ap.add_argument("--margin-s", type=float, default=5.0, help="stop starting tasks this long before the deadline")
     args = ap.parse_args(argv)
     try:

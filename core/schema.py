@@ -31,6 +31,7 @@ __all__ = [
     "apply_overrides",
     "load_yaml_text",
     "leaf_paths",
+    "check_bounds",
 ]
 
 
@@ -147,6 +148,13 @@ def _check_bounds(path: str, value: Any, meta: typing.Mapping[str, Any], shown: 
         raise ConfigError(path, f"must have at least {meta['min_len']} item(s)/character(s) (got {value!r})")
     if "pattern" in meta and value is not None and not re.fullmatch(meta["pattern"], value):
         raise ConfigError(path, f"must match {meta['pattern']} (got {value!r})")
+
+
+def check_bounds(obj: Any, where: str) -> None:
+    """Apply each field's spec() bounds to a dataclass built in code rather than from YAML:
+    ConfigError naming `where.field`, so code and config are held to the same rules."""
+    for f in dataclasses.fields(obj):
+        _check_bounds(f"{where}.{f.name}", getattr(obj, f.name), f.metadata)
 
 
 def _convert(tp: Any, value: Any, path: str, base: Any = None) -> Any:

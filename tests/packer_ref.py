@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from hpcrl.slurm.scheduler import Placement, Preemption, Reclaim, RolloutTask, fit_length
+from hpcrl.slurm.backfill.packer import Placement, Preemption, Reclaim, RolloutTask, fit_length
 
 
 class ReferencePacker:

@@ -1,13 +1,13 @@
 """Trace-driven simulator of GPU utilization under the three rollout policies.
 
-    hpcrl sim slurm/traces/heavy-tail-300.yaml --policy backfill --plot util.png
-    python -c "from hpcrl.slurm.sim import simulate; from hpcrl.slurm.sim_trace import load_trace; \
-               print(simulate(load_trace('slurm/traces/small.yaml'), 'sync').summary_line())"
+    hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy backfill --plot util.png
+    python -c "from hpcrl.slurm.sim.run import simulate; from hpcrl.slurm.sim.trace import load_trace; \
+               print(simulate(load_trace('slurm/sim/traces/small.yaml'), 'sync').summary_line())"
 
-`simulate(trace, policy)` runs one policy on a simulated clock (slurm/sim_policies.py,
-slurm/sim_backfill.py) and returns a `SimResult`: GPU busy fraction per role and overall,
+`simulate(trace, policy)` runs one policy on a simulated clock (slurm/sim/policies.py,
+slurm/sim/backfill.py) and returns a `SimResult`: GPU busy fraction per role and overall,
 trajectories trained on per GPU-hour, the staleness of every trained trajectory, and the
-packer's counters. GPU-time conservation is checked on every run (sim_engine.py): a result
+packer's counters. GPU-time conservation is checked on every run (engine.py): a result
 exists only if busy + lost + idle = capacity for every role.
 """
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from hpcrl.slurm.sim_backfill import BackfillPolicy
-from hpcrl.slurm.sim_engine import KINDS, RoleUsage, check_conservation
-from hpcrl.slurm.sim_policies import AsyncPolicy, SimBase, SyncPolicy
-from hpcrl.slurm.sim_trace import Trace, World
+from hpcrl.slurm.sim.backfill import BackfillPolicy
+from hpcrl.slurm.sim.engine import KINDS, RoleUsage, check_conservation
+from hpcrl.slurm.sim.policies import AsyncPolicy, SimBase, SyncPolicy
+from hpcrl.slurm.sim.trace import Trace, World
 
 POLICIES: dict[str, type[SimBase]] = {"sync": SyncPolicy, "async": AsyncPolicy, "backfill": BackfillPolicy}
 

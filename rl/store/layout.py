@@ -63,7 +63,8 @@ import numpy as np
 from h5py import h5a, h5d, h5f, h5p, h5s, h5t, h5z
 
 from hpcrl import __version__
-from hpcrl.rl.traj_columns import ARRAY_NAMES, Columns, ColumnsError
+from hpcrl.core.files import atomic_write_json, fsync_path
+from hpcrl.rl.store.columns import ARRAY_NAMES, Columns, ColumnsError
 
 log = logging.getLogger("hpcrl.store")
 
@@ -90,29 +91,6 @@ class SegmentError(Exception):
 
 class StoreError(Exception):
     """The store cannot be used as asked (name in use, bad directory); the message says what to do."""
-
-
-# -- durable file operations ----------------------------------------------------------------
-
-
-def fsync_path(path: str | os.PathLike, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    """Write JSON so that `path` is either absent/old or complete: tmp, fsync, rename, fsync dir."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent, directory=True)
 
 
 # -- segments ---------------------------------------------------------------------------------
@@ -469,7 +447,7 @@ class RecoveryReport:
 
 def finalize_shard(shard: Path, writer: str, segments: list[SegmentInfo], status: str, quarantined=()) -> ShardManifest:
     manifest = ShardManifest(shard.name, writer, status, tuple(segments), time.time(), tuple(quarantined))
-    atomic_write_json(shard / MANIFEST_NAME, manifest.to_json())
+    atomic_write_json(shard / MANIFEST_NAME, manifest.to_json(), sort_keys=True)
     return manifest
 
 

@@ -1,4 +1,4 @@
-"""The baseline policies of the simulator: `sync` and `async` (ours, `backfill`, is in sim_backfill.py).
+"""The baseline policies of the simulator: `sync` and `async` (ours, `backfill`, is in backfill.py).
 
 GPUs 0..L-1 are the learner's, L..L+G-1 one generator each. A generation turn runs on one
 GPU at a time for the episode's drawn duration; a sandbox execution holds one CPU slot.
@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from hpcrl.slurm.sim_engine import (BORROW, OWNER, Episode, EventLoop, GpuLedger, SandboxPool,
+from hpcrl.slurm.sim.engine import (BORROW, OWNER, Episode, EventLoop, GpuLedger, SandboxPool,
                                     SimInvariantError, TrainingLedger)
-from hpcrl.slurm.sim_trace import Trace, World
+from hpcrl.slurm.sim.trace import Trace, World
 
 WAIT, TRAIN, SYNC = "wait", "train", "sync"
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
-from hpcrl.jobs.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
+from hpcrl.core.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
 
 __all__ = ["Reply", "RequestServer", "RequestClient", "PendingRequest", "RequestTimeout", "RemoteError",
            "VersionPublisher", "VersionSubscriber"]

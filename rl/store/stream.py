@@ -6,14 +6,16 @@
     sender.pump()                  # call often: reads acks, resends what is due
     sender.wait_acked(timeout_s=60)
 
-    # writer side (see `python -m hpcrl.rl.store_service`)
+    # writer side (the store component, hpcrl.jobs.components.StoreComponent)
     receiver = TrajectoryReceiver(node, "store", ShardWriter(store, "store-0", cfg.store))
     receiver.serve(stop_event)     # or receiver.poll_once(timeout_s) in your own loop
 
 PUSH/PULL cannot carry acknowledgements back, so the sender is a DEALER with a fixed routing
 id and the writer a ROUTER (with ZMQ_ROUTER_HANDOVER, so a reconnecting sender keeps its
-slot). Trajectories travel in batches (message kind "trajs", see TrajectorySender); every
-acknowledgement and rejection names trajectory ids. A lone "traj" message is accepted too.
+slot). Trajectories travel in batches (message kind "trajs"): a batch is its `Columns`, the
+layout a shard segment stores, so the writer checks it in bulk and buffers it as it came,
+never rebuilding one Python object per trajectory. Every acknowledgement and rejection
+names trajectory ids.
 
 Guarantees:
 * The writer acknowledges an id only after the flush that stored it returned, i.e. the
@@ -23,7 +25,8 @@ Guarantees:
   `resend_after_s` (lost in a dead connection). Resends are harmless: the writer drops an id
   it has stored or buffered (its dedup index is rebuilt from disk on restart).
 * A trajectory the writer cannot accept (fails validation) is answered with "reject" and the
-  reason; the sender logs it and stops resending it (`rejected`).
+  reason; the sender logs it and stops resending it (`rejected`). A batch whose framing is
+  broken is rejected whole, by the ids it names: resending it could only fail again.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from typing import Callable, Protocol
 
 import zmq
 
-from hpcrl.jobs.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
-from hpcrl.rl.traj_wire import from_wire_batch, to_wire_batch, wire_bytes
-from hpcrl.rl.trajectory import Trajectory, TrajectoryError
+from hpcrl.core.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
+from hpcrl.rl.store.columns import Columns, ColumnsError, wire_bytes
+from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["TrajectorySender", "TrajectoryReceiver", "TrajectorySink"]
 
@@ -49,7 +52,7 @@ log = logging.getLogger("hpcrl.transport")
 class TrajectorySink(Protocol):
     """What the receiver stores into: the ShardWriter's interface."""
 
-    def append(self, traj: Trajectory): ...  # -> FlushResult | None (has .ids)
+    def append_columns(self, cols: Columns): ...  # -> FlushResult | None (has .ids)
     def poll(self): ...
     def seconds_to_flush(self) -> float | None: ...
     def is_stored(self, traj_id: str) -> bool: ...
@@ -145,7 +148,7 @@ class TrajectorySender:
                     size += n
                 taken += 1
             if batch:
-                body, arrays = to_wire_batch([self._wire[t][0] for t in batch])
+                body, arrays = Columns.encode([self._wire[t][0] for t in batch]).to_wire()
                 try:
                     send_frames(self._sock, encode("trajs", body, arrays), zmq.NOBLOCK)
                 except zmq.Again:
@@ -271,44 +274,43 @@ class TrajectoryReceiver:
 
     def _receive(self, frames: list) -> None:
         peer = frames[0].bytes
-        tid = None
         try:
             env = decode(frames[1:], self.node.limits)
-            if env.kind == "trajs":
-                items = from_wire_batch(env.body, env.arrays)
-            elif env.kind == "traj":  # one trajectory on its own (older senders, hand-made tools)
-                tid = env.msg_id
-                traj = Trajectory.from_wire(env.body, env.arrays)
-                if traj.id != tid:
-                    raise BadMessage(f"message id {tid!r} is not the trajectory's id {traj.id!r}")
-                items = [(tid, traj)]
-            else:
+            if env.kind != "trajs":
                 raise BadMessage(f"unexpected kind {env.kind!r}")
-        except (BadMessage, TrajectoryError) as exc:
+        except BadMessage as exc:
             self.dropped += 1
             log.warning("%s: dropped a message from %r: %s", self.endpoint.service, peer[:32], exc)
-            if tid and isinstance(exc, TrajectoryError):
-                self._send(peer, "reject", {"ids": [tid], "reason": str(exc)})
             return
-        for tid, traj in items:
-            if isinstance(traj, TrajectoryError):
+        try:
+            cols = Columns.from_wire(env.body, env.arrays)
+        except ColumnsError as exc:
+            ids = env.body.get("ids") if isinstance(env.body, dict) else None
+            ids = [i for i in ids if type(i) is str] if isinstance(ids, list) else []
+            self.dropped += max(1, len(ids))
+            log.warning("%s: rejected a batch of %d from %r: %s", self.endpoint.service, len(ids), peer[:32], exc)
+            if ids:  # named, so its sender stops resending what can never be stored
+                self._send(peer, "reject", {"ids": ids, "reason": f"broken batch: {exc}"})
+            return
+        ids, take = env.body["ids"], []
+        for i, (tid, error) in enumerate(zip(ids, cols.row_errors())):
+            if error is not None:
                 self.dropped += 1
-                log.warning("%s: rejected trajectory %s from %r: %s", self.endpoint.service, tid, peer[:32], traj)
-                self._send(peer, "reject", {"ids": [tid], "reason": str(traj)})
+                log.warning("%s: rejected trajectory %s from %r: %s", self.endpoint.service, tid, peer[:32], error)
+                self._send(peer, "reject", {"ids": [tid], "reason": error})
+                continue
+            self.received += 1
+            if self.sink.is_stored(tid):
+                self.duplicates += 1
+                self._send(peer, "ack", {"ids": [tid]})
+                continue
+            if self.sink.is_pending(tid):
+                self.duplicates += 1
             else:
-                self._accept(peer, tid, traj)
-
-    def _accept(self, peer: bytes, tid: str, traj: Trajectory) -> None:
-        self.received += 1
-        if self.sink.is_stored(tid):
-            self.duplicates += 1
-            self._send(peer, "ack", {"ids": [tid]})
-            return
-        if self.sink.is_pending(tid):
-            self.duplicates += 1
-        self._waiting[tid] = peer  # the newest connection of the sender gets the ack
-        if not self.sink.is_pending(tid):
-            self._acknowledge(self._store(self.sink.append, traj))
+                take.append(i)
+            self._waiting[tid] = peer  # the newest connection of the sender gets the ack
+        if take:
+            self._acknowledge(self._store(self.sink.append_columns, cols if len(take) == cols.rows else cols.take(take)))
 
     def _acknowledge(self, flushed) -> None:
         if not flushed:

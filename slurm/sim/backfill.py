@@ -1,7 +1,7 @@
 """`backfill`, our policy in the simulator: async with the staleness bound, plus gap packing.
 
 Everything async does, and every idle GPU window is lent out through the same `GapPacker`
-the real components use (slurm/scheduler.py):
+the real components use (slurm/backfill/packer.py):
 
 * a generator whose own episodes all wait on sandboxes lends its GPU until the earliest time
   one of them is expected back (`reclaim_quantile` of the remaining sandbox time, given how
@@ -18,7 +18,7 @@ the real components use (slurm/scheduler.py):
   the rest resumes elsewhere, paying resume_s of re-prefill, as interruptible generation does.
 
 Task estimates are the `fit_quantile` of the domain's recent generation times
-(slurm/estimates.py): the scheduler never sees a task's true duration before it ends.
+(slurm/backfill/estimates.py): the scheduler never sees a task's true duration before it ends.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import math
 from collections import deque
 from statistics import NormalDist
 
-from hpcrl.slurm.estimates import DurationEstimator
-from hpcrl.slurm.scheduler import GapPacker, Placement, RolloutTask
-from hpcrl.slurm.sim_engine import BORROW, OWNER, Episode
-from hpcrl.slurm.sim_policies import SYNC, AsyncPolicy
-from hpcrl.slurm.sim_trace import Trace, World
+from hpcrl.slurm.backfill.estimates import DurationEstimator
+from hpcrl.slurm.backfill.packer import GapPacker, Placement, RolloutTask
+from hpcrl.slurm.sim.engine import BORROW, OWNER, Episode
+from hpcrl.slurm.sim.policies import SYNC, AsyncPolicy
+from hpcrl.slurm.sim.trace import Trace, World
 
 # A free window whose end has passed is re-estimated, but at most this often (simulated s).
 _MIN_REFRESH_S = 0.5

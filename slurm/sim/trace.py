@@ -1,13 +1,13 @@
 """Simulator traces: the cluster, the training loop and hundreds of task domains, from YAML.
 
-    trace = load_trace("slurm/traces/heavy-tail-300.yaml")     # ConfigError on bad input
+    trace = load_trace("slurm/sim/traces/heavy-tail-300.yaml")     # ConfigError on bad input
     world = World(trace)                                      # domains drawn from the families
     ep = world.episode(17)                                    # the 18th episode ever started
 
 A trace names *families* of domains (e.g. 150 code-repair domains, 100 math domains); each
 family draws its domains' parameters from ranges, so a few lines describe hundreds of
-domains with different heavy tails. The format is documented in slurm/traces/README.md and
-loaded strictly with hpcrl.jobs.schema (unknown keys, wrong types, bad ranges fail with the
+domains with different heavy tails. The format is documented in slurm/sim/traces/README.md and
+loaded strictly with hpcrl.core.schema (unknown keys, wrong types, bad ranges fail with the
 dotted path).
 
 Episode i is a pure function of (seed, i): every policy sees the same domains, turn counts,
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from hpcrl.jobs.config import SchedulerConfig
-from hpcrl.jobs.schema import ConfigError, from_dict, load_yaml_text, spec
+from hpcrl.core.config import SchedulerConfig
+from hpcrl.core.schema import ConfigError, from_dict, load_yaml_text, spec
 
 __all__ = ["Trace", "load_trace", "parse_trace", "World", "Domain", "EpisodeSpec"]
 

@@ -1,16 +1,17 @@
 """The trajectory shard writer: buffer, flush by count or age, acknowledge only what is durable.
 
-    from hpcrl.rl.store_writer import ShardWriter
+    from hpcrl.rl.store.writer import ShardWriter
     with ShardWriter(run_dir / "trajectories", writer="store-0", cfg=cfg.store) as w:
         for traj in trajectories:
             flushed = w.append(traj)          # FlushResult: segments that became durable since the last call
             if flushed:
                 ack(flushed.ids)              # these ids are on disk, fsynced, under final names
+        w.append_columns(cols)                # a batch as it came off the wire (hpcrl.rl.store.stream)
         ...
         w.poll()                              # call when idle: flushes records older than flush_interval_s
         w.flush()                             # write the buffer and wait until all of it is durable
 
-A flush writes one immutable HDF5 segment (see `hpcrl.rl.shards` for why and for the crash
+A flush writes one immutable HDF5 segment (see `hpcrl.rl.store.layout` for why and for the crash
 argument); `FlushResult.ids` are exactly the trajectories that became durable. Nothing in
 `append` is durable until a FlushResult names it.
 
@@ -52,17 +53,16 @@ from pathlib import Path
 
 import psutil
 
-from hpcrl.jobs.config import StoreConfig
-from hpcrl.rl.shards import (
+from hpcrl.core.config import StoreConfig
+from hpcrl.core.files import atomic_write_json, fsync_path
+from hpcrl.rl.store.layout import (
     OWNER_NAME,
     WRITER_NAME_RE,
     SegmentError,
     SegmentInfo,
     ShardState,
     StoreError,
-    atomic_write_json,
     finalize_shard,
-    fsync_path,
     list_shards,
     new_shard_dir,
     parse_segment_name,
@@ -72,7 +72,7 @@ from hpcrl.rl.shards import (
     short_host,
     write_segment_file,
 )
-from hpcrl.rl.traj_columns import Columns, EncodeBuffers
+from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "owner_alive"]
@@ -158,10 +158,13 @@ def owner_alive(state: ShardState, lease_s: float) -> str | None:
 class _InFlight:
     """A segment written to its .tmp file, waiting for fsync + rename on the sync thread."""
 
-    __slots__ = ("shard", "info", "tmp", "path", "fd", "batch", "future", "settled")
+    __slots__ = ("shard", "info", "tmp", "path", "fd", "ids", "parts", "future", "settled")
 
-    def __init__(self, shard: Path, info: SegmentInfo, tmp: Path, path: Path, fd: int, batch: list[Trajectory]):
-        self.shard, self.info, self.tmp, self.path, self.fd, self.batch = shard, info, tmp, path, fd, batch
+    def __init__(self, shard: Path, info: SegmentInfo, tmp: Path, path: Path, fd: int, ids: list[str],
+                 parts: tuple[list[Columns], list[Trajectory]]):
+        self.shard, self.info, self.tmp, self.path, self.fd = shard, info, tmp, path, fd
+        # What the segment was made of (batches, loose trajectories): given back if its sync fails.
+        self.ids, self.parts = ids, parts
         self.future: Future = Future()  # the sync thread sets it: None, or why the sync failed
         # Set on the sync thread once `future` is: a lock-free done() for append's hot path.
         self.settled = False
@@ -183,7 +186,11 @@ class ShardWriter:
             raise StoreError(f"cannot create store directory {self.store}: {exc.strerror}") from None
         self.recovered = self._recover_previous()
         self._stored: set[str] | None = self._load_ids() if dedup else None
-        self._buffer: list[Trajectory] = []
+        # The buffer, in arrival order: batches already in column form, then loose trajectories,
+        # which are encoded together when the next batch arrives or at the flush.
+        self._chunks: list[Columns] = []
+        self._loose: list[Trajectory] = []
+        self._buffered = 0
         self._bufs = EncodeBuffers()  # each flush's Columns are written before the next encode
         self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
         self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
@@ -242,7 +249,7 @@ class ShardWriter:
 
     @property
     def buffered(self) -> int:
-        return len(self._buffer)
+        return self._buffered
 
     def append(self, traj: Trajectory) -> FlushResult | None:
         """Buffer one trajectory; flush if the count or age bound is reached. Returns what became durable."""
@@ -254,11 +261,42 @@ class ShardWriter:
         if tid in self._pending or self.is_stored(tid):
             self.duplicates += 1
             return None
-        self._buffer.append(traj)
+        self._loose.append(traj)
         self._pending.add(tid)
+        return self._added(1)
+
+    def append_columns(self, cols: Columns) -> FlushResult | None:
+        """Buffer a batch of trajectories in column form (checked: `Columns.row_errors` found
+        nothing); rows whose id is stored or buffered are dropped. Returns what became durable."""
+        if self.closed:
+            raise StoreError(f"writer {self.writer!r} is closed")
+        ids = cols.ids()
+        keep = [i for i, tid in enumerate(ids) if tid not in self._pending and not self.is_stored(tid)]
+        self.duplicates += len(ids) - len(keep)
+        if not keep:
+            return None
+        if len(keep) < len(ids):
+            cols, ids = cols.take(keep), [ids[i] for i in keep]
+        if len(set(ids)) < len(ids):  # one id twice within the batch: keep the first
+            seen: set[str] = set()
+            first = [i for i, tid in enumerate(ids) if not (tid in seen or seen.add(tid))]
+            self.duplicates += len(ids) - len(first)
+            cols, ids = cols.take(first), [ids[i] for i in first]
+        self._encode_loose()
+        self._chunks.append(cols)
+        self._pending.update(ids)
+        return self._added(len(ids))
+
+    def _encode_loose(self) -> None:
+        if self._loose:
+            self._chunks.append(Columns.encode(self._loose))
+            self._loose = []
+
+    def _added(self, n: int) -> FlushResult | None:
+        self._buffered += n
         if self._oldest is None:
             self._oldest = time.monotonic()
-        if len(self._buffer) >= self.cfg.flush_every or self.seconds_to_flush() == 0.0:
+        if self._buffered >= self.cfg.flush_every or self.seconds_to_flush() == 0.0:
             self._submit()
         # Most appends only buffer: skip the pipeline bookkeeping while no sync has finished.
         if self._done or (self._inflight and self._inflight[0].settled):
@@ -305,17 +343,26 @@ class ShardWriter:
             log.warning("heartbeat on %s failed: %s", self._shard, exc)
         self._last_beat = time.monotonic()
 
+    def _encoded(self) -> Columns:
+        """The buffer as one Columns, its flat arrays in the encode buffers (valid until the next
+        flush); the buffer itself stays as it is until the segment is written."""
+        if not self._chunks:
+            return Columns.encode(self._loose, self._bufs)
+        loose = [Columns.encode(self._loose)] if self._loose else []
+        return Columns.concat(self._chunks + loose, self._bufs)
+
     def _submit(self) -> None:
         """Write the buffer to a .tmp segment (this thread) and queue its sync (sync thread)."""
-        if not self._buffer:
+        if not self._buffered:
             return
         while len(self._inflight) >= MAX_INFLIGHT:
             self._wait_oldest()
         shard, seq, now = self._shard, self._seq + 1, time.time()
         path = shard / segment_name(seq, int(now * 1e6))
         tmp = path.with_name(path.name + ".tmp")
+        cols = self._encoded()
         try:
-            info = write_segment_file(tmp, path.name, Columns.encode(self._buffer, self._bufs),
+            info = write_segment_file(tmp, path.name, cols,
                                       {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
                                       self.cfg.compression)
             # Opened here, not on the sync thread: each call there that releases the GIL
@@ -324,15 +371,15 @@ class ShardWriter:
             start_writeback(fd)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise StoreError(f"flush to {path} failed: {exc}; {len(self._buffer)} record(s) kept in memory, "
+            raise StoreError(f"flush to {path} failed: {exc}; {self._buffered} record(s) kept in memory, "
                              "free space or fix permissions and flush again") from exc
         self._seq = seq
-        batch, self._buffer, self._oldest = self._buffer, [], None
-        item = _InFlight(shard, info, tmp, path, fd, batch)
+        item = _InFlight(shard, info, tmp, path, fd, cols.ids(), (self._chunks, self._loose))
+        self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
         self._inflight.append(item)
         self._to_sync.append(item)
         self._sync.submit(self._sync_waiting)
-        self._shard_rows += len(batch)
+        self._shard_rows += len(item.ids)
         if self._shard_rows >= self.cfg.shard_max_rows:
             self._drain()
             self._finalize()
@@ -381,7 +428,7 @@ class ShardWriter:
             item.future.result()
         except Exception as exc:  # noqa: BLE001 - any failure: take every unsynced batch back
             self._rebuffer()
-            raise StoreError(f"syncing {item.tmp} failed: {exc}; {len(self._buffer)} record(s) kept in memory "
+            raise StoreError(f"syncing {item.tmp} failed: {exc}; {self._buffered} record(s) kept in memory "
                              "(none acknowledged), fix the filesystem and flush again") from exc
         self._complete(self._inflight.popleft())
 
@@ -393,7 +440,7 @@ class ShardWriter:
 
     def _rebuffer(self) -> None:
         """After a failed sync: unsynced batches return to the buffer front, their .tmp files go."""
-        batches: list[Trajectory] = []
+        batches: list[Columns] = []
         while self._inflight:
             item = self._inflight.popleft()
             if item.future.exception() is None:
@@ -401,9 +448,12 @@ class ShardWriter:
                 continue
             os.close(item.fd)
             item.tmp.unlink(missing_ok=True)
-            batches += item.batch
-        self._buffer = batches + self._buffer
-        self._oldest = time.monotonic() if self._buffer else None
+            chunks, loose = item.parts
+            batches += chunks + ([Columns.encode(loose)] if loose else [])
+        self._encode_loose()
+        self._chunks = batches + self._chunks
+        self._buffered = sum(c.rows for c in self._chunks)
+        self._oldest = time.monotonic() if self._buffered else None
         # None of the failed sequence numbers became visible: reuse them.
         self._seq = parse_segment_name(self._segments[-1].name)[0] if self._segments else 0
         self._shard_rows = sum(s.rows for s in self._segments)
@@ -419,7 +469,7 @@ class ShardWriter:
         done, self._done = self._done, []
         if not done:
             return None
-        ids = tuple(t.id for item in done for t in item.batch)
+        ids = tuple(tid for item in done for tid in item.ids)
         if self._stored is not None:
             self._stored.update(ids)
         self._pending.difference_update(ids)

@@ -15,7 +15,7 @@ backfilled at once; a job with the config's long default limit waits behind the 
 --time asks for what the pending work needs; --time-min lets Slurm shrink the limit down to
 one task's worth when the window is tighter than we measured. Backfill plans in
 bf_resolution steps and rounds a candidate's end up, which `minutes_that_fit` accounts for. The worker inside reads the
-limit it actually got (rollout_worker.py) and only starts tasks that fit before it.
+limit it actually got (worker.py) and only starts tasks that fit before it.
 
 Task estimates are per-domain quantiles of history (estimates.py). When a job is reclaimed,
 preempted or cancelled, `RolloutJobs.poll` re-issues its unfinished tasks; results exist only
@@ -31,13 +31,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.jobs.config import SchedulerConfig
+from hpcrl.core.config import SchedulerConfig
 from hpcrl.slurm import queries
-from hpcrl.slurm.estimates import DurationEstimator
+from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
 from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
-from hpcrl.slurm.scheduler import RolloutTask
-from hpcrl.slurm.taskqueue import DirTaskQueue
+from hpcrl.slurm.backfill.packer import RolloutTask
+from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
 
 __all__ = ["ClusterWindow", "find_window", "live_window", "RolloutJobPlan", "BackfillPlanner", "RolloutJobs", "SubmittedJob"]
 
@@ -223,7 +223,7 @@ class RolloutJobs:
     """Submits rollout jobs that drain a DirTaskQueue, watches them, re-issues what they leave."""
 
     def __init__(self, queue: DirTaskQueue, *, partition: str, log_dir: str | Path, account: str | None = None,
-                 qos: str | None = None, runner: str = "hpcrl.slurm.rollout_worker:synthetic",
+                 qos: str | None = None, runner: str = "hpcrl.slurm.backfill.worker:synthetic",
                  worker_margin_s: float = 5.0, job_name: str = "hpcrl-rollout", python: str = sys.executable,
                  mem_mb: int = 512):
         self.queue = queue
@@ -250,7 +250,7 @@ class RolloutJobs:
                         mem_mb=self.mem_mb, account=self.account, qos=self.qos, extra=extra)
         # Each run of the job claims under its own name, so a requeued run's claims are never
         # mistaken for the (killed) previous run's.
-        body = [f"exec {self.python} -m hpcrl.slurm.rollout_worker --queue {self.queue.root} "
+        body = [f"exec {self.python} -m hpcrl.slurm.backfill.worker --queue {self.queue.root} "
                 f"--owner slurm-$SLURM_JOB_ID-r${{SLURM_RESTART_COUNT:-0}} --runner {self.runner} "
                 f"--margin-s {self.worker_margin_s:g}"]
         text = render_script([res], body, job_name=self.job_name, output=str(self.log_dir / "rollout-%j.out"),

@@ -24,7 +24,7 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcrl.slurm.scheduler import RolloutTask
+from hpcrl.slurm.backfill.packer import RolloutTask
 
 __all__ = ["DirTaskQueue", "TaskQueueError"]
 

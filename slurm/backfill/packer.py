@@ -16,7 +16,7 @@ re-queued with its original priority, so a preempted episode is re-issued, not l
     packer.pop_oldest()                     # a generator adopts the oldest pending episode as its own
 
 Every method that decides takes `now` and the packer keeps no clock, so the simulator
-(slurm/sim.py) drives it with simulated seconds and the real components (rollout_worker.py,
+(slurm/sim/run.py) drives it with simulated seconds and the real components (backfill/worker.py,
 the generators and learner) with wall-clock seconds. It is single-threaded: call it from one
 event loop (the coordinator's, or a worker's).
 

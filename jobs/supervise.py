@@ -1,0 +1,365 @@
+"""Supervising a run's jobs: restart what dies, finish when the learner is done, fail loudly.
+
+    run = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains))   # `hpcrl run`: jobs on this machine
+    run.start(); ok = run.wait(on_status=print_progress); run.shutdown()
+
+    record = submit_run(cfg, run_dir, roles, search_path)         # on Slurm: every job, then the supervisor,
+                                                                  # SupervisorComponent, a small job of its own
+
+Both decide alike (`verdict`): a component whose job ended before the run is over is submitted
+again, up to `max_restarts` times each; the learner's return value says whether the run is
+done (it reached learner.max_steps), and a generator that returns "stopped by the
+coordinator" was told the run is over and is not restarted. Components resume from the run
+directory: the learner from its checkpoint, the store writer by recovering its shard, the
+coordinator from its state file.
+
+`LocalRun` drives submitit's LocalExecutor from the launching process. On Slurm the
+supervisor job polls one `squeue` for all the run's job ids every few seconds. A job that is
+still in the queue in any non-terminal state (PENDING, RUNNING, COMPLETING, REQUEUED, ...) is
+alive: a requeue (`scontrol requeue`, a time limit's checkpoint-and-requeue, preemption) keeps
+its job id and is left to Slurm. A job that left the queue, or reached a terminal state, before
+the run is over is resubmitted (new job id) until it has used its restarts; then the supervisor
+writes state "failed" with the reason into jobs.json, cancels every job of the run (freeing
+the nodes) and exits with an error. When the learner reaches learner.max_steps it asks the
+coordinator to stop, lets generators finish, cancels the services and writes state "finished".
+Like every component it is requeued at its time limit (SIGUSR2) and re-reads jobs.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import psutil
+import submitit
+
+from hpcrl.core.config import Config
+from hpcrl.core.rpc import RequestClient
+from hpcrl.core.transport import Node
+from hpcrl.jobs.components import finish_job, start_component
+from hpcrl.jobs.launch import SUPERVISOR, Role, check_slurm, make_executor, plan, read_jobs, slurm_executor, write_jobs
+from hpcrl.rl.coordinator import read_status
+from hpcrl.slurm import parse, queries
+from hpcrl.slurm.command import SlurmCommandError, run_slurm
+
+__all__ = ["LocalRun", "RunFailed", "SupervisorComponent", "submit_run", "verdict", "queue_states", "pids",
+           "CANCEL_NAME"]
+
+log = logging.getLogger("hpcrl.supervise")
+
+CANCEL_NAME = "cancel.requested"  # written by `hpcrl cancel`: the supervisor restarts nothing after it
+# squeue states after which the job will not run again under this id.
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+            "SPECIAL_EXIT", "REVOKED"}
+
+
+class RunFailed(RuntimeError):
+    """A role kept failing; the message names it and points at its log."""
+
+
+def verdict(name: str, result: Any, max_steps: int) -> Literal["finished", "ended", "died"]:
+    """What a component's ended job means for the run; `result` is its return value or exception."""
+    if name == "learner" and type(result) is int and result >= max_steps:
+        return "finished"
+    if isinstance(result, dict) and result.get("stopped_by") == "coordinator":
+        return "ended"  # told the run is over; the learner is finishing up
+    return "died"
+
+
+def _why(name: str, result: Any, max_steps: int) -> str:
+    if isinstance(result, BaseException):
+        return str(result)
+    if name == "learner" and type(result) is int:
+        return f"learner stopped at step {result} of {max_steps}"
+    return f"exited before the run was over (returned {result!r})"
+
+
+def _stop_coordinator(run_dir: Path, client_name: str) -> None:
+    try:
+        with Node(run_dir, client_name) as node:
+            RequestClient(node, "coordinator", timeout_s=2.0, retries=1, discover_timeout_s=1.0).request("stop")
+    except Exception as exc:  # noqa: BLE001 - cancelling afterwards still ends everything
+        log.warning("could not ask the coordinator to stop: %s", exc)
+
+
+# -- on this machine ------------------------------------------------------------------------------
+
+
+class LocalRun:
+    """Start, watch, heal and finish one run's jobs through submitit (`hpcrl run` is a thin shell
+    over this). Every role is submitted with `make_executor` (executor: local)."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, roles: Sequence[Role], max_restarts: int = 3):
+        self.cfg, self.run_dir, self.max_restarts = cfg, Path(run_dir), max_restarts
+        self.roles = list(roles)
+        self.finished = False
+        self._ended: set[str] = set()
+
+    def role(self, name: str) -> Role:
+        return next(r for r in self.roles if r.name == name)
+
+    def _submit(self, role: Role) -> None:
+        ex = make_executor(self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit",
+                           job_name=f"hpcrl-{role.name}")
+        role.job = ex.submit(role.component)
+        role.history.append(role.job.job_id)
+        log.info("submitted %s as job %s", role.name, role.job.job_id)
+
+    def start(self) -> None:
+        for role in self.roles:
+            self._submit(role)
+
+    def _check(self) -> None:
+        """Resubmit roles whose job ended while the run goes on; raise when one keeps failing."""
+        for role in self.roles:
+            if not role.job.done() or (role.name != "learner" and (self.finished or role.name in self._ended)):
+                continue
+            try:
+                result = role.job.result()
+            except Exception as exc:  # noqa: BLE001 - the job's failure, judged below
+                result = exc
+            what = verdict(role.name, result, self.cfg.learner.max_steps)
+            if what == "finished":
+                self.finished = True
+                continue
+            if what == "ended":
+                self._ended.add(role.name)
+                continue
+            err = _why(role.name, result, self.cfg.learner.max_steps)
+            if role.restarts >= self.max_restarts:
+                raise RunFailed(f"{role.name} failed {role.restarts + 1} times; last: {err[-800:]} "
+                                f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)")
+            if role.name == "learner" and self._ended:
+                # Generators that were told the run is over are needed again by a resumed learner.
+                for name in sorted(self._ended):
+                    self._submit(self.role(name))
+                self._ended.clear()
+            role.restarts += 1
+            log.warning("%s ended (%s); restarting it (%d/%d)", role.name, err.strip().splitlines()[-1][:200] if
+                        err.strip() else "?", role.restarts, self.max_restarts)
+            self._submit(role)
+
+    def wait(self, on_status: Callable[[dict | None], None] = lambda s: None, poll_s: float = 1.0,
+             timeout_s: float | None = None) -> bool:
+        """Until the learner finished (True) or `timeout_s` passed (False); calls on_status each poll."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.finished:
+            self._check()
+            on_status(read_status(self.run_dir))
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+        on_status(read_status(self.run_dir))
+        return True
+
+    def shutdown(self, grace_s: float = 60.0) -> None:
+        """Stop generators (the coordinator tells them; cancel if they linger), then the services."""
+        coord = self.role("coordinator").job
+        if coord is not None and not coord.done():
+            _stop_coordinator(self.run_dir, "hpcrl-run")
+        order = [[r for r in self.roles if r.slurm_role in ("generator", "learner")],
+                 [r for r in self.roles if r.slurm_role == "sandbox"],
+                 [self.role("coordinator"), self.role("store")]]
+        for group in order:
+            for r in group:
+                self.stop_role(r)  # generators also hear it from the coordinator; the learner checkpoints
+            deadline = time.monotonic() + grace_s
+            while any(not r.job.done() for r in group) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for r in group:
+                if not r.job.done():
+                    log.warning("%s did not stop within %.0f s; cancelling it", r.name, grace_s)
+                    r.job.cancel()
+
+    def stop_role(self, role: Role) -> None:
+        """Ask a role to finish cleanly: SIGTERM to its processes (local), scancel on Slurm
+        (which sends SIGTERM and waits KillWait). submitit's local cancel would SIGKILL after ~1 s."""
+        if role.job is None or role.job.done():
+            return
+        if self.cfg.executor != "local":
+            role.job.cancel()
+            return
+        for proc in pids(self.run_dir, role.name):
+            try:
+                os.kill(proc, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def cancel_all(self) -> None:
+        for r in self.roles:
+            if r.job is not None and not r.job.done():
+                r.job.cancel()
+
+
+def pids(run_dir: str | Path, role: str) -> list[int]:
+    """Process ids of a role's tasks on this host, from the procs/<name>.json files components write."""
+    out = []
+    for f in sorted((Path(run_dir) / "procs").glob("*.json")):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        name = rec.get("name", "")
+        if not (name == role or name.startswith(role + "-")) or rec.get("host") != socket.gethostname():
+            continue
+        try:
+            # A pid file outlives its process; never signal a recycled pid.
+            if psutil.Process(int(rec["pid"])).create_time() <= float(rec["started"]) + 1.0:
+                out.append(int(rec["pid"]))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+# -- on Slurm -------------------------------------------------------------------------------------
+
+
+def queue_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """{job id: squeue state} for the ids still in the queue (one squeue call).
+
+    Unlike queries.queue this raises when squeue fails for any reason other than "every id has
+    left the queue": a controller hiccup must not look like every job died.
+    """
+    if not job_ids:
+        return {}
+    out = run_slurm(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(job_ids)], check=False)
+    if out.returncode != 0:
+        if "Invalid job id" in out.stderr:
+            return {}
+        raise SlurmCommandError(list(out.argv), out.returncode, out.stderr)
+    return {r["job_id"]: r["state"] for r in parse.parse_delimited(out.stdout, ("job_id", "state"))}
+
+
+def _result(folder: Path, job_id: str) -> Any:
+    """A finished job's return value, or an Exception for a failure / missing result."""
+    job = submitit.SlurmJob(folder=folder, job_id=job_id)
+    path = job.paths.result_pickle
+    if not path.exists():
+        return RuntimeError(f"job {job_id} left no result (killed or cancelled); see {job.paths.stderr}")
+    try:
+        outcome, value = submitit.core.utils.pickle_load(path)
+    except Exception as exc:  # noqa: BLE001 - a truncated pickle is a failure like any other
+        return exc
+    return value if outcome == "success" else RuntimeError(str(value)[-800:])
+
+
+def submit_run(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Role], search_path: Sequence[str] = (),
+               max_restarts: int = 3) -> dict:
+    """Submit every component, then the supervisor; write and return the jobs.json record."""
+    check_slurm(cfg)
+    run_dir = Path(run_dir)
+    record = {"executor": "slurm", "run_dir": str(run_dir), "submitted": time.time(), "state": "submitted",
+              "message": "", "max_restarts": max_restarts, "search_path": list(search_path), "components": {}}
+
+    def note(role: Role, job_id: str) -> None:
+        record["components"][role.name] = {"role": role.slurm_role, "job_id": job_id, "history": [job_id],
+                                           "restarts": 0}
+
+    sandboxes = [r for r in roles if r.slurm_role == "sandbox"]
+    for role in roles:
+        if role.slurm_role == "sandbox":
+            continue
+        note(role, slurm_executor(cfg, run_dir, role.slurm_role, role.name).submit(role.component).job_id)
+        if role.name == "coordinator" and sandboxes:
+            # One job array for all sandbox servers (a restarted one comes back as a plain job).
+            ex = slurm_executor(cfg, run_dir, "sandbox", "sandbox")
+            with ex.batch():
+                array = [ex.submit(r.component) for r in sandboxes]
+            for r, job in zip(sandboxes, array):
+                note(r, job.job_id)
+    write_jobs(run_dir, record)
+    sup = slurm_executor(cfg, run_dir, "coordinator", SUPERVISOR).submit(
+        SupervisorComponent(run_dir, cfg, tuple(search_path), max_restarts))
+    record["supervisor"] = {"job_id": sup.job_id, "history": [sup.job_id]}
+    record["state"] = "running"
+    write_jobs(run_dir, record)
+    return record
+
+
+class SupervisorComponent(submitit.helpers.Checkpointable):
+    """Watches the run's jobs and resubmits dead ones within the restart budget (see the module doc)."""
+
+    def __init__(self, run_dir, cfg: Config, search_path=(), max_restarts: int = 3, poll_s: float = 2.0):
+        self.run_dir, self.cfg, self.search_path = Path(run_dir), cfg, tuple(search_path)
+        self.max_restarts, self.poll_s = max_restarts, poll_s
+
+    def __call__(self) -> str:
+        stop = start_component(self.run_dir, SUPERVISOR, SUPERVISOR)
+        self.components = {r.name: r for r in plan(self.cfg, self.run_dir, search_path=self.search_path)}
+        record = read_jobs(self.run_dir)
+        while not stop.is_set():
+            if (self.run_dir / CANCEL_NAME).exists():
+                return "cancelled"
+            try:
+                done = self.check(record)
+            except SlurmCommandError as exc:  # the controller is busy or restarting: try again next poll
+                log.warning("%s", exc)
+                done = None
+            if done:
+                return done
+            stop.wait(self.poll_s)
+        return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
+
+    def check(self, record: dict) -> str | None:
+        """One poll: restart dead components; 'finished' when the learner is done, raise when out of budget."""
+        comps = record["components"]
+        states = queue_states([c["job_id"] for c in comps.values()])
+        for name, c in comps.items():
+            state = states.get(c["job_id"])
+            if c.get("ended") or (state is not None and state not in TERMINAL):
+                continue
+            if (self.run_dir / CANCEL_NAME).exists():
+                return "cancelled"
+            result = _result(self.run_dir / "submitit", c["job_id"])
+            what = verdict(name, result, self.cfg.learner.max_steps)
+            if what == "finished":
+                self.finish(record)
+                return "finished"
+            if what == "ended":
+                c["ended"] = True
+                write_jobs(self.run_dir, record)
+                continue
+            reason = f"job {c['job_id']} {state or 'left the queue'}: {_why(name, result, self.cfg.learner.max_steps)}"
+            if c["restarts"] >= self.max_restarts:
+                self.fail(record, f"{name} failed {c['restarts'] + 1} times; last: {reason}")
+            if name == "learner":
+                for other, oc in comps.items():  # generators told to stop are needed by the resumed learner
+                    if oc.pop("ended", False):
+                        self.resubmit(record, other)
+            c["restarts"] += 1
+            log.warning("%s ended (%s); restarting it (%d/%d)", name, reason[:300], c["restarts"], self.max_restarts)
+            self.resubmit(record, name)
+        return None
+
+    def resubmit(self, record: dict, name: str) -> None:
+        role = self.components[name]
+        job = slurm_executor(self.cfg, self.run_dir, role.slurm_role, name).submit(role.component)
+        c = record["components"][name]
+        c["job_id"] = job.job_id
+        c["history"].append(job.job_id)
+        write_jobs(self.run_dir, record)
+
+    def _cancel_all(self, record: dict) -> None:
+        queries.cancel([c["job_id"] for c in record["components"].values()])
+
+    def fail(self, record: dict, message: str) -> None:
+        record.update(state="failed", message=message, ended=time.time())
+        write_jobs(self.run_dir, record)
+        self._cancel_all(record)  # free the nodes
+        raise RunFailed(message)
+
+    def finish(self, record: dict, grace_s: float = 30.0) -> None:
+        _stop_coordinator(self.run_dir, "hpcrl-supervisor")
+        gens = [c["job_id"] for n, c in record["components"].items() if n.startswith("gen-")]
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(s not in TERMINAL for s in queue_states(gens).values()):
+            time.sleep(1.0)
+        self._cancel_all(record)  # scancel: SIGTERM, the store flushes and finalizes its shard
+        record.update(state="finished", ended=time.time())
+        write_jobs(self.run_dir, record)

@@ -1,0 +1,12 @@
+"""The trajectory store: HDF5 shards on the parallel filesystem, the durable truth the learner trains from.
+
+    from hpcrl.rl.store.writer import ShardWriter        # buffer, flush, acknowledge only what is durable
+    from hpcrl.rl.store.reader import StoreReader        # arrival order, exactly-once cursor
+    from hpcrl.rl.store.stream import TrajectorySender   # generators -> writer over CURVE ZeroMQ, acked
+
+`columns` is the one layout of a batch of trajectories outside a generator (two record tables,
+three flat arrays): the wire sends it and a segment stores it. `layout` is the on-disk shape
+(shards of immutable segments, manifests, recovery and quarantine) and why it survives a kill
+at any moment; `writer` and `reader` are its two sides; `stream` is the acknowledged,
+deduplicated delivery from generators to the writer that feeds it.
+"""

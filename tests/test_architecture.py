@@ -1,0 +1,186 @@
+"""The floors of the house: which package may import which, and no import circles.
+
+    core/      config, schema, transport, rpc, files, processes: imports nothing else of hpcrl
+    sandbox/   slurm/                     import core only
+    rl/                                   imports core, sandbox, slurm
+    jobs/                                 imports anything (CLI, launching, supervision)
+
+Every import counts, including the ones inside functions (kept there for start-up speed): a
+lazy import is still a dependency. The root package (`hpcrl`, its version) sits below core.
+`python tests/test_architecture.py --dot` prints the package graph for Graphviz.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "sandbox", "slurm", "rl", "jobs")
+# What each top-level package may import (besides itself and the root package).
+ALLOWED = {
+    "core": set(),
+    "sandbox": {"core"},
+    "slurm": {"core"},
+    "rl": {"core", "sandbox", "slurm"},
+    "jobs": {"core", "sandbox", "slurm", "rl"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {"hpcrl": ROOT / "__init__.py"}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(("hpcrl", *parts))] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The module an import of `name` loads last: itself if it is a module, else its package."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> modules of hpcrl it imports (anywhere in its body)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                # `from pkg import mod` imports the module when there is one, else a name of pkg.
+                targets = [f"{prefix}.{a.name}" for a in node.names]
+            for t in targets:
+                if t.split(".")[0] != "hpcrl":
+                    continue
+                dep = _resolve(t, modules)
+                if dep and dep != mod:
+                    graph[mod].add(dep)
+    return graph
+
+
+def _floor(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "hpcrl"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in graph.items():
+        here = _floor(mod)
+        for dep in sorted(deps):
+            there = _floor(dep)
+            if here == "hpcrl" and there != "hpcrl":
+                bad.append(f"{mod} -> {dep} (the root package imports nothing)")
+            elif there not in ("hpcrl", here) and there not in ALLOWED.get(here, set()):
+                bad.append(f"{mod} -> {dep} ({here}/ may import {', '.join(sorted(ALLOWED[here])) or 'nothing'})")
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_floors_import_downwards_only():
+    bad = upward_imports(import_graph())
+    assert not bad, "imports against the floors:\n" + "\n".join(bad)
+
+
+def test_no_import_circles():
+    found = cycles(import_graph())
+    assert not found, "modules that import each other (directly or around a circle):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_checker_sees_an_upward_import_and_a_circle():
+    # The rules themselves, on a made-up graph: a test that cannot fail proves nothing.
+    graph = {"hpcrl.core.a": {"hpcrl.rl.b"}, "hpcrl.rl.b": {"hpcrl.core.a"}, "hpcrl.jobs.c": {"hpcrl.rl.b"}}
+    assert upward_imports(graph) == ["hpcrl.core.a -> hpcrl.rl.b (core/ may import nothing)"]
+    assert cycles(graph) == [["hpcrl.core.a", "hpcrl.rl.b"]]
+
+
+def package_dot(graph: dict[str, set[str]]) -> str:
+    """The graph between sub-packages (e.g. rl.store -> core), for `dot -Tpng`."""
+    def group(mod: str) -> str:
+        parts = mod.split(".")[1:]
+        path = ROOT.joinpath(*parts)
+        return ".".join(parts if path.is_dir() else parts[:-1]) or "hpcrl"
+
+    edges: dict[str, set[str]] = defaultdict(set)
+    for mod, deps in graph.items():
+        for dep in deps:
+            a, b = group(mod), group(dep)
+            if a != b:
+                edges[a].add(b)
+    lines = ["digraph hpcrl {", "  rankdir=BT; node [shape=box];"]
+    for floor in PACKAGES:
+        members = sorted({group(m) for m in graph if _floor(m) == floor})
+        lines.append(f'  subgraph "cluster_{floor}" {{ label="{floor}/"; ' + " ".join(f'"{m}";' for m in members) + " }")
+    lines += [f'  "{a}" -> "{b}";' for a in sorted(edges) for b in sorted(edges[a])]
+    return "\n".join(lines + ["}"])
+
+
+if __name__ == "__main__":
+    if "--dot" in sys.argv:
+        print(package_dot(import_graph()))
+    else:
+        g = import_graph()
+        print("\n".join(upward_imports(g)) or "floors: ok")
+        print("\n".join(" <-> ".join(c) for c in cycles(g)) or "circles: none")

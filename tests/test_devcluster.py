@@ -11,13 +11,13 @@ import pytest
 from hpcrl.slurm import queries
 from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.parse import parse_sbatch_job_id
-from conftest import DEVCLUSTER, wait_for
+from conftest import devcluster_cmd, wait_for
 
 pytestmark = pytest.mark.slurm
 
 
 def devcluster(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(DEVCLUSTER), *args], capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(devcluster_cmd(*args), capture_output=True, text=True, timeout=timeout_s)
 
 
 def tagged_processes(state_dir: str) -> list[int]:

@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-DEVCLUSTER := bash slurm/devcluster/devcluster.sh
+DEVCLUSTER := $(PY) -m hpcrl.slurm.devcluster
 
 # Debian packages the tests need: Slurm with accounting (slurmdbd on MariaDB), munge,
 # bubblewrap for the sandbox, Open MPI for mpi4py, a C/C++ toolchain for sandboxed code.
@@ -41,16 +41,16 @@ sysdeps:
 	  fi; \
 	else echo "sysdeps: not root or no apt-get; make sure these are installed: $(APT_PACKAGES)"; fi
 
-devcluster:
+devcluster: venv
 	$(DEVCLUSTER) up
 
-devcluster-down:
+devcluster-down: venv
 	$(DEVCLUSTER) down
 
-devcluster-status:
+devcluster-status: venv
 	$(DEVCLUSTER) status
 
-devcluster-env:
+devcluster-env: venv
 	@$(DEVCLUSTER) env
 
 run: venv

@@ -247,7 +247,7 @@ def main() -> int:
     if args.cmd == "learner":
         return learner_main(args)
     if not os.environ.get("SLURM_CONF"):
-        env = os.popen(f"bash {ROOT / 'slurm/devcluster/devcluster.sh'} env").read()
+        env = os.popen(f"{sys.executable} -m hpcrl.slurm.devcluster env").read()
         for line in env.splitlines():
             key, _, value = line.removeprefix("export ").partition("=")
             os.environ[key] = value.strip("'")

@@ -1,4 +1,4 @@
-"""Shared fixtures. `slurm_cluster` brings up the dev Slurm cluster (slurm/devcluster/devcluster.sh)
+"""Shared fixtures. `slurm_cluster` brings up the dev Slurm cluster (python -m hpcrl.slurm.devcluster)
 and exports SLURM_CONF; with HPCRL_REQUIRE_SLURM=1 (set by `make test`) a cluster that cannot
 be started fails the suite instead of skipping it."""
 
@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVCLUSTER = ROOT / "slurm" / "devcluster" / "devcluster.sh"
+DEVCLUSTER = "hpcrl.slurm.devcluster"  # run as `python -m`, with the interpreter running the tests
+
+
+def devcluster_cmd(*args: str) -> list[str]:
+    """The dev cluster's command line for `args` (up, down, status, env)."""
+    return [sys.executable, "-m", DEVCLUSTER, *args]
 
 
 def _unavailable(reason: str) -> None:
@@ -41,12 +47,12 @@ def slurm_cluster() -> dict[str, str]:
         if shutil.which(tool) is None:
             _unavailable(f"{tool} not on PATH (install with `make sysdeps`)")
     t0 = time.monotonic()
-    up = subprocess.run(["bash", str(DEVCLUSTER), "up"], capture_output=True, text=True, timeout=180)
+    up = subprocess.run(devcluster_cmd("up"), capture_output=True, text=True, timeout=180)
     if up.returncode != 0:
-        _unavailable(f"`devcluster.sh up` exited {up.returncode}:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
-    env = _env_exports(subprocess.run(["bash", str(DEVCLUSTER), "env"], capture_output=True, text=True, check=True).stdout)
+        _unavailable(f"`{DEVCLUSTER} up` exited {up.returncode}:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
+    env = _env_exports(subprocess.run(devcluster_cmd("env"), capture_output=True, text=True, check=True).stdout)
     if "SLURM_CONF" not in env:
-        _unavailable("`devcluster.sh env` printed no SLURM_CONF")
+        _unavailable(f"`{DEVCLUSTER} env` printed no SLURM_CONF")
     os.environ.update(env)
     print(f"dev cluster ready in {time.monotonic() - t0:.1f} s")
     return env

@@ -50,7 +50,9 @@ devcluster-down: venv
 devcluster-status: venv
 	$(DEVCLUSTER) status
 
-devcluster-env: venv
+# No venv prerequisite: an install step's output must never end up in `eval "$(make -s devcluster-env)"`.
+devcluster-env:
+	@test -x $(PY) || { echo "devcluster-env: no $(PY) yet; run make venv first" >&2; exit 1; }
 	@$(DEVCLUSTER) env
 
 run: venv

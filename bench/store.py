@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.rl.store.layout import write_segment
+from hpcrl.rl.store.layout import publish_segment, write_segment_file
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import synth_trajectory
@@ -89,7 +89,10 @@ def run_jsonl(trajs, flush_every, root: Path) -> float:
 def run_hdf5_storage(cols_list, root: Path) -> float:
     t0 = time.perf_counter()
     for i, cols in enumerate(cols_list):
-        write_segment(root / f"seg-{i:06d}-{0:016d}.h5", cols, {"seq": i + 1})
+        path = root / f"seg-{i:06d}-{0:016d}.h5"
+        tmp = path.with_name(path.name + ".tmp")
+        write_segment_file(tmp, path.name, cols, {"seq": i + 1})
+        publish_segment(tmp, path)  # what the writer's sync thread does, here synchronously
     return time.perf_counter() - t0
 
 

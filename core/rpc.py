@@ -1,12 +1,14 @@
 """Control requests with timeouts and retries, and policy-version announcements (PUB/SUB).
 
-    # server side (e.g. a sandbox server)
+    # server side
     def handle(env: Envelope) -> Reply:
         if env.kind != "exec":
             raise ValueError(f"unknown request {env.kind!r}")
         return Reply("result", {"exit_code": 0}, arrays=[stdout_tokens])
-    server = RequestServer(node, "sandbox-0", handle)
+    server = RequestServer(node, "coordinator", handle)
     server.serve(stop_event)                     # or server.poll_once(timeout_s) in your own loop
+    # a handler may answer later, from the serving thread: return DEFERRED, then
+    server.reply(env.msg_id, Reply("result", ...))   # (the sandbox server runs jobs on a slot pool)
 
     # client side
     client = RequestClient(node, "sandbox-0", timeout_s=5, retries=2)
@@ -17,10 +19,16 @@
     sub = VersionSubscriber(node); sub.poll(0.1)               # newest version seen, or None
 
 Retries are idempotent: a request keeps its id across attempts and the server replays the
-cached reply of an id it has already answered instead of running the handler twice. Each
-retry uses a fresh socket and re-reads the endpoint file, so a restarted server (new port,
-new instance) is found. A handler exception becomes an "error" reply (RemoteError on the
-client); malformed requests are dropped with a log line; the server never dies of input.
+cached reply of an id it has already answered instead of running the handler twice; a retry of
+an id still being worked on (DEFERRED) is answered, when the answer comes, on the socket that
+asked last. The cache is bounded by count and by bytes, so large replies cannot grow it
+without limit. Each retry uses a fresh socket and re-reads the endpoint file, so a restarted
+server (new port, new instance) is found. A handler exception becomes an "error" reply
+(RemoteError on the client); malformed requests are dropped with a log line; the server never
+dies of input.
+
+Every server here receives through `Router`: a bound ROUTER socket and the one receive loop
+(wait on it and on extra file descriptors, then take every message waiting).
 """
 
 from __future__ import annotations
@@ -39,8 +47,8 @@ import zmq
 
 from hpcrl.core.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
 
-__all__ = ["Reply", "RequestServer", "RequestClient", "PendingRequest", "RequestTimeout", "RemoteError",
-           "VersionPublisher", "VersionSubscriber"]
+__all__ = ["Reply", "DEFERRED", "Router", "RequestServer", "RequestClient", "PendingRequest", "RequestTimeout",
+           "RemoteError", "VersionPublisher", "VersionSubscriber"]
 
 log = logging.getLogger("hpcrl.transport")
 POLICY_TOPIC = b"policy"
@@ -59,65 +67,131 @@ class Reply:
     kind: str
     body: Any = None
     arrays: Sequence[np.ndarray] = field(default_factory=tuple)
+    remember: bool = True  # False: not replayed to a retry (e.g. "busy": a retry should try again)
 
 
-class RequestServer:
-    """ROUTER-based request server; `handler(Envelope) -> Reply` runs in the serving thread."""
+DEFERRED = object()  # a handler's answer "later": RequestServer.reply(msg_id, Reply) sends it
 
-    def __init__(self, node: Node, service: str, handler: Callable[[Envelope], Reply], *, replay_cache: int = 4096):
+
+class Router:
+    """A bound ROUTER socket and the one receive loop of every server here.
+
+    `poll_once(timeout_s)` waits up to `timeout_s` for a message (or for one of the `also` file
+    descriptors, e.g. a wake-up pipe, to become readable), then hands every message waiting to
+    `on_message(peer, frames)` and returns how many there were and which `also` fds were ready.
+    """
+
+    def __init__(self, node: Node, service: str, on_message: Callable[[bytes, list], None], also: Sequence[int] = ()):
         self.node = node
-        self.handler = handler
+        self.on_message = on_message
         self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
-        self._replies: OrderedDict[str, list] = OrderedDict()
-        self._replay_cache = replay_cache
-        self.served = self.replayed = self.dropped = 0
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        for fd in also:
+            self._poller.register(fd, zmq.POLLIN)
 
-    def poll_once(self, timeout_s: float = 0.1) -> int:
-        """Serve every request that arrives within `timeout_s`; returns how many were handled."""
+    def poll_once(self, timeout_s: float) -> tuple[int, set[int]]:
+        ready = dict(self._poller.poll(max(0, int(timeout_s * 1000))))
         n = 0
-        if self.sock.poll(int(timeout_s * 1000)):
+        if self.sock in ready:
             while True:
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._serve(frames)
+                self.on_message(frames[0].bytes, frames[1:])
                 n += 1
         self.node.log_events()
-        return n
+        return n, {fd for fd in ready if fd is not self.sock}
 
-    def _serve(self, frames: list) -> None:
-        peer, rest = frames[0].bytes, frames[1:]
+    def send(self, peer: bytes, frames: Sequence[Any], flags: int = 0) -> None:
+        send_frames(self.sock, [peer, *frames], flags)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _nbytes(frames: Sequence[Any]) -> int:
+    return sum(f.nbytes if isinstance(f, (np.ndarray, memoryview)) else len(f) for f in frames)
+
+
+class RequestServer:
+    """ROUTER-based request server; `handler(Envelope) -> Reply | DEFERRED` runs in the serving thread."""
+
+    def __init__(self, node: Node, service: str, handler: Callable[[Envelope], Any], *, replay_cache: int = 4096,
+                 replay_cache_bytes: int = 64 << 20, also: Sequence[int] = ()):
+        self.node = node
+        self.handler = handler
+        self.router = Router(node, service, self._on_message, also)
+        self.sock, self.endpoint = self.router.sock, self.router.endpoint
+        self._replies: OrderedDict[str, list] = OrderedDict()
+        self._replies_bytes = 0
+        self._replay_cache, self._replay_cache_bytes = replay_cache, replay_cache_bytes
+        self._inflight: dict[str, bytes] = {}  # deferred request id -> routing id of the socket that asked last
+        self.served = self.replayed = self.dropped = 0
+
+    def poll_once(self, timeout_s: float = 0.1) -> int:
+        """Serve every request that arrives within `timeout_s`; returns how many were handled."""
+        return self.router.poll_once(timeout_s)[0]
+
+    def _on_message(self, peer: bytes, frames: list) -> None:
         try:
-            env = decode(rest, self.node.limits)
+            env = decode(frames, self.node.limits)
             if not env.msg_id:
                 raise BadMessage("request without an id")
         except BadMessage as exc:
             self.dropped += 1
             log.warning("%s: dropped a request: %s", self.endpoint.service, exc)
             return
-        cached = self._replies.get(env.msg_id)
+        rid = env.msg_id
+        cached = self._replies.get(rid)
         if cached is not None:
             self.replayed += 1
-            send_frames(self.sock, [peer, *cached])
+            self.router.send(peer, cached)
+            return
+        if rid in self._inflight:
+            self._inflight[rid] = peer  # a retry on a fresh socket: answer there
             return
         try:
             reply = self.handler(env)
+            if reply is DEFERRED:
+                self._inflight[rid] = peer
+                return
             if not isinstance(reply, Reply):
                 raise TypeError(f"handler returned {type(reply).__name__}, expected Reply")
-            out = encode(reply.kind, reply.body, reply.arrays, msg_id=env.msg_id)
         except Exception as exc:  # noqa: BLE001 - a handler bug must not take the server down
             log.exception("%s: handler failed on %r", self.endpoint.service, env.kind)
-            out = encode("error", {"message": f"{type(exc).__name__}: {exc}"}, msg_id=env.msg_id)
-        self._replies[env.msg_id] = out
-        if len(self._replies) > self._replay_cache:
-            self._replies.popitem(last=False)
-        self.served += 1
-        send_frames(self.sock, [peer, *out])
+            reply = Reply("error", {"message": f"{type(exc).__name__}: {exc}"})
+        self._finish(rid, peer, reply)
+
+    def reply(self, rid: str, reply: Reply) -> None:
+        """The answer to a request whose handler returned DEFERRED (call from the serving thread)."""
+        self._finish(rid, self._inflight.pop(rid, None), reply)
+
+    def _finish(self, rid: str, peer: bytes | None, reply: Reply) -> None:
+        out = encode(reply.kind, reply.body, reply.arrays, msg_id=rid)
+        if reply.remember:
+            self._remember(rid, out)
+            self.served += 1
+        if peer is not None:
+            self.router.send(peer, out)
+
+    def _remember(self, rid: str, frames: list) -> None:
+        size = _nbytes(frames)
+        if size > self._replay_cache_bytes:
+            return  # too big to keep: a retry of it runs again
+        self._replies[rid] = frames
+        self._replies_bytes += size
+        while len(self._replies) > self._replay_cache or self._replies_bytes > self._replay_cache_bytes:
+            _, old = self._replies.popitem(last=False)
+            self._replies_bytes -= _nbytes(old)
 
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         while not stop.is_set():
             self.poll_once(poll_s)
+
+    def close(self) -> None:
+        self.router.close()
 
 
 class RequestClient:

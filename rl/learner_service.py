@@ -32,7 +32,7 @@ from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.meter import BusyMeter
 
-__all__ = ["run_learner", "AUDIT_NAME", "CURSOR_NAME", "lineage"]
+__all__ = ["run_learner", "AUDIT_NAME", "CURSOR_NAME"]
 
 log = logging.getLogger("hpcrl.learner")
 AUDIT_NAME = "learner/trained.jsonl"
@@ -171,18 +171,3 @@ def _checkpoint(learner: Learner, rank0: _Rank0 | None) -> None:
     learner.checkpoint(box[0])
     if rank0 is not None:
         rank0.write_cursor(box[0])
-
-
-def lineage(audit_path: str | os.PathLike) -> tuple[list[dict], int]:
-    """The step records the final model descends from: steps redone after a restart replace the
-    dead life's records from `resumed_step` on. Returns (records, number of lives)."""
-    records: list[dict] = []
-    lives = 0
-    for line in Path(audit_path).read_text().splitlines():
-        rec = json.loads(line)
-        if "resumed_step" in rec:
-            lives += 1
-            records = [r for r in records if r["step"] <= rec["resumed_step"]]
-        else:
-            records.append(rec)
-    return records, lives

@@ -17,14 +17,16 @@ import abc
 import contextlib
 import math
 import signal as _signal
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
 from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.process import Supervised
 from hpcrl.sandbox.result import ExecResult, SandboxError
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
-__all__ = ["Backend", "Session", "Exit", "CompileFailed", "classify", "rlimit_args"]
+__all__ = ["Backend", "Session", "SupervisedSession", "Exit", "CompileFailed", "classify", "rlimit_args"]
 
 
 class Session(abc.ABC):
@@ -54,6 +56,46 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def alive(self) -> bool:
         """Whether the program is still running (non-blocking)."""
+
+
+class SupervisedSession(Session):
+    """A Session over one `Supervised` child: the I/O every backend's session shares. Subclasses
+    add `finish()`, which turns the child's RawOutcome into an ExecResult their own way."""
+
+    def __init__(self, proc: Supervised, limits: Limits):
+        self._proc = proc
+        self._limits = limits
+        self._result: ExecResult | None = None
+        self._consumed = 0
+
+    def send(self, data: bytes) -> None:
+        self._proc.send(data)
+
+    def close_stdin(self) -> None:
+        self._proc.close_stdin()
+
+    def read_line(self, timeout_s: float) -> bytes | None:
+        out = self._proc.out
+
+        def have_line() -> bool:
+            return out.find(b"\n", self._consumed) >= 0
+
+        if not self._proc.pump(have_line, deadline=time.monotonic() + timeout_s):
+            return None
+        end = out.index(b"\n", self._consumed) + 1
+        line = bytes(out[self._consumed:end])
+        self._consumed = end
+        return line
+
+    def kill(self) -> None:
+        if self._result is None:
+            self._proc.kill()
+
+    def restart_clock(self, wall_s: float | None = None) -> None:
+        self._proc.deadline = time.monotonic() + (self._limits.wall_s if wall_s is None else wall_s)
+
+    def alive(self) -> bool:
+        return self._result is None and self._proc.poll_alive()
 
 
 @dataclass(frozen=True)

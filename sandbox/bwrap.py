@@ -43,7 +43,7 @@ import shutil
 import threading
 import time
 
-from hpcrl.sandbox.backend import Backend, Exit, Session, classify, rlimit_args
+from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
 from hpcrl.sandbox.process import Supervised
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
@@ -129,44 +129,12 @@ def _privdrop_args(uid: int) -> list[str]:
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
 
 
-class BwrapSession(Session):
+class BwrapSession(SupervisedSession):
     def __init__(self, proc: Supervised, cg: RunCgroups | None, limits: Limits, status_r: int, uid: int):
-        self._proc = proc
+        super().__init__(proc, limits)
         self._uid = uid
         self._cg = cg
-        self._limits = limits
         self._status_r = status_r
-        self._result: ExecResult | None = None
-        self._consumed = 0
-
-    def send(self, data: bytes) -> None:
-        self._proc.send(data)
-
-    def close_stdin(self) -> None:
-        self._proc.close_stdin()
-
-    def read_line(self, timeout_s: float) -> bytes | None:
-        out = self._proc.out
-
-        def have_line() -> bool:
-            return out.find(b"\n", self._consumed) >= 0
-
-        if not self._proc.pump(have_line, deadline=time.monotonic() + timeout_s):
-            return None
-        end = out.index(b"\n", self._consumed) + 1
-        line = bytes(out[self._consumed:end])
-        self._consumed = end
-        return line
-
-    def kill(self) -> None:
-        if self._result is None:
-            self._proc.kill()
-
-    def restart_clock(self, wall_s: float | None = None) -> None:
-        self._proc.deadline = time.monotonic() + (self._limits.wall_s if wall_s is None else wall_s)
-
-    def alive(self) -> bool:
-        return self._result is None and self._proc.poll_alive()
 
     def finish(self) -> ExecResult:
         if self._result is not None:

@@ -38,16 +38,16 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict
 from queue import SimpleQueue
 from typing import Any, Callable
 
-import zmq
-
-from hpcrl.core.transport import BadMessage, Node, decode, encode
+from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
+from hpcrl.core.transport import Node
+from hpcrl.sandbox import judge
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.result import SandboxError
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+from hpcrl.sandbox.warm import WarmHarness
 
 log = logging.getLogger("hpcrl.sandbox.server")
 
@@ -62,8 +62,6 @@ def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = l
          ceiling: Limits | None = None) -> Callable:
     """Parse a request into a job `fn(backend) -> (reply kind, reply body)`; ValueError if malformed
     or if it asks for more than `ceiling` (the limits it would run under, defaults included)."""
-    from hpcrl.sandbox import judge
-
     def within(limits: Limits, where: str) -> None:
         if ceiling is not None:
             limits.check_within(ceiling, where)  # the client's error names the request kind
@@ -100,29 +98,29 @@ def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = l
 
 
 class SandboxServer:
-    """Requests in on a ROUTER, jobs out to the pool, replies back when a slot finishes."""
+    """Requests in through a RequestServer, jobs out to the pool, replies back when a slot finishes."""
 
     def __init__(self, node: Node, service: str, pool: SlotPool, *, replay_cache: int = 4096,
-                 ceiling: Limits | None = None):
+                 replay_cache_bytes: int = 64 << 20, ceiling: Limits | None = None):
         self.node = node
         self.ceiling = ceiling  # requests over it are refused (bad_request), whoever sends them
         self.service = service
         self.pool = pool
-        self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
-        self._replies: OrderedDict[str, list] = OrderedDict()
-        self._replay_cache = replay_cache
-        self._inflight: dict[str, bytes] = {}  # request id -> routing id of the socket that asked last
-        self._done: SimpleQueue = SimpleQueue()
+        self._done: SimpleQueue = SimpleQueue()  # (request id, Reply) from the slot threads
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        self.served = self.replayed = self.refused = self.dropped = 0
+        self.server = RequestServer(node, service, self._handle, replay_cache=replay_cache,
+                                    replay_cache_bytes=replay_cache_bytes, also=[self._wake_r])
+        self.endpoint = self.server.endpoint
+        self.refused = 0
         self._close_lock = threading.Lock()
         self._closed = False
         self._warm: dict[int, Any] = {}
+
+    served = property(lambda self: self.server.served)
+    replayed = property(lambda self: self.server.replayed)
+    dropped = property(lambda self: self.server.dropped)
 
     def _warm_for(self, backend, limits: Limits | None):
         """The slot's WarmHarness for default-limit function judging (created in, and used by, its thread)."""
@@ -130,8 +128,6 @@ class SandboxServer:
             return None
         warm = self._warm.get(id(backend))
         if warm is None:
-            from hpcrl.sandbox.warm import WarmHarness
-
             warm = self._warm[id(backend)] = WarmHarness(backend, spares=2)
         return warm
 
@@ -142,62 +138,32 @@ class SandboxServer:
                 "ceiling": self.ceiling.to_wire() if self.ceiling is not None else None}
 
     def poll_once(self, timeout_s: float = 0.1) -> None:
-        events = dict(self._poller.poll(int(timeout_s * 1000)))
-        if self.sock in events:
-            while True:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._on_request(frames)
-        if self._wake_r in events:
+        _, ready = self.server.router.poll_once(timeout_s)
+        if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 4096):
                     pass
             except BlockingIOError:
                 pass
         while not self._done.empty():
-            self._on_done(*self._done.get())
-        self.node.log_events()
+            self.server.reply(*self._done.get())
 
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         while not stop.is_set():
             self.poll_once(poll_s)
 
-    def _send(self, peer: bytes, frames: list) -> None:
-        self.sock.send_multipart([peer, *frames], copy=False)
-
-    def _on_request(self, frames: list) -> None:
-        peer = frames[0].bytes
-        try:
-            env = decode(frames[1:], self.node.limits)
-            if not env.msg_id:
-                raise BadMessage("request without an id")
-        except BadMessage as exc:
-            self.dropped += 1
-            log.warning("%s: dropped a request: %s", self.service, exc)
-            return
-        rid = env.msg_id
-        if rid in self._replies:
-            self.replayed += 1
-            self._send(peer, self._replies[rid])
-            return
-        if rid in self._inflight:
-            self._inflight[rid] = peer  # a retry on a fresh socket: answer there
-            return
+    def _handle(self, env) -> Any:
         if env.kind == "info":
-            self._send(peer, encode("info", self.info(), msg_id=rid))
-            return
+            return Reply("info", self.info(), remember=False)
         try:
             fn = _job(env.kind, env.body, self._warm_for, self.ceiling)
         except ValueError as exc:
-            self._finish(rid, peer, encode("bad_request", {"message": str(exc)}, msg_id=rid))
-            return
-        self._inflight[rid] = peer
-        if not self.pool.try_submit(fn, lambda res, exc, rid=rid: self._complete(rid, res, exc)):
-            del self._inflight[rid]
+            return Reply("bad_request", {"message": str(exc)})
+        rid = env.msg_id
+        if not self.pool.try_submit(fn, lambda res, exc: self._complete(rid, res, exc)):
             self.refused += 1
-            self._send(peer, encode("busy", {"slots": self.pool.slots, "queue": self.pool.queue_max}, msg_id=rid))
+            return Reply("busy", {"slots": self.pool.slots, "queue": self.pool.queue_max}, remember=False)
+        return DEFERRED
 
     def _complete(self, rid: str, res: Any, exc: BaseException | None) -> None:
         """In a slot's thread: hand the reply to the serving thread (zmq sockets are single-threaded)."""
@@ -211,7 +177,7 @@ class SandboxServer:
         else:
             log.error("%s: request %s failed", self.service, rid, exc_info=exc)
             kind, body = "sandbox_failed", {"message": f"{type(exc).__name__}: {exc}"}
-        self._done.put((rid, encode(kind, body, msg_id=rid)))
+        self._done.put((rid, Reply(kind, body)))
         with self._close_lock:  # never write to a closed (or reused) descriptor
             if self._closed:
                 return
@@ -219,18 +185,6 @@ class SandboxServer:
                 os.write(self._wake_w, b"x")
             except BlockingIOError:
                 pass  # the pipe is full of wake-ups already
-
-    def _on_done(self, rid: str, frames: list) -> None:
-        peer = self._inflight.pop(rid, None)
-        self._finish(rid, peer, frames)
-
-    def _finish(self, rid: str, peer: bytes | None, frames: list) -> None:
-        self._replies[rid] = frames
-        if len(self._replies) > self._replay_cache:
-            self._replies.popitem(last=False)
-        self.served += 1
-        if peer is not None:
-            self._send(peer, frames)
 
     def close(self) -> None:
         """Close the socket and kill the spare harness sandboxes; call after the pool has stopped."""
@@ -243,7 +197,7 @@ class SandboxServer:
             self._closed = True
             os.close(self._wake_r)
             os.close(self._wake_w)
-        self.sock.close(0)
+        self.server.close()
 
 
 def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threading.Event | None = None) -> int:

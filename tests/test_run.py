@@ -17,7 +17,8 @@ import pytest
 
 from hpcrl.jobs.supervise import pids
 from hpcrl.rl.coordinator import read_status
-from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME, lineage
+from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
+from audit import lineage
 
 ROOT = Path(__file__).resolve().parents[1]
 

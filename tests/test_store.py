@@ -24,8 +24,10 @@ from hpcrl.rl.store.layout import (
     StoreError,
     list_shards,
     new_shard_dir,
+    publish_segment,
     read_segment,
     segment_meta,
+    write_segment_file,
 )
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
@@ -130,6 +132,12 @@ def test_finalized_shard_matches_manifest_and_layout_is_flat_and_chunked(tmp_pat
             assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["crc32"] == info.crc32
 
 
+def write_and_publish(path, cols, attrs):
+    tmp = path.with_name(path.name + ".tmp")
+    write_segment_file(tmp, path.name, cols, attrs)
+    publish_segment(tmp, path)
+
+
 def test_segments_of_several_chunks_and_empty_datasets_round_trip(tmp_path, monkeypatch):
     """Chunks written directly: a padded last chunk and zero-length datasets read back exact."""
     import hpcrl.rl.store.layout as shards_mod
@@ -138,13 +146,13 @@ def test_segments_of_several_chunks_and_empty_datasets_round_trip(tmp_path, monk
     trajs = make(20)
     path = tmp_path / "seg-000001-0000000000000000.h5"
     cols = Columns.encode(trajs)
-    shards_mod.write_segment(path, cols, {"seq": 1})
+    write_and_publish(path, cols, {"seq": 1})
     back = read_segment(path)
     assert [back.trajectory(i) for i in range(back.rows)] == trajs
     with h5py.File(path, "r") as f:
         assert f["tokens"].id.get_num_chunks() > 2 and len(f["tokens"]) % f["tokens"].chunks[0] != 0
     empty = Columns.encode([], EncodeBuffers())
-    shards_mod.write_segment(tmp_path / "seg-000002-0000000000000000.h5", empty, {"seq": 2})
+    write_and_publish(tmp_path / "seg-000002-0000000000000000.h5", empty, {"seq": 2})
     assert read_segment(tmp_path / "seg-000002-0000000000000000.h5").rows == 0
 
 

@@ -202,7 +202,8 @@ def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_pat
 # ---- on the dev cluster ----
 
 def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tmp_path):
-    from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME, lineage
+    from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
+    from audit import lineage
     from hpcrl.rl.store.reader import StoreReader, iter_segments
     from hpcrl.slurm.command import run_slurm
 
@@ -281,7 +282,8 @@ def test_cancel_stops_every_job_and_finalizes_the_store(slurm_cluster, tmp_path)
 
 
 def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(slurm_cluster, tmp_path):
-    from hpcrl.rl.learner_service import AUDIT_NAME, lineage
+    from hpcrl.rl.learner_service import AUDIT_NAME
+    from audit import lineage
     from hpcrl.slurm.command import run_slurm
 
     # A 2-minute learner signalled 90 s ahead. slurmctld looks at time limits only every 30-60 s, at a

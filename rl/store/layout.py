@@ -185,7 +185,7 @@ def _write_dataset(fid: h5f.FileID, name: str, arr: np.ndarray, compression: Com
 def write_segment_file(tmp: Path, final_name: str, cols: Columns, attrs: dict[str, Any],
                        compression: Compression = "none") -> SegmentInfo:
     """Write `cols` to the temporary file `tmp` and close it; `publish_segment` (or the writer's
-    sync thread) makes it visible.
+    pipelined sync thread) makes it visible under `final_name`.
 
     Written with the low-level h5py API (the high-level one spends ~0.1 ms of Python per
     dataset and attribute), without a chunk cache and with direct chunk writes: a flush is a
@@ -228,14 +228,6 @@ def publish_segment(tmp: Path, path: Path) -> None:
     fsync_path(tmp)
     os.rename(tmp, path)
     fsync_path(path.parent, directory=True)
-
-
-def write_segment(path: Path, cols: Columns, attrs: dict[str, Any], compression: Compression = "none") -> SegmentInfo:
-    """Write and publish a segment synchronously (see ShardWriter for the pipelined form)."""
-    tmp = path.with_name(path.name + ".tmp")
-    info = write_segment_file(tmp, path.name, cols, attrs, compression)
-    publish_segment(tmp, path)
-    return info
 
 
 def segment_meta(f: h5py.File) -> dict:

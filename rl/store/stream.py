@@ -40,6 +40,7 @@ from typing import Callable, Protocol
 
 import zmq
 
+from hpcrl.core.rpc import Router
 from hpcrl.core.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
 from hpcrl.rl.store.columns import Columns, ColumnsError, wire_bytes
 from hpcrl.rl.trajectory import Trajectory
@@ -244,25 +245,16 @@ class TrajectoryReceiver:
     def __init__(self, node: Node, service: str, sink: TrajectorySink):
         self.node = node
         self.sink = sink
-        self.sock, self.endpoint = node.bind(zmq.ROUTER, service)
+        self.router = Router(node, service, self._receive)
+        self.sock, self.endpoint = self.router.sock, self.router.endpoint
         self._waiting: dict[str, bytes] = {}  # buffered id -> routing id to acknowledge
         self.received = self.duplicates = self.dropped = 0
 
     def poll_once(self, timeout_s: float = 0.1) -> int:
-        """Receive what arrives within `timeout_s` (shorter if a flush falls due); returns #received."""
+        """Receive what arrives within `timeout_s` (shorter if a flush falls due); returns #messages."""
         due = self.sink.seconds_to_flush()
-        wait = timeout_s if due is None else min(timeout_s, due)
-        n = 0
-        if self.sock.poll(int(wait * 1000)):
-            while True:
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._receive(frames)
-                n += 1
+        n, _ = self.router.poll_once(timeout_s if due is None else min(timeout_s, due))
         self._acknowledge(self._store(self.sink.poll))
-        self.node.log_events()
         return n
 
     def _store(self, fn, *args):
@@ -272,10 +264,9 @@ class TrajectoryReceiver:
             log.error("%s: storing failed, nothing acknowledged, will retry: %s", self.endpoint.service, exc)
             return None
 
-    def _receive(self, frames: list) -> None:
-        peer = frames[0].bytes
+    def _receive(self, peer: bytes, frames: list) -> None:
         try:
-            env = decode(frames[1:], self.node.limits)
+            env = decode(frames, self.node.limits)
             if env.kind != "trajs":
                 raise BadMessage(f"unexpected kind {env.kind!r}")
         except BadMessage as exc:
@@ -325,7 +316,7 @@ class TrajectoryReceiver:
 
     def _send(self, peer: bytes, kind: str, body: dict) -> None:
         try:
-            send_frames(self.sock, [peer, *encode(kind, body)], zmq.NOBLOCK)
+            self.router.send(peer, encode(kind, body), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: it will resend and be acked then
             log.info("%s: could not send %s to %r: %s", self.endpoint.service, kind, peer[:32], exc)
 

@@ -49,7 +49,7 @@ def task_set(seed: int = 7):
     from hpcrl.slurm.backfill.packer import RolloutTask
 
     rng = random.Random(seed)
-    draw = lambda d: min(DOMAINS[d] * math.exp(0.7 * rng.gauss(0, 1)), 25.0)  # noqa: E731
+    draw = lambda d: min(DOMAINS[d] * math.exp(0.7 * rng.gauss(0, 1)), 25.0)
     history = DurationEstimator(history=256, min_samples=8)
     for d in DOMAINS:
         for _ in range(200):
@@ -64,8 +64,8 @@ def task_set(seed: int = 7):
 # ------------------------------------------------------------------------------ in the learner's job
 def learner_main(args: argparse.Namespace) -> int:
     """Alternate training and idle phases; in backfill mode lend each idle phase to rollout tasks."""
-    from hpcrl.slurm.backfill.worker import run_window, synthetic
     from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
+    from hpcrl.slurm.backfill.worker import run_window, synthetic
 
     queue = DirTaskQueue(args.queue)
     job = os.environ.get("SLURM_JOB_ID", "local")
@@ -85,7 +85,9 @@ def learner_main(args: argparse.Namespace) -> int:
             timer = threading.Timer(until - t1, reclaim.set)
             timer.start()
             owners = [f"learner-{job}-g{g}" for g in gpus]
-            threads = [threading.Thread(target=run_window, args=(queue, o, until, synthetic, reclaim, 0.2)) for o in owners]
+            threads = [
+                threading.Thread(target=run_window, args=(queue, o, until, synthetic, reclaim, 0.2)) for o in owners
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -105,8 +107,12 @@ def learner_main(args: argparse.Namespace) -> int:
 def submit(tmp: Path, name: str, body: str, *, nodes: int, gpus: int, time_min: int) -> str:
     from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
 
-    text = render_script([Resources(partition="gpu", time_min=time_min, nodes=nodes, gpus_per_node=gpus, mem_mb=512)],
-                         [body], job_name=name, output=str(tmp / f"{name}-%j.out"))
+    text = render_script(
+        [Resources(partition="gpu", time_min=time_min, nodes=nodes, gpus_per_node=gpus, mem_mb=512)],
+        [body],
+        job_name=name,
+        output=str(tmp / f"{name}-%j.out"),
+    )
     return submit_script(write_script(text, tmp / f"{name}.sh"))
 
 
@@ -138,7 +144,9 @@ def run_mode(mode: str, workdir: Path) -> dict:
     queue = DirTaskQueue(tmp / "queue")
     for task, payload in task_set():
         queue.put(task, payload)
-    jobs = RolloutJobs(queue, partition="gpu", log_dir=tmp / "logs", worker_margin_s=1.0, job_name=f"hpcrl-rollout-{mode}")
+    jobs = RolloutJobs(
+        queue, partition="gpu", log_dir=tmp / "logs", worker_margin_s=1.0, job_name=f"hpcrl-rollout-{mode}"
+    )
     # The dev cluster runs backfill every second (bf_interval=1, sched_interval=2): a 5 s margin
     # covers the wait for the next pass. Real clusters default to bf_interval=30 (config: 30 s).
     planner = BackfillPlanner(SchedulerConfig(job_overhead_s=5.0, slurm_margin_s=5.0), unbounded_time_min=10)
@@ -150,12 +158,19 @@ def run_mode(mode: str, workdir: Path) -> dict:
             print(f"  waiting for {len(busy_before)} other job(s) on the gpu partition to finish ...", flush=True)
             wait_until(lambda: not others_on_gpu(set()), 240, "the gpu partition to be free of other jobs", 2.0)
         phases_file = tmp / "learner.json"
-        learner = submit(tmp, f"hpcrl-learner-{mode}",
-                         f"exec {sys.executable} {Path(__file__).resolve()} learner --mode {mode} --queue {queue.root} "
-                         f"--duration {LEARNER_S} --train-s {TRAIN_S} --idle-s {IDLE_S} --out {phases_file}",
-                         nodes=1, gpus=4, time_min=2)
+        learner = submit(
+            tmp,
+            f"hpcrl-learner-{mode}",
+            f"exec {sys.executable} {Path(__file__).resolve()} learner --mode {mode} --queue {queue.root} "
+            f"--duration {LEARNER_S} --train-s {TRAIN_S} --idle-s {IDLE_S} --out {phases_file}",
+            nodes=1,
+            gpus=4,
+            time_min=2,
+        )
         own.append(learner)
-        wait_until(lambda: any(r["state"] == "RUNNING" for r in queries.queue(job_ids=[learner])), 60, "the learner to run")
+        wait_until(
+            lambda: any(r["state"] == "RUNNING" for r in queries.queue(job_ids=[learner])), 60, "the learner to run"
+        )
         big = submit(tmp, "other-lab-pretrain", f"sleep {OTHER_BIG_S}", nodes=2, gpus=4, time_min=1)
         small = submit(tmp, "other-lab-eval", f"sleep {OTHER_SMALL_S}", nodes=1, gpus=1, time_min=1)
         own += [big, small]
@@ -172,15 +187,19 @@ def run_mode(mode: str, workdir: Path) -> dict:
                 rows = {r["job_id"]: r for r in queries.queue(job_ids=tuple(jobs.active))} if jobs.active else {}
                 if not any(r["state"] == "PENDING" for r in rows.values()):
                     # Capacity our running rollout jobs still have, against the work still pending.
-                    left = sum(max((queries_time_left(r) or 0) - 5.0, 0.0) for r in rows.values() if r["state"] == "RUNNING")
+                    left = sum(
+                        max((queries_time_left(r) or 0) - 5.0, 0.0) for r in rows.values() if r["state"] == "RUNNING"
+                    )
                     work = sum(planner.estimate(t) for t in queue.pending_tasks())
                     if work > left:
                         window = live_window("gpu", exclude=(learner, *jobs.active))  # other users' jobs count
                         plan = planner.plan(window, queue.pending_tasks())
                         if plan is not None:
                             own += [j.job_id for j in jobs.submit(plan)]
-                            log(f"window {window.length_s:.0f} s on {window.gpus_idle} idle GPU(s): {plan.jobs} job(s) "
-                                f"--time={plan.time_limit_min} --time-min={plan.time_min_min}")
+                            log(
+                                f"window {window.length_s:.0f} s on {window.gpus_idle} idle GPU(s): {plan.jobs} job(s) "
+                                f"--time={plan.time_limit_min} --time-min={plan.time_min_min}"
+                            )
             time.sleep(1.0)
         intruders = [r for r in others_on_gpu(set(own))]
     finally:
@@ -223,11 +242,18 @@ def measure(mode, queue, own, learner, big, small, phases_file, reissued, intrud
     makespan = t_end - t0
     busy = task_s + train_s + others_s
     return {
-        "mode": mode, "makespan_s": makespan, "capacity_gpu_s": GPUS_TOTAL * makespan, "busy_gpu_s": busy,
-        "idle_gpu_s": GPUS_TOTAL * makespan - busy, "rollout_task_gpu_s": task_s, "tasks_done": len(results),
+        "mode": mode,
+        "makespan_s": makespan,
+        "capacity_gpu_s": GPUS_TOTAL * makespan,
+        "busy_gpu_s": busy,
+        "idle_gpu_s": GPUS_TOTAL * makespan - busy,
+        "rollout_task_gpu_s": task_s,
+        "tasks_done": len(results),
         "tasks_in_learner_gaps": sum(1 for r in results.values() if r["owner"].startswith("learner-")),
-        "reissued": reissued + learner_log["reissued"], "other_job_start_after_learner_end_s": (recs[big].start - recs[learner].end).total_seconds(),
-        "other_job_start_s": recs[big].start.timestamp() - t0, "intruding_jobs": len(intruders),
+        "reissued": reissued + learner_log["reissued"],
+        "other_job_start_after_learner_end_s": (recs[big].start - recs[learner].end).total_seconds(),
+        "other_job_start_s": recs[big].start.timestamp() - t0,
+        "intruding_jobs": len(intruders),
     }
 
 
@@ -242,7 +268,9 @@ def main() -> int:
     lp.add_argument("--idle-s", type=float, required=True)
     lp.add_argument("--out", required=True)
     ap.add_argument("--json", action="store_true", help="print the measurements as JSON too")
-    ap.add_argument("--keep", metavar="DIR", help="keep queues, logs and scripts under DIR (default: a temporary folder)")
+    ap.add_argument(
+        "--keep", metavar="DIR", help="keep queues, logs and scripts under DIR (default: a temporary folder)"
+    )
     args = ap.parse_args()
     if args.cmd == "learner":
         return learner_main(args)
@@ -251,8 +279,8 @@ def main() -> int:
         for line in env.splitlines():
             key, _, value = line.removeprefix("export ").partition("=")
             os.environ[key] = value.strip("'")
-    from hpcrl.slurm.command import SlurmCommandError
     from hpcrl.slurm import queries
+    from hpcrl.slurm.command import SlurmCommandError
 
     try:
         queries.partitions()
@@ -271,19 +299,28 @@ def main() -> int:
         print(json.dumps(out, indent=2))
         return 0
     naive, bf = out
-    print(f"\nnaive vs backfill-aware rollout submission, dev cluster ({GPUS_TOTAL} fake GPUs), "
-          f"{N_TASKS} heavy-tailed rollout tasks, wall {time.monotonic() - t_start:.0f} s")
+    print(
+        f"\nnaive vs backfill-aware rollout submission, dev cluster ({GPUS_TOTAL} fake GPUs), "
+        f"{N_TASKS} heavy-tailed rollout tasks, wall {time.monotonic() - t_start:.0f} s"
+    )
     print(f"{'':28}{'naive':>10}{'backfill':>10}{'ratio':>8}")
     for key, label in (("makespan_s", "makespan, s"), ("idle_gpu_s", "idle GPU-seconds")):
         print(f"{label:28}{naive[key]:>10.0f}{bf[key]:>10.0f}{naive[key] / bf[key]:>7.2f}x")
-    for key, label in (("busy_gpu_s", "busy GPU-seconds"), ("rollout_task_gpu_s", "rollout task GPU-seconds"),
-                       ("tasks_done", "tasks done"), ("tasks_in_learner_gaps", "  of them in learner gaps"),
-                       ("reissued", "cut off by a reclaim, re-run"), ("other_job_start_s", "other user's job start, s"),
-                       ("other_job_start_after_learner_end_s", "  after our learner ended, s")):
+    for key, label in (
+        ("busy_gpu_s", "busy GPU-seconds"),
+        ("rollout_task_gpu_s", "rollout task GPU-seconds"),
+        ("tasks_done", "tasks done"),
+        ("tasks_in_learner_gaps", "  of them in learner gaps"),
+        ("reissued", "cut off by a reclaim, re-run"),
+        ("other_job_start_s", "other user's job start, s"),
+        ("other_job_start_after_learner_end_s", "  after our learner ended, s"),
+    ):
         print(f"{label:28}{naive[key]:>10.0f}{bf[key]:>10.0f}")
     for r in out:
         if r["intruding_jobs"]:
-            print(f"note: {r['intruding_jobs']} job(s) of other users shared the gpu partition during the {r['mode']} run")
+            print(
+                f"note: {r['intruding_jobs']} job(s) of other users shared the gpu partition during the {r['mode']} run"
+            )
     if args.json:
         print(json.dumps(out, indent=2))
     return 0

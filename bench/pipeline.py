@@ -1,7 +1,8 @@
 """Trajectories/s of the full local pipeline against the generator alone in a tight loop
 (orchestration overhead), and each role's busy fraction.
 
-    .venv/bin/python bench/pipeline.py [--seconds 30] [--warmup 10] [--unthrottled] [--pin] [--json out.json] [KEY=VALUE ...]
+    .venv/bin/python bench/pipeline.py [--seconds 30] [--warmup 10] [--unthrottled] [--pin]
+        [--json out.json] [KEY=VALUE ...]
 
 Both measurements use the same config.yaml (domains, policy, episodes in flight; overrides
 apply to both):
@@ -65,9 +66,15 @@ def baseline(cfg, seconds: float) -> dict:
     n, cpu, wall = count[0] - n0, time.process_time() - c0, time.perf_counter() - t0
     gen.close()
     s = gen.stats
-    return {"traj_per_s": n / wall, "cpu_s_per_traj": cpu / n, "trajectories": n, "busy": s.busy_fraction,
-            "batch": s.batch_rows / max(s.batches, 1), "orchestration": (s.source_s + s.weights_s) / s.wall_s,
-            "sample_ms_per_traj": 1e3 * s.busy_s / max(s.trajectories, 1)}
+    return {
+        "traj_per_s": n / wall,
+        "cpu_s_per_traj": cpu / n,
+        "trajectories": n,
+        "busy": s.busy_fraction,
+        "batch": s.batch_rows / max(s.batches, 1),
+        "orchestration": (s.source_s + s.weights_s) / s.wall_s,
+        "sample_ms_per_traj": 1e3 * s.busy_s / max(s.trajectories, 1),
+    }
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -103,7 +110,7 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
         jobs.start()
         deadline = time.monotonic() + 180
         while not ((read_status(run_dir) or {}).get("learner") or {}).get("step"):
-            jobs._check()  # noqa: SLF001 - restart what dies while we wait
+            jobs._check()  # restart what dies while we wait
             if time.monotonic() > deadline:
                 raise SystemExit(f"bench/pipeline.py: no learner step within 180 s; see {run_dir}/submitit")
             if pinned:
@@ -123,7 +130,7 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
         busy = []
         while time.perf_counter() - t0 < seconds:
             time.sleep(1.0)
-            jobs._check()  # noqa: SLF001
+            jobs._check()
             busy.append((read_status(run_dir) or {}).get("busy", {}))
         t1, st1, cpu1 = sample()
         done = st1["counts"]["completed"] - st0["counts"]["completed"]
@@ -132,12 +139,18 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
         g0, g1 = st0["generators"]["gen-0"]["stats"], st1["generators"]["gen-0"]["stats"]
         d = {k: g1[k] - g0[k] for k in ("busy_s", "wall_s", "source_s", "weights_s", "batches", "batch_rows")}
         roles = {k: sum(b.get(k, 0.0) for b in busy) / max(len(busy), 1) for k in ("generator", "learner", "sandbox")}
-        return {"traj_per_s": done / (t1 - t0), "cpu_s_per_traj": (cpu1 - cpu0) / max(made, 1), "trajectories": done,
-                "learner_steps_per_s": steps / (t1 - t0), "busy": roles, "reward_end": st1["learner"]["reward"],
-                "batch": d["batch_rows"] / max(d["batches"], 1),
-                "orchestration": (d["source_s"] + d["weights_s"]) / max(d["wall_s"], 1e-9),
-                "sample_ms_per_traj": 1e3 * d["busy_s"] / max(made, 1),
-                "run_dir": str(run_dir)}
+        return {
+            "traj_per_s": done / (t1 - t0),
+            "cpu_s_per_traj": (cpu1 - cpu0) / max(made, 1),
+            "trajectories": done,
+            "learner_steps_per_s": steps / (t1 - t0),
+            "busy": roles,
+            "reward_end": st1["learner"]["reward"],
+            "batch": d["batch_rows"] / max(d["batches"], 1),
+            "orchestration": (d["source_s"] + d["weights_s"]) / max(d["wall_s"], 1e-9),
+            "sample_ms_per_traj": 1e3 * d["busy_s"] / max(made, 1),
+            "run_dir": str(run_dir),
+        }
     finally:
         jobs.shutdown(grace_s=30)
 
@@ -147,22 +160,37 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     ap.add_argument("--config", default=str(ROOT / "config.yaml"))
     ap.add_argument("--seconds", type=float, default=30.0, help="measurement window of each side")
-    ap.add_argument("--warmup", type=float, default=10.0, help="pipeline seconds after the first learner step, unmeasured")
-    ap.add_argument("--unthrottled", action="store_true",
-                    help="no flow control (generators run ahead of the learner at full speed): the generator's capacity "
-                         "inside the pipeline, sharing the CPUs with learner, store and coordinator")
-    ap.add_argument("--pin", action="store_true",
-                    help="give the generator a core of its own (CPU 0) in both measurements and everything else the "
-                         "other cores: the throughput ratio is then the orchestration overhead alone, not the "
-                         "learner's share of the CPUs")
+    ap.add_argument(
+        "--warmup", type=float, default=10.0, help="pipeline seconds after the first learner step, unmeasured"
+    )
+    ap.add_argument(
+        "--unthrottled",
+        action="store_true",
+        help="no flow control (generators run ahead of the learner at full speed): the generator's capacity "
+        "inside the pipeline, sharing the CPUs with learner, store and coordinator",
+    )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the generator a core of its own (CPU 0) in both measurements and everything else the "
+        "other cores: the throughput ratio is then the orchestration overhead alone, not the "
+        "learner's share of the CPUs",
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     from hpcrl.core.config import load_config
 
     root = tempfile.mkdtemp(prefix="hpcrl-bench-")
-    cfg = load_config(args.config, [f"experiment.run_root={root}", "experiment.name=bench", "learner.max_steps=100000",
-                                    *(["coordinator.max_groups_ahead=1000000", "learner.max_staleness=1000000"]
-                                      if args.unthrottled else []), *args.overrides])
+    cfg = load_config(
+        args.config,
+        [
+            f"experiment.run_root={root}",
+            "experiment.name=bench",
+            "learner.max_steps=100000",
+            *(["coordinator.max_groups_ahead=1000000", "learner.max_staleness=1000000"] if args.unthrottled else []),
+            *args.overrides,
+        ],
+    )
     print(f"baseline: generator alone, {args.seconds:.0f} s ...", flush=True)
     every = os.sched_getaffinity(0)
     pinned = ({min(every)}, every - {min(every)}) if args.pin and len(every) > 1 else None
@@ -176,18 +204,33 @@ def main() -> int:
     overhead = pipe["cpu_s_per_traj"] / base["cpu_s_per_traj"] - 1
     print()
     print(f"{'':28}{'baseline':>12}{'pipeline':>12}{'ratio':>9}")
-    print(f"{'trajectories/s':28}{base['traj_per_s']:12.0f}{pipe['traj_per_s']:12.0f}{pipe['traj_per_s'] / base['traj_per_s']:9.2f}")
-    print(f"{'generator CPU ms/trajectory':28}{1e3 * base['cpu_s_per_traj']:12.3f}{1e3 * pipe['cpu_s_per_traj']:12.3f}"
-          f"{pipe['cpu_s_per_traj'] / base['cpu_s_per_traj']:9.2f}")
-    print(f"{'sampling ms/trajectory':28}{base['sample_ms_per_traj']:12.3f}{pipe['sample_ms_per_traj']:12.3f}"
-          f"{pipe['sample_ms_per_traj'] / base['sample_ms_per_traj']:9.2f}")
+    print(
+        f"{'trajectories/s':28}{base['traj_per_s']:12.0f}{pipe['traj_per_s']:12.0f}"
+        f"{pipe['traj_per_s'] / base['traj_per_s']:9.2f}"
+    )
+    print(
+        f"{'generator CPU ms/trajectory':28}{1e3 * base['cpu_s_per_traj']:12.3f}{1e3 * pipe['cpu_s_per_traj']:12.3f}"
+        f"{pipe['cpu_s_per_traj'] / base['cpu_s_per_traj']:9.2f}"
+    )
+    print(
+        f"{'sampling ms/trajectory':28}{base['sample_ms_per_traj']:12.3f}{pipe['sample_ms_per_traj']:12.3f}"
+        f"{pipe['sample_ms_per_traj'] / base['sample_ms_per_traj']:9.2f}"
+    )
     print(f"{'mean sampling batch':28}{base['batch']:12.0f}{pipe['batch']:12.0f}")
     print(f"{'generator time coordinating':28}{100 * base['orchestration']:11.1f}%{100 * pipe['orchestration']:11.1f}%")
-    print(f"orchestration overhead: {100 * pipe['orchestration']:.1f} % of the generator's time goes to coordination "
-          f"(task source, store, weights; target <= 10 %); CPU per trajectory {100 * overhead:+.1f} % vs baseline")
-    print("busy fraction per role (pipeline): " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in pipe["busy"].items())
-          + f"   baseline generator {100 * base['busy']:.0f}%")
-    print(f"learner {pipe['learner_steps_per_s']:.2f} steps/s; reward at the end {pipe['reward_end']:.3f}; cores {os.cpu_count()}")
+    print(
+        f"orchestration overhead: {100 * pipe['orchestration']:.1f} % of the generator's time goes to coordination "
+        f"(task source, store, weights; target <= 10 %); CPU per trajectory {100 * overhead:+.1f} % vs baseline"
+    )
+    print(
+        "busy fraction per role (pipeline): "
+        + "  ".join(f"{k} {100 * v:.0f}%" for k, v in pipe["busy"].items())
+        + f"   baseline generator {100 * base['busy']:.0f}%"
+    )
+    print(
+        f"learner {pipe['learner_steps_per_s']:.2f} steps/s; reward at the end {pipe['reward_end']:.3f}; "
+        f"cores {os.cpu_count()}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline": base, "pipeline": pipe, "overhead": overhead}, indent=1))
     return 0

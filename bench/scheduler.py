@@ -114,16 +114,25 @@ def latency(label: str, make, n_gpus: int, n_pending: int, n_ops: int, seed: int
     times = events(packer, n_ops, n_gpus, n_pending, seed, record)
     us = sorted(t / 1000 for t in times)
     return {
-        "label": label, "gpus": n_gpus, "pending": n_pending, "calls": len(us), "mean_us": statistics.fmean(us),
-        "p50_us": us[len(us) // 2], "p99_us": us[int(len(us) * 0.99)], "p999_us": us[int(len(us) * 0.999)],
+        "label": label,
+        "gpus": n_gpus,
+        "pending": n_pending,
+        "calls": len(us),
+        "mean_us": statistics.fmean(us),
+        "p50_us": us[len(us) // 2],
+        "p99_us": us[int(len(us) * 0.99)],
+        "p999_us": us[int(len(us) * 0.999)],
         "max_us": us[-1],
         "pending_after": packer.pending,
     }
 
 
 def fmt(r: dict) -> str:
-    return (f"  {r['label']:<26} {r['gpus']:>7} GPUs {r['pending']:>7} pending: {r['calls']:>6} calls, mean {r['mean_us']:8.1f} us, "
-            f"p50 {r['p50_us']:6.1f}, p99 {r['p99_us']:6.1f}, p99.9 {r['p999_us']:7.1f}, max {r['max_us']:8.1f} us")
+    return (
+        f"  {r['label']:<26} {r['gpus']:>7} GPUs {r['pending']:>7} pending: {r['calls']:>6} calls, "
+        f"mean {r['mean_us']:8.1f} us, p50 {r['p50_us']:6.1f}, p99 {r['p99_us']:6.1f}, "
+        f"p99.9 {r['p999_us']:7.1f}, max {r['max_us']:8.1f} us"
+    )
 
 
 def main() -> int:
@@ -131,9 +140,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
     args = ap.parse_args()
     from hpcrl.slurm.backfill.packer import GapPacker
-    from packer_ref import ReferencePacker
     from hpcrl.slurm.sim.run import format_table, simulate
     from hpcrl.slurm.sim.trace import World, load_trace
+
+    from packer_ref import ReferencePacker
 
     t_all = time.monotonic()
     big = 2_000 if args.quick else 10_000
@@ -145,8 +155,11 @@ def main() -> int:
     for r in rows:
         print(fmt(r))
     target = rows[0]
-    print(f"  target < 1 ms per decision at {target['pending']:,} pending x {target['gpus']:,} GPUs: mean {target['mean_us'] / 1000:.3f} ms, "
-          f"p99 {target['p99_us'] / 1000:.3f} ms -> {'met' if target['p99_us'] < 1000 else 'NOT met'}")
+    print(
+        f"  target < 1 ms per decision at {target['pending']:,} pending x {target['gpus']:,} GPUs: "
+        f"mean {target['mean_us'] / 1000:.3f} ms, p99 {target['p99_us'] / 1000:.3f} ms "
+        f"-> {'met' if target['p99_us'] < 1000 else 'NOT met'}"
+    )
 
     side = 1_000 if args.quick else 2_000
     side_ops = 3_000 if args.quick else 6_000
@@ -169,13 +182,17 @@ def main() -> int:
         world = World(trace)
         t0 = time.monotonic()
         results = [simulate(trace, p, world=world) for p in ("sync", "async", "backfill")]
-        print(f"\n  {trace.name}: {trace.cluster.learner_gpus}+{trace.cluster.generator_gpus} GPUs, {len(world.domains)} domains, "
-              f"{trace.training.steps} steps x {trace.training.batch_size}, staleness bound {trace.training.max_staleness} "
-              f"({time.monotonic() - t0:.1f} s to simulate)")
+        print(
+            f"\n  {trace.name}: {trace.cluster.learner_gpus}+{trace.cluster.generator_gpus} GPUs, "
+            f"{len(world.domains)} domains, {trace.training.steps} steps x {trace.training.batch_size}, "
+            f"staleness bound {trace.training.max_staleness} ({time.monotonic() - t0:.1f} s to simulate)"
+        )
         print("  " + format_table(results).replace("\n", "\n  "))
         b = results[-1]
-        print(f"  backfill: useful GPU work {b.useful_fraction:.1%} (the rest: dropped stale episodes, preempted "
-              f"tasks, work cut off at the end); {b.decisions} packer decisions")
+        print(
+            f"  backfill: useful GPU work {b.useful_fraction:.1%} (the rest: dropped stale episodes, preempted "
+            f"tasks, work cut off at the end); {b.decisions} packer decisions"
+        )
 
     print("\n3. backfill on heavy-tail-300 against its knobs (busy fraction / traj per GPU-h)")
     trace = load_trace(ROOT / "slurm" / "sim" / "traces" / "heavy-tail-300.yaml")
@@ -185,7 +202,9 @@ def main() -> int:
     for c in chunks:
         cells = []
         for q in quants:
-            t = dataclasses.replace(trace, scheduler=dataclasses.replace(trace.scheduler, min_chunk_s=c, reclaim_quantile=q))
+            t = dataclasses.replace(
+                trace, scheduler=dataclasses.replace(trace.scheduler, min_chunk_s=c, reclaim_quantile=q)
+            )
             r = simulate(t, "backfill", world=world)
             cells.append(f"{r.busy_fraction:.1%} / {r.throughput_per_gpu_hour:.1f}")
         print(f"  {c:>29g} " + "".join(f"{x:>16}" for x in cells))

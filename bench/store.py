@@ -32,15 +32,15 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.core.config import StoreConfig
+from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import publish_segment, write_segment_file
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import synth_trajectory
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
 
 
 def batches(trajs, n):
-    return [trajs[i:i + n] for i in range(0, len(trajs), n)]
+    return [trajs[i : i + n] for i in range(0, len(trajs), n)]
 
 
 def run_hdf5(trajs, flush_every, root: Path) -> float:
@@ -123,7 +123,9 @@ def main() -> int:
     p.add_argument("--count", type=int, default=1536)
     p.add_argument("--flush-every", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir; use the filesystem you care about)")
+    p.add_argument(
+        "--dir", default=None, help="where to write (default: a temp dir; use the filesystem you care about)"
+    )
     args = p.parse_args()
     rng = np.random.default_rng(0)
     trajs = [synth_trajectory(rng, "bench", "gen-0", i) for i in range(args.count)]
@@ -131,9 +133,11 @@ def main() -> int:
     payload = sum(c.nbytes for c in cols_list)
     tokens = sum(t.n_tokens for t in trajs)
     base = Path(tempfile.mkdtemp(prefix="hpcrl-bench-store-", dir=args.dir))
-    print(f"{args.count} trajectories, {tokens / args.count:.0f} tokens and {payload / args.count / 1e3:.1f} kB each, "
-          f"{sum(len(t.steps) for t in trajs) / args.count:.1f} steps; flush every {args.flush_every}; "
-          f"payload {payload / 1e6:.1f} MB; dir {base}")
+    print(
+        f"{args.count} trajectories, {tokens / args.count:.0f} tokens and {payload / args.count / 1e3:.1f} kB each, "
+        f"{sum(len(t.steps) for t in trajs) / args.count:.1f} steps; flush every {args.flush_every}; "
+        f"payload {payload / 1e6:.1f} MB; dir {base}"
+    )
     times: dict[str, list[float]] = {}
     variants = {
         "hdf5": lambda d: run_hdf5(trajs, args.flush_every, d),
@@ -169,8 +173,10 @@ def main() -> int:
     rd = statistics.median(read_times)
     print(f"{'reader (hdf5)':<20} {rd:>9.3f} {payload / rd / 1e6:>13.1f} {args.count / rd:>9.0f}")
     best = {k: min(v) for k, v in times.items()}
-    print(f"ratio hdf5/raw               {med['raw'] / med['hdf5']:.2f}   (target >= 0.70; best-of-{args.repeat}: "
-          f"{best['raw'] / best['hdf5']:.2f})")
+    print(
+        f"ratio hdf5/raw               {med['raw'] / med['hdf5']:.2f}   (target >= 0.70; best-of-{args.repeat}: "
+        f"{best['raw'] / best['hdf5']:.2f})"
+    )
     print(f"ratio hdf5/jsonl             {med['jsonl'] / med['hdf5']:.2f}   (target >= 5)")
     print(f"ratio storage-only hdf5/raw  {med['raw storage-only'] / med['hdf5 storage-only']:.2f}")
     print(f"ratio reader/hdf5 writer     {med['hdf5'] / rd:.2f}")

@@ -106,8 +106,13 @@ def acked_receiver(run_dir: str, flush_every: int, hdf5: bool, ready, stop) -> N
     from hpcrl.core.config import StoreConfig
     from hpcrl.rl.store.writer import ShardWriter
 
-    sink = (ShardWriter(Path(run_dir) / "trajectories", "store-0", StoreConfig(flush_every=flush_every, flush_interval_s=0.05))
-            if hdf5 else MemorySink(flush_every))
+    sink = (
+        ShardWriter(
+            Path(run_dir) / "trajectories", "store-0", StoreConfig(flush_every=flush_every, flush_interval_s=0.05)
+        )
+        if hdf5
+        else MemorySink(flush_every)
+    )
     with Node(run_dir, "store-0", bind_host="127.0.0.1") as node:
         receiver = TrajectoryReceiver(node, "store", sink)
         ready.set()
@@ -180,8 +185,10 @@ def main() -> int:
     trajs = payloads(args.count)
     frames = [encode("traj", *t.to_wire(), msg_id=t.id) for t in trajs]
     nbytes = sum(sum(memoryview(f).nbytes for f in fr) for fr in frames)
-    print(f"{args.count} trajectories, {nbytes / args.count / 1e3:.1f} kB and {len(frames[0])} frames each (avg "
-          f"{sum(map(len, frames)) / len(frames):.1f}), {nbytes / 1e6:.1f} MB; ack per {args.flush_every}")
+    print(
+        f"{args.count} trajectories, {nbytes / args.count / 1e3:.1f} kB and {len(frames[0])} frames each (avg "
+        f"{sum(map(len, frames)) / len(frames):.1f}), {nbytes / 1e6:.1f} MB; ack per {args.flush_every}"
+    )
     times: dict[str, list[float]] = {"raw": [], "raw+curve": [], "acked": []}
     if args.with_hdf5:
         times["acked+hdf5"] = []
@@ -196,8 +203,10 @@ def main() -> int:
     for k, v in med.items():
         print(f"{k:<12} {v:>9.3f} {nbytes / v / 1e6:>8.1f} {args.count / v:>8.0f}")
     best = {k: min(v) for k, v in times.items()}
-    print(f"ratio acked CURVE / raw PUSH-PULL   {med['raw'] / med['acked']:.2f}   (target >= 0.50; best-of-{args.repeat}: "
-          f"{best['raw'] / best['acked']:.2f})")
+    print(
+        f"ratio acked CURVE / raw PUSH-PULL   {med['raw'] / med['acked']:.2f}   "
+        f"(target >= 0.50; best-of-{args.repeat}: {best['raw'] / best['acked']:.2f})"
+    )
     print(f"ratio acked CURVE / raw+CURVE       {med['raw+curve'] / med['acked']:.2f}   (the application layer alone)")
     print(f"ratio raw+CURVE / raw PUSH-PULL     {med['raw'] / med['raw+curve']:.2f}   (encryption alone)")
     if args.with_hdf5:

@@ -28,7 +28,9 @@ _NAME_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 @dataclass(frozen=True)
 class ExperimentConfig:
     name: str = spec("quickstart", help="run name prefix; letters, digits, '_', '.', '-'", pattern=_NAME_RE)
-    run_root: str = spec("runs", help="folder that holds one sub-folder per run (relative to the config file's folder)", min_len=1)
+    run_root: str = spec(
+        "runs", help="folder that holds one sub-folder per run (relative to the config file's folder)", min_len=1
+    )
     seed: int = spec(0, help="seed for task sampling, model init and everything random", ge=0)
 
 
@@ -50,7 +52,10 @@ class SlurmRoleConfig:
 
     def validate(self):
         if self.signal_delay_s >= self.time_min * 60:
-            yield "signal_delay_s", f"must be shorter than the time limit ({self.time_min * 60} s) (got {self.signal_delay_s})"
+            yield (
+                "signal_delay_s",
+                f"must be shorter than the time limit ({self.time_min * 60} s) (got {self.signal_delay_s})",
+            )
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,9 @@ class TinyModelConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     path: str | None = spec(
-        None, help="local Hugging Face model folder (config.json, weights, tokenizer); null builds the tiny model", min_len=1
+        None,
+        help="local Hugging Face model folder (config.json, weights, tokenizer); null builds the tiny model",
+        min_len=1,
     )
     tiny: TinyModelConfig = spec(factory=TinyModelConfig, help="the model built when path is null")
     dtype: Literal["float32", "bfloat16"] = spec("float32", help="parameter dtype of learner and generators")
@@ -117,7 +124,9 @@ class AlgorithmConfig:
     name: str = spec("grpo", help="policy-gradient loss from the algorithm registry: grpo | reinforce", min_len=1)
     clip_low: float = spec(0.2, help="grpo: lower clip of the importance ratio, 1 - clip_low", ge=0, lt=1)
     clip_high: float = spec(0.2, help="grpo: upper clip of the importance ratio, 1 + clip_high", ge=0)
-    max_ratio: float = spec(4.0, help="cap on the importance ratio of stale tokens (dual clip; reinforce: truncation)", gt=1)
+    max_ratio: float = spec(
+        4.0, help="cap on the importance ratio of stale tokens (dual clip; reinforce: truncation)", gt=1
+    )
     normalize_std: bool = spec(True, help="divide group-relative advantages by the group's standard deviation")
 
 
@@ -127,16 +136,22 @@ class LearnerConfig:
     max_staleness: int = spec(2, help="drop trajectories more than this many policy versions behind the learner", ge=0)
     algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig, help="the loss and its importance-ratio clipping")
     group_size: int = spec(8, help="episodes per task instance; advantages are relative within a group", ge=2)
-    batch_groups: int = spec(32, help="groups per optimizer step (batch = batch_groups x group_size trajectories)", ge=1)
+    batch_groups: int = spec(
+        32, help="groups per optimizer step (batch = batch_groups x group_size trajectories)", ge=1
+    )
     micro_batch: int = spec(128, help="trajectories per forward/backward pass on one rank", ge=1)
     weight_decay: float = spec(0.0, help="AdamW weight decay", ge=0)
     grad_clip: float = spec(1.0, help="clip the global gradient norm to this; 0 disables", ge=0)
     max_steps: int = spec(300, help="optimizer steps of the run; the run ends when the learner reaches it", ge=1)
     publish_every: int = spec(1, help="publish weights to the generators every this many optimizer steps", ge=1)
     keep_weights: int = spec(3, help="published weight files kept in the run directory", ge=1)
-    checkpoint_every: int = spec(50, help="save a DeepSpeed checkpoint (model, optimizer, store cursor) every this many steps", ge=1)
+    checkpoint_every: int = spec(
+        50, help="save a DeepSpeed checkpoint (model, optimizer, store cursor) every this many steps", ge=1
+    )
     keep_checkpoints: int = spec(2, help="checkpoints kept; older ones are deleted", ge=1)
-    dist_backend: Literal["auto", "gloo", "nccl"] = spec("auto", help="torch.distributed backend; auto: nccl on GPUs, gloo on CPU")
+    dist_backend: Literal["auto", "gloo", "nccl"] = spec(
+        "auto", help="torch.distributed backend; auto: nccl on GPUs, gloo on CPU"
+    )
 
 
 @dataclass(frozen=True)
@@ -153,7 +168,9 @@ class CoordinatorConfig:
     lease_s: float = spec(60.0, help="an episode whose generator has not synced for this long is issued again", gt=0)
     max_attempts: int = spec(3, help="issue a failing episode at most this many times, then give it up", ge=1)
     max_groups_ahead: int | None = spec(
-        None, help="groups handed out beyond what the learner consumed; null: max(1, max_staleness) x batch_groups", ge=1
+        None,
+        help="groups handed out beyond what the learner consumed; null: max(1, max_staleness) x batch_groups",
+        ge=1,
     )
     status_every_s: float = spec(1.0, help="how often status.json is rewritten, seconds", gt=0)
     status_window_s: float = spec(10.0, help="trajectories/s is measured over this many recent seconds", gt=0)
@@ -185,22 +202,27 @@ class Limits:
                 raise ConfigError(f"Limits.{f.name}", f"must be a number (got {value!r})")
         check_bounds(self, "Limits")
 
-    def replace(self, **changes: Any) -> "Limits":
+    def replace(self, **changes: Any) -> Limits:
         return dataclasses.replace(self, **changes)
 
-    def check_within(self, ceiling: "Limits", where: str = "limits") -> None:
+    def check_within(self, ceiling: Limits, where: str = "limits") -> None:
         """ValueError naming every field over `ceiling` (a sandbox server's `sandbox.ceiling`)."""
-        over = [f"{where}.{f.name}={getattr(self, f.name)} (ceiling {getattr(ceiling, f.name)})"
-                for f in dataclasses.fields(self) if getattr(self, f.name) > getattr(ceiling, f.name)]
+        over = [
+            f"{where}.{f.name}={getattr(self, f.name)} (ceiling {getattr(ceiling, f.name)})"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) > getattr(ceiling, f.name)
+        ]
         if over:
-            raise ValueError(f"over this sandbox server's ceiling: {', '.join(over)}; ask for less, or raise "
-                             "sandbox.ceiling in the run's config")
+            raise ValueError(
+                f"over this sandbox server's ceiling: {', '.join(over)}; ask for less, or raise "
+                "sandbox.ceiling in the run's config"
+            )
 
     def to_wire(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_wire(cls, data: Any, where: str = "limits") -> "Limits":
+    def from_wire(cls, data: Any, where: str = "limits") -> Limits:
         """From a mapping of field names (missing ones default); ValueError naming unknown keys."""
         if data is None:
             return cls()
@@ -218,14 +240,32 @@ class SandboxConfig:
     backend: Literal["bwrap", "apptainer"] = spec("bwrap", help="isolation backend for executing model code")
     slots: int = spec(2, help="concurrent executions per sandbox server", ge=1)
     servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
-    uid_base: int = spec(61000, help="bwrap runs slot k as host uid uid_base+k; pick a range no real user owns", ge=1000)
-    queue: int = spec(64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0)
-    image: str = spec("sandbox.sif", help="Apptainer image (backend: apptainer), built by `hpcrl sandbox build-image`", min_len=1)
+    uid_base: int = spec(
+        61000, help="bwrap runs slot k as host uid uid_base+k; pick a range no real user owns", ge=1000
+    )
+    queue: int = spec(
+        64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0
+    )
+    image: str = spec(
+        "sandbox.sif", help="Apptainer image (backend: apptainer), built by `hpcrl sandbox build-image`", min_len=1
+    )
     apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
-    apptainer_cgroups: bool = spec(False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)")
+    apptainer_cgroups: bool = spec(
+        False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)"
+    )
     ceiling: Limits = spec(
-        factory=lambda: Limits(wall_s=300.0, cpu_s=300.0, memory_mb=8192, pids=512, file_size_mb=1024, output_kb=65536,
-                               open_files=4096, work_mb=4096, tmp_mb=4096, shm_mb=1024),
+        factory=lambda: Limits(
+            wall_s=300.0,
+            cpu_s=300.0,
+            memory_mb=8192,
+            pids=512,
+            file_size_mb=1024,
+            output_kb=65536,
+            open_files=4096,
+            work_mb=4096,
+            tmp_mb=4096,
+            shm_mb=1024,
+        ),
         help="the most limits a request may ask for; more is refused",
     )
 
@@ -234,7 +274,9 @@ class SandboxConfig:
 class DomainConfig:
     name: str = spec(help="registered domain name, or a label for a `module` domain", min_len=1)
     weight: float = spec(1.0, help="relative sampling weight", gt=0)
-    module: str | None = spec(None, help="site domain as 'python.module:attribute'; null for a built-in", pattern=r"[\w.]+:[\w.]+")
+    module: str | None = spec(
+        None, help="site domain as 'python.module:attribute'; null for a built-in", pattern=r"[\w.]+:[\w.]+"
+    )
 
 
 @dataclass(frozen=True)
@@ -242,27 +284,50 @@ class StoreConfig:
     flush_every: int = spec(64, help="flush a shard after this many trajectories", ge=1)
     flush_interval_s: float = spec(5.0, help="... or after this many seconds, whichever comes first", gt=0)
     compression: Literal["none", "gzip", "lzf"] = spec("none", help="HDF5 filter for token datasets")
-    shard_max_rows: int = spec(65536, help="finalize a shard (write its manifest) and start a new one after this many trajectories", ge=1)
+    shard_max_rows: int = spec(
+        65536, help="finalize a shard (write its manifest) and start a new one after this many trajectories", ge=1
+    )
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: Literal["sync", "async", "backfill"] = spec("backfill", help="how rollout work is placed on GPUs")
-    fit_quantile: float = spec(0.9, help="a task fits an idle window if this quantile of its domain's durations does", gt=0, le=1)
-    reclaim_quantile: float = spec(0.25, help="an owner is expected back at this quantile of what it waits for (a sandbox run, a batch filling)", gt=0, le=1)
+    fit_quantile: float = spec(
+        0.9, help="a task fits an idle window if this quantile of its domain's durations does", gt=0, le=1
+    )
+    reclaim_quantile: float = spec(
+        0.25,
+        help="an owner is expected back at this quantile of what it waits for (a sandbox run, a batch filling)",
+        gt=0,
+        le=1,
+    )
     window_margin_s: float = spec(0.0, help="seconds left free at the end of every idle window", ge=0)
-    min_chunk_s: float = spec(8.0, help="a generation turn is lent only windows this long; it resumes elsewhere when cut (0: never split turns)", ge=0)
+    min_chunk_s: float = spec(
+        8.0,
+        help="a generation turn is lent only windows this long; it resumes elsewhere when cut (0: never split turns)",
+        ge=0,
+    )
     history: int = spec(256, help="recent task durations kept per domain for the estimates", ge=1)
     min_samples: int = spec(8, help="a domain with fewer samples uses the pooled history of all domains", ge=1)
     prior_s: float = spec(30.0, help="task duration assumed before any task has finished, seconds", gt=0)
-    job_overhead_s: float = spec(20.0, help="start-up time of a Slurm rollout job, charged against its window, seconds", ge=0)
-    slurm_margin_s: float = spec(30.0, help="rollout jobs end this long before the next queued job's expected start (>= Slurm's bf_interval), seconds", ge=0)
+    job_overhead_s: float = spec(
+        20.0, help="start-up time of a Slurm rollout job, charged against its window, seconds", ge=0
+    )
+    slurm_margin_s: float = spec(
+        30.0,
+        help="rollout jobs end this long before the next queued job's expected start (>= Slurm's bf_interval), seconds",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
 class Config:
-    experiment: ExperimentConfig = spec(factory=ExperimentConfig, help="what the run is called, where it lives, its seed")
-    executor: Literal["local", "slurm"] = spec("local", help="local: submitit's local executor on this machine; slurm: jobs on a cluster")
+    experiment: ExperimentConfig = spec(
+        factory=ExperimentConfig, help="what the run is called, where it lives, its seed"
+    )
+    executor: Literal["local", "slurm"] = spec(
+        "local", help="local: submitit's local executor on this machine; slurm: jobs on a cluster"
+    )
     slurm: SlurmConfig = spec(factory=SlurmConfig, help="Slurm account, QoS and per-role resources (executor: slurm)")
     policy: PolicyConfig = spec(factory=PolicyConfig, help="the model learner and generators share")
     learner: LearnerConfig = spec(factory=LearnerConfig, help="the DeepSpeed ZeRO-3 learner")
@@ -270,7 +335,11 @@ class Config:
     coordinator: CoordinatorConfig = spec(factory=CoordinatorConfig, help="episode leases, flow control, status files")
     sandbox: SandboxConfig = spec(factory=SandboxConfig, help="code-execution sandboxes")
     domains: tuple[DomainConfig, ...] = spec(
-        factory=lambda: (DomainConfig(name="arith/copy"), DomainConfig(name="arith/add1-mod10"), DomainConfig(name="arith/max2")),
+        factory=lambda: (
+            DomainConfig(name="arith/copy"),
+            DomainConfig(name="arith/add1-mod10"),
+            DomainConfig(name="arith/max2"),
+        ),
         help="task domains and their sampling weights",
         min_len=1,
     )

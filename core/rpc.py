@@ -39,16 +39,27 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import zmq
 
 from hpcrl.core.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
 
-__all__ = ["Reply", "DEFERRED", "Router", "RequestServer", "RequestClient", "PendingRequest", "RequestTimeout",
-           "RemoteError", "VersionPublisher", "VersionSubscriber"]
+__all__ = [
+    "Reply",
+    "DEFERRED",
+    "Router",
+    "RequestServer",
+    "RequestClient",
+    "PendingRequest",
+    "RequestTimeout",
+    "RemoteError",
+    "VersionPublisher",
+    "VersionSubscriber",
+]
 
 log = logging.getLogger("hpcrl.transport")
 POLICY_TOPIC = b"policy"
@@ -118,8 +129,16 @@ def _nbytes(frames: Sequence[Any]) -> int:
 class RequestServer:
     """ROUTER-based request server; `handler(Envelope) -> Reply | DEFERRED` runs in the serving thread."""
 
-    def __init__(self, node: Node, service: str, handler: Callable[[Envelope], Any], *, replay_cache: int = 4096,
-                 replay_cache_bytes: int = 64 << 20, also: Sequence[int] = ()):
+    def __init__(
+        self,
+        node: Node,
+        service: str,
+        handler: Callable[[Envelope], Any],
+        *,
+        replay_cache: int = 4096,
+        replay_cache_bytes: int = 64 << 20,
+        also: Sequence[int] = (),
+    ):
         self.node = node
         self.handler = handler
         self.router = Router(node, service, self._on_message, also)
@@ -159,7 +178,7 @@ class RequestServer:
                 return
             if not isinstance(reply, Reply):
                 raise TypeError(f"handler returned {type(reply).__name__}, expected Reply")
-        except Exception as exc:  # noqa: BLE001 - a handler bug must not take the server down
+        except Exception as exc:  # a handler bug must not take the server down
             log.exception("%s: handler failed on %r", self.endpoint.service, env.kind)
             reply = Reply("error", {"message": f"{type(exc).__name__}: {exc}"})
         self._finish(rid, peer, reply)
@@ -197,8 +216,9 @@ class RequestServer:
 class RequestClient:
     """DEALER-based request client with per-attempt timeout and retries (a socket per attempt)."""
 
-    def __init__(self, node: Node, service: str, *, timeout_s: float = 5.0, retries: int = 2,
-                 discover_timeout_s: float = 30.0):
+    def __init__(
+        self, node: Node, service: str, *, timeout_s: float = 5.0, retries: int = 2, discover_timeout_s: float = 30.0
+    ):
         self.node = node
         self.service = service
         self.timeout_s = timeout_s
@@ -217,8 +237,15 @@ class RequestClient:
             self._sock, self._ep = self.node.connect(zmq.DEALER, ep)
         return self._sock
 
-    def request(self, kind: str, body: Any = None, arrays: Sequence[np.ndarray] = (), *,
-                timeout_s: float | None = None, retries: int | None = None) -> Envelope:
+    def request(
+        self,
+        kind: str,
+        body: Any = None,
+        arrays: Sequence[np.ndarray] = (),
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> Envelope:
         """Send and wait for the reply (retrying per attempt timeout); RequestTimeout / RemoteError."""
         pending = self.start(kind, body, arrays, timeout_s=timeout_s, retries=retries)
         while True:
@@ -226,16 +253,28 @@ class RequestClient:
             if env is not None:
                 return env
 
-    def start(self, kind: str, body: Any = None, arrays: Sequence[np.ndarray] = (), *,
-              timeout_s: float | None = None, retries: int | None = None) -> "PendingRequest":
+    def start(
+        self,
+        kind: str,
+        body: Any = None,
+        arrays: Sequence[np.ndarray] = (),
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> PendingRequest:
         """Send without waiting: the caller goes on with its work and polls the returned request
         (one outstanding request per client: its socket is shared)."""
         if self._pending is not None and not self._pending.settled:
             raise RuntimeError(f"{self.service}: a request ({self._pending.kind!r}) is still outstanding")
         rid = os.urandom(12).hex()
-        self._pending = PendingRequest(self, kind, rid, encode(kind, body, arrays, msg_id=rid),
-                                       self.timeout_s if timeout_s is None else timeout_s,
-                                       self.retries if retries is None else retries)
+        self._pending = PendingRequest(
+            self,
+            kind,
+            rid,
+            encode(kind, body, arrays, msg_id=rid),
+            self.timeout_s if timeout_s is None else timeout_s,
+            self.retries if retries is None else retries,
+        )
         return self._pending
 
     def close(self) -> None:
@@ -278,9 +317,16 @@ class PendingRequest:
                     raise RequestTimeout(
                         f"{self.client.service} at {address}: no reply to {self.kind!r} after {self.retries + 1} "
                         f"attempt(s) of {self.timeout_s:.1f} s; is the service running, and does "
-                        f"endpoints/{self.client.service}.json name it?")
-                log.info("%s: no reply to %r within %.1f s (attempt %d/%d); retrying",
-                         self.client.service, self.kind, self.timeout_s, self.attempt + 1, self.retries + 1)
+                        f"endpoints/{self.client.service}.json name it?"
+                    )
+                log.info(
+                    "%s: no reply to %r within %.1f s (attempt %d/%d); retrying",
+                    self.client.service,
+                    self.kind,
+                    self.timeout_s,
+                    self.attempt + 1,
+                    self.retries + 1,
+                )
                 self.attempt += 1
                 self._send()
                 continue

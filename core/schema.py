@@ -97,7 +97,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_dupl
 def load_yaml_text(text: str, source: str = "<string>") -> Any:
     """Parse YAML text; syntax errors become ConfigError naming file, line and column."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=_Loader)  # SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
@@ -242,22 +242,25 @@ def from_dict(cls: type, data: Any, path: str = "", base: Any = None) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(cls))} (got {_got(data)})")
+        raise ConfigError(
+            path,
+            f"expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(cls))} (got {_got(data)})",
+        )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                _join(path, str(key)), f"unknown key{hint}; valid keys: {', '.join(fields) or '(none)'}"
-            )
+            raise ConfigError(_join(path, str(key)), f"unknown key{hint}; valid keys: {', '.join(fields) or '(none)'}")
     kwargs = {}
     for name, f in fields.items():
         sub = _join(path, name)
         default = getattr(base, name) if base is not None else _default_of(f)
         if name in data:
-            nested_base = default if dataclasses.is_dataclass(hints[name]) and default is not dataclasses.MISSING else None
+            nested_base = (
+                default if dataclasses.is_dataclass(hints[name]) and default is not dataclasses.MISSING else None
+            )
             value = _convert(hints[name], data[name], sub, base=nested_base)
             _check_bounds(sub, value, f.metadata, shown=data[name])
             kwargs[name] = value
@@ -319,7 +322,9 @@ def apply_overrides(data: dict, overrides: typing.Sequence[str]) -> tuple[dict, 
         elif isinstance(node, dict):
             node[last] = value
         else:
-            raise ConfigError(".".join(parts[:-1]), f"cannot set a sub-key of a {type(node).__name__} [override {item}]")
+            raise ConfigError(
+                ".".join(parts[:-1]), f"cannot set a sub-key of a {type(node).__name__} [override {item}]"
+            )
         origins[key] = item
     return data, origins
 

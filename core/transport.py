@@ -55,9 +55,10 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -68,8 +69,21 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hpcrl.core.files import atomic_write_json
 
-__all__ = ["TransportError", "BadMessage", "WireLimits", "Envelope", "encode", "decode", "send_frames", "KeyPair",
-           "RunKeys", "Endpoint", "publish_endpoint", "read_endpoint", "Node"]
+__all__ = [
+    "TransportError",
+    "BadMessage",
+    "WireLimits",
+    "Envelope",
+    "encode",
+    "decode",
+    "send_frames",
+    "KeyPair",
+    "RunKeys",
+    "Endpoint",
+    "publish_endpoint",
+    "read_endpoint",
+    "Node",
+]
 
 log = logging.getLogger("hpcrl.transport")
 
@@ -240,8 +254,10 @@ class RunKeys:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         mode = stat.S_IMODE(self.dir.stat().st_mode)
         if mode & 0o077:
-            raise TransportError(f"{self.dir} has mode {mode:04o}; run `chmod 700 {self.dir}`: other users must "
-                                 "not read the run's secret keys")
+            raise TransportError(
+                f"{self.dir} has mode {mode:04o}; run `chmod 700 {self.dir}`: other users must "
+                "not read the run's secret keys"
+            )
 
     def ensure(self, name: str) -> KeyPair:
         """Load `name`'s key pair, creating it (secret file 0600, written atomically) if absent."""
@@ -270,8 +286,12 @@ class RunKeys:
 
     @staticmethod
     def _write(path: Path, public: bytes, secret: bytes | None, mode: int) -> None:
-        lines = ["#   hpcrl run CURVE " + ("secret key: keep it 0600" if secret else "public key"), "metadata", "curve",
-                 f'    public-key = "{public.decode()}"']
+        lines = [
+            "#   hpcrl run CURVE " + ("secret key: keep it 0600" if secret else "public key"),
+            "metadata",
+            "curve",
+            f'    public-key = "{public.decode()}"',
+        ]
         if secret:
             lines.append(f'    secret-key = "{secret.decode()}"')
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
@@ -327,7 +347,9 @@ class _AllowList:
                 if len(self._rejected) > 10_000:
                     self._rejected.clear()
                 self._rejected[key] = now
-        log.warning("rejected CURVE client key %s...: not in the run's allow-list (%s)", key[:8].decode(), self.keys.dir)
+        log.warning(
+            "rejected CURVE client key %s...: not in the run's allow-list (%s)", key[:8].decode(), self.keys.dir
+        )
         return False
 
 
@@ -353,8 +375,15 @@ def publish_endpoint(run_dir: str | os.PathLike, service: str, address: str, pub
     path = _endpoint_path(run_dir, service)
     path.parent.mkdir(parents=True, exist_ok=True)
     ep = Endpoint(service, address, public_key, os.urandom(8).hex())
-    data = {"service": service, "address": address, "public_key": public_key.decode(), "instance": ep.instance,
-            "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()}
+    data = {
+        "service": service,
+        "address": address,
+        "public_key": public_key.decode(),
+        "instance": ep.instance,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": time.time(),
+    }
     atomic_write_json(path, data)
     return ep
 
@@ -369,8 +398,10 @@ def read_endpoint(run_dir: str | os.PathLike, service: str, timeout_s: float = 0
             return Endpoint(service, data["address"], data["public_key"].encode(), data["instance"])
         except FileNotFoundError:
             if time.monotonic() >= deadline:
-                raise TransportError(f"service {service!r} has not published an endpoint ({path} is missing "
-                                     f"after {timeout_s:.0f} s); is it running in this run directory?") from None
+                raise TransportError(
+                    f"service {service!r} has not published an endpoint ({path} is missing "
+                    f"after {timeout_s:.0f} s); is it running in this run directory?"
+                ) from None
         except (ValueError, KeyError) as exc:
             raise TransportError(f"endpoint file {path} is damaged ({exc}); restart service {service!r}") from None
         time.sleep(0.05)
@@ -380,22 +411,36 @@ def read_endpoint(run_dir: str | os.PathLike, service: str, timeout_s: float = 0
 
 
 _EVENT_NAMES = {getattr(zmq, n): n[6:] for n in dir(zmq) if n.startswith("EVENT_") and isinstance(getattr(zmq, n), int)}
-_LOGGED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_LOGGED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
 
 
 class Node:
     """One process's transport: a context, its CURVE identity, the ZAP allow-list, sockets."""
 
-    def __init__(self, run_dir: str | os.PathLike, name: str, limits: WireLimits = WireLimits(), *,
-                 bind_host: str = "*", advertise_host: str | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        name: str,
+        limits: WireLimits = WireLimits(),
+        *,
+        bind_host: str = "*",
+        advertise_host: str | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.name = name
         self.limits = limits
         self.keys = RunKeys(run_dir)
         self.pair = self.keys.ensure(name)
         self.bind_host = bind_host
-        self.advertise_host = advertise_host or (bind_host if bind_host not in ("*", "0.0.0.0") else socket.gethostname())
+        self.advertise_host = advertise_host or (
+            bind_host if bind_host not in ("*", "0.0.0.0") else socket.gethostname()
+        )
         self.ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._monitors: list[tuple[zmq.Socket, str]] = []
@@ -439,8 +484,9 @@ class Node:
         log.info("%s: %s bound at %s", self.name, service, address)
         return sock, ep
 
-    def connect(self, socket_type: int, target: str | Endpoint, timeout_s: float = 30.0,
-                routing_id: bytes | None = None) -> tuple[zmq.Socket, Endpoint]:
+    def connect(
+        self, socket_type: int, target: str | Endpoint, timeout_s: float = 30.0, routing_id: bytes | None = None
+    ) -> tuple[zmq.Socket, Endpoint]:
         """A CURVE client socket connected to `target` (a service name or an Endpoint)."""
         ep = target if isinstance(target, Endpoint) else read_endpoint(self.run_dir, target, timeout_s)
         sock = self.ctx.socket(socket_type)
@@ -467,11 +513,17 @@ class Node:
                 name = _EVENT_NAMES.get(ev["event"], str(ev["event"]))
                 peer = ev.get("endpoint", b"").decode(errors="replace")
                 if name.startswith("HANDSHAKE_FAILED"):
-                    log.warning("%s: rejected a peer at %s during the CURVE handshake (%s, code %s)",
-                                service, peer, name, ev["value"])
+                    log.warning(
+                        "%s: rejected a peer at %s during the CURVE handshake (%s, code %s)",
+                        service,
+                        peer,
+                        name,
+                        ev["value"],
+                    )
                 elif name == "DISCONNECTED":
-                    log.info("%s: peer at %s disconnected (or was dropped: oversized frame, dead heartbeat)",
-                             service, peer)
+                    log.info(
+                        "%s: peer at %s disconnected (or was dropped: oversized frame, dead heartbeat)", service, peer
+                    )
                 else:
                     log.debug("%s: %s %s", service, name, peer)
 
@@ -485,7 +537,7 @@ class Node:
             self._auth.stop()
         self.ctx.destroy(linger=int(self.limits.linger_s * 1000))
 
-    def __enter__(self) -> "Node":
+    def __enter__(self) -> Node:
         return self
 
     def __exit__(self, *exc: Iterable) -> None:

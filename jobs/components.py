@@ -16,7 +16,6 @@ so a USR2 that arrives before the component installed its own handler still requ
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -29,8 +28,15 @@ import submitit
 
 from hpcrl.core.files import atomic_write_json
 
-__all__ = ["StoreComponent", "SandboxComponent", "CoordinatorComponent", "LearnerComponent", "GeneratorComponent",
-           "start_component", "finish_job"]
+__all__ = [
+    "StoreComponent",
+    "SandboxComponent",
+    "CoordinatorComponent",
+    "LearnerComponent",
+    "GeneratorComponent",
+    "start_component",
+    "finish_job",
+]
 
 log = logging.getLogger("hpcrl.components")
 
@@ -62,8 +68,10 @@ def start_component(run_dir: Path, name: str, role: str) -> _Stop:
         signal.signal(signal.SIGUSR2, time_limit)
     procs = run_dir / "procs"
     procs.mkdir(exist_ok=True)
-    atomic_write_json(procs / f"{name}.json", {"name": name, "role": role, "host": socket.gethostname(),
-                                               "pid": os.getpid(), "started": time.time()})
+    atomic_write_json(
+        procs / f"{name}.json",
+        {"name": name, "role": role, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()},
+    )
     return stop
 
 
@@ -117,7 +125,9 @@ class SandboxComponent(submitit.helpers.Checkpointable):
         from hpcrl.sandbox.server import serve
 
         stop = start_component(self.run_dir, self.name, "sandbox")
-        return finish_job(stop, serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop))
+        return finish_job(
+            stop, serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop)
+        )
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
@@ -132,8 +142,16 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.coordinator import Coordinator
 
         stop = start_component(self.run_dir, "coordinator", "coordinator")
-        coord = Coordinator(self.run_dir, self.weights, self.group_size, self.batch_groups, self.max_staleness,
-                            self.max_steps, self.seed, self.cfg)
+        coord = Coordinator(
+            self.run_dir,
+            self.weights,
+            self.group_size,
+            self.batch_groups,
+            self.max_staleness,
+            self.max_steps,
+            self.seed,
+            self.cfg,
+        )
         with Node(self.run_dir, "coordinator") as node:
             coord.serve(node, stop)
         return finish_job(stop, "stopped")
@@ -169,20 +187,31 @@ class LearnerComponent(submitit.helpers.Checkpointable):
 
 
 class GeneratorComponent(submitit.helpers.Checkpointable):
-    def __init__(self, run_dir, name: str, generator_cfg, policy_cfg, domains, sandbox_services, seed: int,
-                 search_path=(), sandbox_slots: int = 0, torch_threads: int = 1):
+    def __init__(
+        self,
+        run_dir,
+        name: str,
+        generator_cfg,
+        policy_cfg,
+        domains,
+        sandbox_services,
+        seed: int,
+        search_path=(),
+        sandbox_slots: int = 0,
+        torch_threads: int = 1,
+    ):
         self.run_dir, self.name, self.cfg, self.policy = Path(run_dir), name, generator_cfg, policy_cfg
         self.domains, self.sandbox_services, self.seed = tuple(domains), tuple(sandbox_services), seed
         self.search_path, self.sandbox_slots, self.torch_threads = tuple(search_path), sandbox_slots, torch_threads
 
     def __call__(self) -> dict:
         from hpcrl.core.transport import Node
-        from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.domains import load_domains
         from hpcrl.rl.generator import Generator
         from hpcrl.rl.meter import BusyMeter
         from hpcrl.rl.policy import Policy
         from hpcrl.rl.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
+        from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.weights import WeightStore
 
         stop = start_component(self.run_dir, self.name, "generator")
@@ -190,20 +219,43 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         domains = load_domains(self.domains, self.search_path)
         policy = Policy.load(self.policy, seed=self.seed)
         with Node(self.run_dir, self.name) as node:
-            judge = ThreadLocalJudge(node, self.sandbox_services) if any(d.needs_executor for d in domains.values()) else None
-            gen = Generator(self.cfg, policy, domains, run=self.run_dir.name, name=self.name, seed=self.seed,
-                            executor=judge, weights=AnnouncedWeights(WeightStore(self.run_dir), node))
+            judge = (
+                ThreadLocalJudge(node, self.sandbox_services)
+                if any(d.needs_executor for d in domains.values())
+                else None
+            )
+            gen = Generator(
+                self.cfg,
+                policy,
+                domains,
+                run=self.run_dir.name,
+                name=self.name,
+                seed=self.seed,
+                executor=judge,
+                weights=AnnouncedWeights(WeightStore(self.run_dir), node),
+            )
             busy, sandbox = BusyMeter(), BusyMeter()
 
             def stats() -> dict:
                 s = gen.stats
                 # sandbox_s_rate: sandbox seconds per second (> 1 with several slots busy).
-                return {"busy_fraction": busy.fraction(s.busy_s), "sandbox_s_rate": sandbox.rate(s.sandbox_s),
-                        "sandbox_slots": self.sandbox_slots, "trajectories": s.trajectories, "steps": s.steps,
-                        "failed": s.failed, "version": gen.version, "in_flight": len(gen.episodes),
-                        "busy_s": s.busy_s, "wall_s": s.wall_s, "source_s": s.source_s, "weights_s": s.weights_s,
-                        "batches": s.batches, "batch_rows": s.batch_rows,
-                        "reward_mean": s.reward_sum / max(s.trajectories, 1)}
+                return {
+                    "busy_fraction": busy.fraction(s.busy_s),
+                    "sandbox_s_rate": sandbox.rate(s.sandbox_s),
+                    "sandbox_slots": self.sandbox_slots,
+                    "trajectories": s.trajectories,
+                    "steps": s.steps,
+                    "failed": s.failed,
+                    "version": gen.version,
+                    "in_flight": len(gen.episodes),
+                    "busy_s": s.busy_s,
+                    "wall_s": s.wall_s,
+                    "source_s": s.source_s,
+                    "weights_s": s.weights_s,
+                    "batches": s.batches,
+                    "batch_rows": s.batch_rows,
+                    "reward_mean": s.reward_sum / max(s.trajectories, 1),
+                }
 
             source = RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats)
             try:
@@ -214,5 +266,11 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
             finally:
                 source.close()
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
-            return finish_job(stop, {"stopped_by": "coordinator" if source.should_stop() else "signal",
-                                  "trajectories": gen.stats.trajectories, "busy_fraction": gen.stats.busy_fraction})
+            return finish_job(
+                stop,
+                {
+                    "stopped_by": "coordinator" if source.should_stop() else "signal",
+                    "trajectories": gen.stats.trajectories,
+                    "busy_fraction": gen.stats.busy_fraction,
+                },
+            )

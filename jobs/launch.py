@@ -21,10 +21,10 @@ supervisor (jobs/supervise.py) read it.
 from __future__ import annotations
 
 import os
-import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import submitit
 
@@ -41,8 +41,21 @@ from hpcrl.rl.domains import load_domains
 from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.sbatch import Resources
 
-__all__ = ["Role", "plan", "role_resources", "slurm_parameters", "make_executor", "slurm_executor", "dry_run_scripts",
-           "preflight", "read_jobs", "write_jobs", "check_slurm", "JOBS_NAME", "SUPERVISOR"]
+__all__ = [
+    "Role",
+    "plan",
+    "role_resources",
+    "slurm_parameters",
+    "make_executor",
+    "slurm_executor",
+    "dry_run_scripts",
+    "preflight",
+    "read_jobs",
+    "write_jobs",
+    "check_slurm",
+    "JOBS_NAME",
+    "SUPERVISOR",
+]
 
 JOBS_NAME = "jobs.json"
 SUPERVISOR = "supervisor"
@@ -60,8 +73,9 @@ class Role:
     history: list = field(default_factory=list)
 
 
-def plan(cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | None = None,
-         search_path: Sequence[str] = ()) -> list[Role]:
+def plan(
+    cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | None = None, search_path: Sequence[str] = ()
+) -> list[Role]:
     """The run's components in start order. `domains` ({name: Domain}, as `load_domains` gives
     them) decides whether sandbox servers are needed; they are loaded here when not given."""
     run_dir = Path(run_dir)
@@ -72,13 +86,29 @@ def plan(cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | N
     sandboxes = [f"sandbox-{i}" for i in range(cfg.sandbox.servers)] if needs_sandbox else []
     return [
         Role("store", "coordinator", StoreComponent(run_dir, cfg.store)),
-        Role("coordinator", "coordinator", CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed)),
+        Role(
+            "coordinator", "coordinator", CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed)
+        ),
         *[Role(s, "sandbox", SandboxComponent(run_dir, cfg.sandbox, s)) for s in sandboxes],
         Role("learner", "learner", LearnerComponent(run_dir, cfg.learner, cfg.policy, seed)),
-        *[Role(f"gen-{i}", "generator",
-               GeneratorComponent(run_dir, f"gen-{i}", cfg.generators, cfg.policy, cfg.domains, sandboxes,
-                                  seed + 1000 * (i + 1), search_path, cfg.sandbox.slots * len(sandboxes)))
-          for i in range(cfg.generators.count)],
+        *[
+            Role(
+                f"gen-{i}",
+                "generator",
+                GeneratorComponent(
+                    run_dir,
+                    f"gen-{i}",
+                    cfg.generators,
+                    cfg.policy,
+                    cfg.domains,
+                    sandboxes,
+                    seed + 1000 * (i + 1),
+                    search_path,
+                    cfg.sandbox.slots * len(sandboxes),
+                ),
+            )
+            for i in range(cfg.generators.count)
+        ],
     ]
 
 
@@ -88,10 +118,18 @@ def plan(cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | N
 def role_resources(slurm: SlurmConfig, role: str) -> Resources:
     """What `slurm.<role>` asks of Slurm: the one place a role's config becomes job options."""
     r = slurm.role(role)
-    return Resources(partition=r.partition, time_min=r.time_min, nodes=r.nodes, ntasks_per_node=r.tasks_per_node,
-                     cpus_per_task=r.cpus_per_task, gpus_per_node=r.gpus_per_node,
-                     mem_mb=max(1, round(r.mem_gb * 1024)), account=slurm.account, qos=slurm.qos,
-                     extra={**slurm.extra_directives, **r.extra_directives})
+    return Resources(
+        partition=r.partition,
+        time_min=r.time_min,
+        nodes=r.nodes,
+        ntasks_per_node=r.tasks_per_node,
+        cpus_per_task=r.cpus_per_task,
+        gpus_per_node=r.gpus_per_node,
+        mem_mb=max(1, round(r.mem_gb * 1024)),
+        account=slurm.account,
+        qos=slurm.qos,
+        extra={**slurm.extra_directives, **r.extra_directives},
+    )
 
 
 def slurm_parameters(slurm: SlurmConfig, role: str, job_name: str) -> dict:
@@ -121,8 +159,13 @@ def slurm_parameters(slurm: SlurmConfig, role: str, job_name: str) -> dict:
     return params
 
 
-def make_executor(kind: Literal["local", "slurm"], slurm: SlurmConfig, role: str, folder: str | os.PathLike,
-                  job_name: str | None = None) -> submitit.Executor:
+def make_executor(
+    kind: Literal["local", "slurm"],
+    slurm: SlurmConfig,
+    role: str,
+    folder: str | os.PathLike,
+    job_name: str | None = None,
+) -> submitit.Executor:
     """A submitit executor for `role` ('coordinator', 'learner', 'generator', 'sandbox')."""
     folder = Path(folder)
     name = job_name or f"hpcrl-{role}"
@@ -188,20 +231,28 @@ def preflight(cfg: Config) -> list[str]:
             conf[key.strip()] = value.strip()
     warn = []
     if conf.get("JobRequeue") == "0":
-        warn.append("JobRequeue=0: jobs are not requeueable, so a component at its time limit cannot requeue "
-                    "itself; the supervisor resubmits it instead (a new job id, one restart of its budget)")
+        warn.append(
+            "JobRequeue=0: jobs are not requeueable, so a component at its time limit cannot requeue "
+            "itself; the supervisor resubmits it instead (a new job id, one restart of its budget)"
+        )
     kill_wait = int((conf.get("KillWait") or "30").split()[0])
     if kill_wait < 10:
-        warn.append(f"KillWait={kill_wait} s: a cancelled or requeued component has only that long after SIGTERM to "
-                    "checkpoint and flush; the learner may resume from an older checkpoint and the store's open "
-                    "shard is then recovered at next open")
+        warn.append(
+            f"KillWait={kill_wait} s: a cancelled or requeued component has only that long after SIGTERM to "
+            "checkpoint and flush; the learner may resume from an older checkpoint and the store's open "
+            "shard is then recovered at next open"
+        )
     mode = conf.get("PreemptMode", "OFF").upper()
     if conf.get("PreemptType", "preempt/none") != "preempt/none" and ("CANCEL" in mode or "SUSPEND" in mode):
-        warn.append(f"PreemptMode={mode}: preempted components are cancelled or suspended, not requeued; the "
-                    "supervisor resubmits cancelled ones (each costs a restart)")
+        warn.append(
+            f"PreemptMode={mode}: preempted components are cancelled or suspended, not requeued; the "
+            "supervisor resubmits cancelled ones (each costs a restart)"
+        )
     for role in ("coordinator", "learner", "generator", "sandbox"):
         delay = cfg.slurm.role(role).signal_delay_s
         if delay < 60:
-            warn.append(f"slurm.{role}.signal_delay_s={delay}: Slurm checks time limits about once a minute, so the "
-                        "USR2 that starts the drain may come too late; 120 or more is safer")
+            warn.append(
+                f"slurm.{role}.signal_delay_s={delay}: Slurm checks time limits about once a minute, so the "
+                "USR2 that starts the drain may come too late; 120 or more is safer"
+            )
     return warn

@@ -1,7 +1,7 @@
 """What a run shows: the one-line progress, the status summary, and reward.png.
 
-    line = progress_line(read_status(run_dir), max_steps=300)
-    write_reward_png(run_dir)       # reward against step, overall and per domain, from metrics.jsonl
+line = progress_line(read_status(run_dir), max_steps=300)
+write_reward_png(run_dir)       # reward against step, overall and per domain, from metrics.jsonl
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ def progress_line(status: dict | None, max_steps: int) -> str:
     ln = status.get("learner") or {}
     if "step" not in ln:
         c = status.get("counts", {})
-        return (f"warming up: {c.get('completed', 0)} episodes done, {status.get('traj_per_s', 0):.0f} traj/s, "
-                f"busy {_busy(status)}")
-    return (f"step {ln['step']:>4}/{max_steps}  reward {ln.get('reward', 0):.3f}  v{ln.get('version', 0)}  "
-            f"{status.get('traj_per_s', 0):6.0f} traj/s  busy {_busy(status)}  "
-            f"stale-dropped {ln.get('dropped_stale', 0)}")
+        return (
+            f"warming up: {c.get('completed', 0)} episodes done, {status.get('traj_per_s', 0):.0f} traj/s, "
+            f"busy {_busy(status)}"
+        )
+    return (
+        f"step {ln['step']:>4}/{max_steps}  reward {ln.get('reward', 0):.3f}  v{ln.get('version', 0)}  "
+        f"{status.get('traj_per_s', 0):6.0f} traj/s  busy {_busy(status)}  "
+        f"stale-dropped {ln.get('dropped_stale', 0)}"
+    )
 
 
 def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
@@ -41,8 +45,9 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     ln = status.get("learner") or {}
     lines = [
         f"run        {run_dir.name}  ({status.get('state')}, status {age:.0f} s old)",
-        f"learner    step {ln.get('step', '-')}  version {ln.get('version', '-')}  reward {ln.get('reward', float('nan')):.3f}  "
-        f"loss {ln.get('loss', float('nan')):+.4f}  life {ln.get('life', 1)}",
+        f"learner    step {ln.get('step', '-')}  version {ln.get('version', '-')}  "
+        f"reward {ln.get('reward', float('nan')):.3f}  loss {ln.get('loss', float('nan')):+.4f}  "
+        f"life {ln.get('life', 1)}",
         f"throughput {status.get('traj_per_s', 0):.1f} trajectories/s  busy {_busy(status)}",
         "episodes   " + "  ".join(f"{k} {v}" for k, v in sorted(status.get("counts", {}).items())),
         f"in flight  {status.get('leases', 0)} leased, {status.get('queued', 0)} queued",
@@ -51,9 +56,11 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
         lines.append(f"  reward {domain:<28} {r:.3f}")
     for name, g in sorted((status.get("generators") or {}).items()):
         st = g.get("stats", {})
-        lines.append(f"  {name:<10} {'LOST' if g.get('lost') else 'ok':<4} trajectories {st.get('trajectories', 0)}  "
-                     f"version {st.get('version', '-')}  busy {100 * st.get('busy_fraction', 0):.0f}%  "
-                     f"last seen {time.time() - g.get('last_seen', 0):.0f} s ago")
+        lines.append(
+            f"  {name:<10} {'LOST' if g.get('lost') else 'ok':<4} trajectories {st.get('trajectories', 0)}  "
+            f"version {st.get('version', '-')}  busy {100 * st.get('busy_fraction', 0):.0f}%  "
+            f"last seen {time.time() - g.get('last_seen', 0):.0f} s ago"
+        )
     png = run_dir / "reward.png"
     if png.exists():
         lines.append(f"reward curve {png}")

@@ -15,8 +15,9 @@ status/logs/cancel` work the same. That command rebuilds the component from
 RUN_DIR/config.resolved.yaml exactly as `hpcrl submit` builds it and runs it as under submitit:
 its return value (or error) lands in RUN_DIR/submitit/<job id>_0_result.pkl, so the supervisor
 treats hand-submitted and submitit-submitted jobs alike. `--record` writes the job ids
-submit.sh got from sbatch into RUN_DIR/jobs.json. `submit.sh` submits them in dependency-free order, records the job ids in jobs.json and
-submits the supervisor last, which resubmits components that die (as under `hpcrl submit`).
+submit.sh got from sbatch into RUN_DIR/jobs.json. `submit.sh` submits them in dependency-free
+order, records the job ids in jobs.json and submits the supervisor last, which resubmits
+components that die (as under `hpcrl submit`).
 
 The heterogeneous mode puts every component in one `#SBATCH hetjob` script: Slurm starts them
 together in one allocation. There is no supervisor in that mode: the allocation is the unit, a
@@ -32,9 +33,9 @@ import shlex
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 from hpcrl.core.config import RESOLVED_NAME, Config, load_config
 from hpcrl.core.files import atomic_write_bytes
@@ -65,8 +66,15 @@ def _preamble(cfg: Config, role: str) -> list[str]:
     return lines
 
 
-def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.PathLike, roles: Sequence[Role],
-                  search_path: Sequence[str] = (), max_restarts: int = 3, hetjob: bool = False) -> list[Path]:
+def write_scripts(
+    cfg: Config,
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    roles: Sequence[Role],
+    search_path: Sequence[str] = (),
+    max_restarts: int = 3,
+    hetjob: bool = False,
+) -> list[Path]:
     """Write the scripts and submit.sh into out_dir; return their paths (submit.sh last)."""
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir)
     logs = run_dir / "submitit"
@@ -74,15 +82,18 @@ def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.Pat
     if hetjob:
         return _write_hetjob(cfg, run_dir, out_dir, comps, search_path, logs)
     py = shlex.quote(sys.executable)
-    paths, submit = [], [
-        "#!/bin/bash",
-        f"# Submits run {run_dir.name}: one job per component, then the supervisor that restarts dead ones.",
-        "# Job ids go to the run's jobs.json, so `hpcrl status/logs/cancel RUN` work as after `hpcrl submit`.",
-        "set -euo pipefail",
-        'cd "$(dirname "$0")"',
-        f"mkdir -p {shlex.quote(str(logs))}",
-        "sub() { local id; id=$(sbatch --parsable \"$1\"); echo \"${id%%;*}\"; }  # --parsable: ID or ID;cluster",
-    ]
+    paths, submit = (
+        [],
+        [
+            "#!/bin/bash",
+            f"# Submits run {run_dir.name}: one job per component, then the supervisor that restarts dead ones.",
+            "# Job ids go to the run's jobs.json, so `hpcrl status/logs/cancel RUN` work as after `hpcrl submit`.",
+            "set -euo pipefail",
+            'cd "$(dirname "$0")"',
+            f"mkdir -p {shlex.quote(str(logs))}",
+            'sub() { local id; id=$(sbatch --parsable "$1"); echo "${id%%;*}"; }  # --parsable: ID or ID;cluster',
+        ],
+    )
     record = []
     sandboxes = [n for n, role in comps if role == "sandbox"]
     for name, role in [*[c for c in comps if c[1] != "sandbox"], *([("sandbox", "sandbox")] if sandboxes else [])]:
@@ -95,11 +106,19 @@ def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.Pat
         cmd_name = "sandbox-$SLURM_ARRAY_TASK_ID" if name == "sandbox" else name
         out = f"{logs}/%A_%a_0_log" if name == "sandbox" else f"{logs}/%j_0_log"
         text = render_script(
-            [res], [*_preamble(cfg, role), f"srun --unbuffered {_command(run_dir, cmd_name, search_path, max_restarts)}"],
-            job_name=f"hpcrl-{run_dir.name}-{name}", output=out + ".out", error=out + ".err",
-            signal=f"USR2@{signal_s}", requeue=True,
-            header_comment=(f"hpcrl run {run_dir.name}: the {name} component{' (one array task per server)' if name == 'sandbox' else ''}.\n"
-                            f"USR2 {signal_s} s before the time limit: the component checkpoints and the job is requeued."))
+            [res],
+            [*_preamble(cfg, role), f"srun --unbuffered {_command(run_dir, cmd_name, search_path, max_restarts)}"],
+            job_name=f"hpcrl-{run_dir.name}-{name}",
+            output=out + ".out",
+            error=out + ".err",
+            signal=f"USR2@{signal_s}",
+            requeue=True,
+            header_comment=(
+                f"hpcrl run {run_dir.name}: the {name} component"
+                f"{' (one array task per server)' if name == 'sandbox' else ''}.\n"
+                f"USR2 {signal_s} s before the time limit: the component checkpoints and the job is requeued."
+            ),
+        )
         paths.append(write_script(text, out_dir / f"{name}.sbatch"))
         var = name.replace("-", "_")
         submit.append(f"{var}=$(sub {name}.sbatch)")
@@ -108,18 +127,29 @@ def write_scripts(cfg: Config, run_dir: str | os.PathLike, out_dir: str | os.Pat
         else:
             record.append(f"{name}=${var}")
     sup = role_resources(cfg.slurm, "coordinator")
-    text = render_script([sup], [*_preamble(cfg, "coordinator"),
-                                 f"srun --unbuffered {_command(run_dir, SUPERVISOR, search_path, max_restarts)}"],
-                         job_name=f"hpcrl-{run_dir.name}-supervisor", output=f"{logs}/%j_0_log.out",
-                         error=f"{logs}/%j_0_log.err", signal=f"USR2@{cfg.slurm.coordinator.signal_delay_s}",
-                         requeue=True, header_comment=f"hpcrl run {run_dir.name}: resubmits components that die.")
+    text = render_script(
+        [sup],
+        [
+            *_preamble(cfg, "coordinator"),
+            f"srun --unbuffered {_command(run_dir, SUPERVISOR, search_path, max_restarts)}",
+        ],
+        job_name=f"hpcrl-{run_dir.name}-supervisor",
+        output=f"{logs}/%j_0_log.out",
+        error=f"{logs}/%j_0_log.err",
+        signal=f"USR2@{cfg.slurm.coordinator.signal_delay_s}",
+        requeue=True,
+        header_comment=f"hpcrl run {run_dir.name}: resubmits components that die.",
+    )
     paths.append(write_script(text, out_dir / "supervisor.sbatch"))
     component = f"{py} -m hpcrl.jobs.scripts {shlex.quote(str(run_dir))}"
-    submit += [f"{component} --record {' '.join(record)}",
-               "supervisor=$(sub supervisor.sbatch)",
-               f"{component} --supervisor-job \"$supervisor\"",
-               f"echo \"run {run_dir.name}: {' '.join(f'{r.split(chr(61))[0]} ' + r.split(chr(61))[1] for r in record)} "
-               f"supervisor $supervisor\"", ""]
+    submit += [
+        f"{component} --record {' '.join(record)}",
+        "supervisor=$(sub supervisor.sbatch)",
+        f'{component} --supervisor-job "$supervisor"',
+        f'echo "run {run_dir.name}: {" ".join(f"{r.split(chr(61))[0]} " + r.split(chr(61))[1] for r in record)} '
+        f'supervisor $supervisor"',
+        "",
+    ]
     paths.append(write_script("\n".join(submit), out_dir / "submit.sh"))
     return paths
 
@@ -130,31 +160,45 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
     memory and GPUs (`--exact`), so steps run side by side."""
     multi = sorted({role for _, role in comps if cfg.slurm.role(role).nodes > 1})
     if multi:
-        raise ValueError(f"--hetjob puts each partition's components on one node; slurm.{multi[0]}.nodes > 1 "
-                         "needs separate jobs (write the scripts without --hetjob)")
+        raise ValueError(
+            f"--hetjob puts each partition's components on one node; slurm.{multi[0]}.nodes > 1 "
+            "needs separate jobs (write the scripts without --hetjob)"
+        )
     parts: dict[str, list[tuple[str, str]]] = {}
     for name, role in comps:
         parts.setdefault(cfg.slurm.role(role).partition, []).append((name, role))
     groups, body, pids = [], [], {}
     for g, (partition, members) in enumerate(parts.items()):
         res = [role_resources(cfg.slurm, role) for _, role in members]
-        groups.append(Resources(partition=partition, time_min=max(r.time_min for r in res), nodes=1,
-                                ntasks_per_node=sum(r.ntasks_per_node for r in res),
-                                cpus_per_task=max(r.cpus_per_task for r in res),
-                                gpus_per_node=sum(r.gpus_per_node for r in res), mem_mb=sum(r.mem_mb for r in res),
-                                account=cfg.slurm.account, qos=cfg.slurm.qos, extra=res[0].extra))
+        groups.append(
+            Resources(
+                partition=partition,
+                time_min=max(r.time_min for r in res),
+                nodes=1,
+                ntasks_per_node=sum(r.ntasks_per_node for r in res),
+                cpus_per_task=max(r.cpus_per_task for r in res),
+                gpus_per_node=sum(r.gpus_per_node for r in res),
+                mem_mb=sum(r.mem_mb for r in res),
+                account=cfg.slurm.account,
+                qos=cfg.slurm.qos,
+                extra=res[0].extra,
+            )
+        )
         for (name, _), r in zip(members, res):
             log = f"{logs}/${{SLURM_JOB_ID}}_{name}_log"
             gres = f" --gres=gpu:{r.gpus_per_node}" if r.gpus_per_node else ""
-            body.append(f"srun --het-group={g} --exact -n{r.ntasks_per_node} -c{r.cpus_per_task} --mem={r.mem_mb}M{gres} "
-                        f"--unbuffered --output={log}.out --error={log}.err {_command(run_dir, name, search_path, 0)} &")
+            body.append(
+                f"srun --het-group={g} --exact -n{r.ntasks_per_node} -c{r.cpus_per_task} --mem={r.mem_mb}M{gres} "
+                f"--unbuffered --output={log}.out --error={log}.err {_command(run_dir, name, search_path, 0)} &"
+            )
             pids[name] = f"pid_{name.replace('-', '_')}"
             body.append(f"{pids[name]}=$!")
     gens = " ".join(f"${pids[n]}" for n, role in comps if role == "generator")
     rest = " ".join(f"${pids[n]}" for n, role in comps if role not in ("generator", "learner"))
     body += [
         f"wait ${pids['learner']} || true  # the run is over when the learner reached learner.max_steps",
-        f"(sleep 60; kill -TERM {gens} 2>/dev/null) & timer=$!  # generators leave when the coordinator says so; bound it",
+        f"(sleep 60; kill -TERM {gens} 2>/dev/null) & timer=$!"
+        "  # generators leave when the coordinator says so; bound it",
         f"wait {gens} || true",
         "kill $timer 2>/dev/null || true",
         "# SIGTERM to the steps still running (store, coordinator, sandboxes) and not to srun itself, which",
@@ -162,22 +206,36 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
         'scancel --signal=TERM "$SLURM_JOB_ID" || true',
         f"wait {rest} || true",
     ]
-    text = render_script(groups, [*_preamble(cfg, "learner"), *body],
-                         job_name=f"hpcrl-{run_dir.name}", output=f"{logs}/%j_hetjob.out",
-                         signal=f"USR2@{cfg.slurm.learner.signal_delay_s}", requeue=True,
-                         header_comment=(f"hpcrl run {run_dir.name}: every component in one heterogeneous job, one "
-                                         f"group per partition ({', '.join(parts)}).\n"
-                                         "No supervisor: a component that dies is not replaced; requeue the job."))
+    text = render_script(
+        groups,
+        [*_preamble(cfg, "learner"), *body],
+        job_name=f"hpcrl-{run_dir.name}",
+        output=f"{logs}/%j_hetjob.out",
+        signal=f"USR2@{cfg.slurm.learner.signal_delay_s}",
+        requeue=True,
+        header_comment=(
+            f"hpcrl run {run_dir.name}: every component in one heterogeneous job, one "
+            f"group per partition ({', '.join(parts)}).\n"
+            "No supervisor: a component that dies is not replaced; requeue the job."
+        ),
+    )
     script = write_script(text, out_dir / "run.hetjob.sbatch")
     py = shlex.quote(sys.executable)
     component = f"{py} -m hpcrl.jobs.scripts {shlex.quote(str(run_dir))}"
     # Slurm names a heterogeneous job's groups <id>+<offset>; squeue/sacct/scancel take them.
     offset = {name: g for g, members in enumerate(parts.values()) for name, _ in members}
     record = " ".join(f"{n}=$job+{offset[n]}" for n, _ in comps)
-    submit = ["#!/bin/bash", f"# Submits run {run_dir.name} as one heterogeneous job and records its id.",
-              "set -euo pipefail", 'cd "$(dirname "$0")"', f"mkdir -p {shlex.quote(str(logs))}",
-              'job=$(sbatch --parsable run.hetjob.sbatch); job=${job%%;*}',
-              f"{component} --record {record}", f'echo "run {run_dir.name}: hetjob $job"', ""]
+    submit = [
+        "#!/bin/bash",
+        f"# Submits run {run_dir.name} as one heterogeneous job and records its id.",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")"',
+        f"mkdir -p {shlex.quote(str(logs))}",
+        "job=$(sbatch --parsable run.hetjob.sbatch); job=${job%%;*}",
+        f"{component} --record {record}",
+        f'echo "run {run_dir.name}: hetjob $job"',
+        "",
+    ]
     return [script, write_script("\n".join(submit), out_dir / "submit.sh")]
 
 
@@ -222,11 +280,19 @@ def run_component(run_dir: Path, name: str, search_path: Sequence[str], max_rest
     return 0
 
 
-def record_jobs(run_dir: Path, pairs: list[str], supervisor: str | None, search_path: Sequence[str],
-                max_restarts: int) -> int:
-    rec = read_jobs(run_dir) or {"executor": "slurm", "run_dir": str(run_dir), "submitted": time.time(),
-                                 "state": "submitted", "message": "", "max_restarts": max_restarts,
-                                 "search_path": list(search_path), "components": {}}
+def record_jobs(
+    run_dir: Path, pairs: list[str], supervisor: str | None, search_path: Sequence[str], max_restarts: int
+) -> int:
+    rec = read_jobs(run_dir) or {
+        "executor": "slurm",
+        "run_dir": str(run_dir),
+        "submitted": time.time(),
+        "state": "submitted",
+        "message": "",
+        "max_restarts": max_restarts,
+        "search_path": list(search_path),
+        "components": {},
+    }
     roles = {"store": "coordinator", "coordinator": "coordinator", "learner": "learner"}
     for pair in pairs:
         name, _, job = pair.partition("=")
@@ -234,8 +300,12 @@ def record_jobs(run_dir: Path, pairs: list[str], supervisor: str | None, search_
             raise SystemExit(f"--record takes NAME=JOBID pairs (got {pair!r})")
         role = roles.get(name) or ("generator" if name.startswith("gen-") else "sandbox")
         old = rec["components"].get(name, {"history": [], "restarts": 0})
-        rec["components"][name] = {"role": role, "job_id": job, "history": [*old["history"], job],
-                                   "restarts": old["restarts"]}
+        rec["components"][name] = {
+            "role": role,
+            "job_id": job,
+            "history": [*old["history"], job],
+            "restarts": old["restarts"],
+        }
     if supervisor:
         rec["supervisor"] = {"job_id": supervisor, "history": [supervisor]}
         rec["state"] = "running"
@@ -244,11 +314,15 @@ def record_jobs(run_dir: Path, pairs: list[str], supervisor: str | None, search_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcrl.jobs.scripts",
-                                description="Run one component of a run in the foreground (what the scripts of "
-                                            "`hpcrl sbatch` call), or record the job ids submit.sh got.")
+    p = argparse.ArgumentParser(
+        prog="python -m hpcrl.jobs.scripts",
+        description="Run one component of a run in the foreground (what the scripts of "
+        "`hpcrl sbatch` call), or record the job ids submit.sh got.",
+    )
     p.add_argument("run_dir", type=Path)
-    p.add_argument("name", nargs="?", help="component to run: store, coordinator, learner, gen-N, sandbox-N, supervisor")
+    p.add_argument(
+        "name", nargs="?", help="component to run: store, coordinator, learner, gen-N, sandbox-N, supervisor"
+    )
     p.add_argument("--search-path", action="append", default=[], help="folder searched for site domain modules")
     p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
     p.add_argument("--record", nargs="*", metavar="NAME=JOBID", help="write these job ids into jobs.json instead")

@@ -1,8 +1,8 @@
 """One snapshot of a run for `hpcrl status`: its components' Slurm jobs joined with status.json.
 
-    snap = snapshot(run_dir)            # {"run", "state", "step", ..., "components": [{"name", "job_id", "state", ...}]}
+    snap = snapshot(run_dir)          # {"run", "state", "step", ..., "components": [{"name", "job_id", "state", ...}]}
     print(snapshot_text(snap))
-    runs = recent_runs(run_root)        # [{"run", "state", "step", "updated"}], newest first
+    runs = recent_runs(run_root)      # [{"run", "state", "step", "updated"}], newest first
 
 Slurm is asked twice at most, whatever the number of components: one `squeue` for every job
 id of the run, then one `sacct` for the ids that already left the queue. Runs started with
@@ -48,8 +48,11 @@ def _heartbeats(name: str, status: dict, now: float) -> tuple[float | None, dict
     if g:
         st = g.get("stats", {})
         rate = st.get("trajectories", 0) / st["wall_s"] if st.get("wall_s") else 0.0
-        return now - g.get("last_seen", now), {"traj_per_s": rate, "busy_fraction": st.get("busy_fraction", 0.0),
-                                                "trajectories": st.get("trajectories", 0)}
+        return now - g.get("last_seen", now), {
+            "traj_per_s": rate,
+            "busy_fraction": st.get("busy_fraction", 0.0),
+            "trajectories": st.get("trajectories", 0),
+        }
     return None, {}
 
 
@@ -63,12 +66,16 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
     jobs = read_jobs(run_dir)
     ln = status.get("learner") or {}
     snap = {
-        "run": run_dir.name, "run_dir": str(run_dir), "executor": "slurm" if jobs else "local",
+        "run": run_dir.name,
+        "run_dir": str(run_dir),
+        "executor": "slurm" if jobs else "local",
         "state": (jobs or {}).get("state") or status.get("state") or "unknown",
         "message": (jobs or {}).get("message", ""),
         "coordinator_state": status.get("state"),
         "status_age_s": now - float(status["updated"]) if "updated" in status else None,
-        "step": ln.get("step"), "version": ln.get("version"), "reward": ln.get("reward"),
+        "step": ln.get("step"),
+        "version": ln.get("version"),
+        "reward": ln.get("reward"),
         "trajectories": (status.get("counts") or {}).get("completed", 0),
         "traj_per_s": status.get("traj_per_s", 0.0),
         "reward_by_domain": status.get("reward_by_domain") or {},
@@ -79,11 +86,18 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
 
         for f in sorted((run_dir / "procs").glob("*.json")):
             name = f.stem
-            beat, rates = _heartbeats(name.removesuffix("-0") if name.startswith(("learner", "store")) else name,
-                                      status, now)
-            snap["components"].append({"name": name, "job_id": None,
-                                       "state": "RUNNING" if pids(run_dir, name) else "GONE",
-                                       "heartbeat_age_s": beat, **rates})
+            beat, rates = _heartbeats(
+                name.removesuffix("-0") if name.startswith(("learner", "store")) else name, status, now
+            )
+            snap["components"].append(
+                {
+                    "name": name,
+                    "job_id": None,
+                    "state": "RUNNING" if pids(run_dir, name) else "GONE",
+                    "heartbeat_age_s": beat,
+                    **rates,
+                }
+            )
         return snap
     entries = [(name, c) for name, c in jobs["components"].items()]
     if jobs.get("supervisor"):
@@ -104,8 +118,12 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
             row.update(state=q["state"], node=q["nodes"] or None, elapsed=q["elapsed"], time_left=q["time_left"])
         elif jid in records:
             r = records[jid]
-            row.update(state=r.state, node=",".join(r.nodes) or None,
-                       elapsed=None if r.elapsed_s is None else _hms(r.elapsed_s), time_left=None)
+            row.update(
+                state=r.state,
+                node=",".join(r.nodes) or None,
+                elapsed=None if r.elapsed_s is None else _hms(r.elapsed_s),
+                time_left=None,
+            )
         else:
             row.update(state="UNKNOWN", node=None, elapsed=None, time_left=None)
         beat, rates = _heartbeats(name, status, now)
@@ -125,21 +143,31 @@ def _num(v, fmt: str, missing: str = "-") -> str:
 
 
 def snapshot_text(snap: dict) -> str:
-    lines = [f"run        {snap['run']}  ({snap['executor']}, {snap['state']}"
-             + (f": {snap['message']}" if snap.get("message") else "") + ")",
-             f"learner    step {_num(snap['step'], 'd')}  policy version {_num(snap['version'], 'd')}  "
-             f"reward {_num(snap['reward'], '.3f')}  trajectories {snap['trajectories']}  "
-             f"{snap['traj_per_s']:.1f} traj/s  (status {_num(snap['status_age_s'], '.0f', '?')} s old)"]
+    lines = [
+        f"run        {snap['run']}  ({snap['executor']}, {snap['state']}"
+        + (f": {snap['message']}" if snap.get("message") else "")
+        + ")",
+        f"learner    step {_num(snap['step'], 'd')}  policy version {_num(snap['version'], 'd')}  "
+        f"reward {_num(snap['reward'], '.3f')}  trajectories {snap['trajectories']}  "
+        f"{snap['traj_per_s']:.1f} traj/s  (status {_num(snap['status_age_s'], '.0f', '?')} s old)",
+    ]
     for d, r in sorted(snap["reward_by_domain"].items()):
         lines.append(f"  reward {d:<28} {r:.3f}")
-    lines.append(f"{'component':<12} {'job':<10} {'state':<11} {'node':<6} {'elapsed':>9} {'left':>9} "
-                 f"{'restarts':>8} {'heartbeat':>9}  throughput")
+    lines.append(
+        f"{'component':<12} {'job':<10} {'state':<11} {'node':<6} {'elapsed':>9} {'left':>9} "
+        f"{'restarts':>8} {'heartbeat':>9}  throughput"
+    )
     for c in snap["components"]:
-        rate = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in c.items() if k in ("traj_per_s", "steps_per_s", "busy_fraction"))
-        lines.append(f"{c['name']:<12} {str(c.get('job_id') or '-'):<10} {c['state']:<11} {str(c.get('node') or '-'):<6} "
-                     f"{str(c.get('elapsed') or '-'):>9} {str(c.get('time_left') or '-'):>9} {c.get('restarts', 0):>8} "
-                     f"{_num(c.get('heartbeat_age_s'), '.0f'):>7} s  {rate}")
+        rate = ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in c.items()
+            if k in ("traj_per_s", "steps_per_s", "busy_fraction")
+        )
+        lines.append(
+            f"{c['name']:<12} {c.get('job_id') or '-'!s:<10} {c['state']:<11} {c.get('node') or '-'!s:<6} "
+            f"{c.get('elapsed') or '-'!s:>9} {c.get('time_left') or '-'!s:>9} {c.get('restarts', 0):>8} "
+            f"{_num(c.get('heartbeat_age_s'), '.0f'):>7} s  {rate}"
+        )
     return "\n".join(lines)
 
 
@@ -160,7 +188,14 @@ def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:
             jobs = json.loads((p / "jobs.json").read_text())
         except (OSError, ValueError):
             jobs = None
-        out.append({"run": p.name, "run_dir": str(p), "executor": "slurm" if jobs else "local",
-                    "state": (jobs or {}).get("state") or status.get("state") or "unknown",
-                    "step": (status.get("learner") or {}).get("step"), "updated": status.get("updated")})
+        out.append(
+            {
+                "run": p.name,
+                "run_dir": str(p),
+                "executor": "slurm" if jobs else "local",
+                "state": (jobs or {}).get("state") or status.get("state") or "unknown",
+                "step": (status.get("learner") or {}).get("step"),
+                "updated": status.get("updated"),
+            }
+        )
     return out

@@ -33,8 +33,9 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import psutil
 import submitit
@@ -48,15 +49,33 @@ from hpcrl.rl.coordinator import read_status
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
-__all__ = ["LocalRun", "RunFailed", "SupervisorComponent", "submit_run", "verdict", "queue_states", "pids",
-           "CANCEL_NAME"]
+__all__ = [
+    "LocalRun",
+    "RunFailed",
+    "SupervisorComponent",
+    "submit_run",
+    "verdict",
+    "queue_states",
+    "pids",
+    "CANCEL_NAME",
+]
 
 log = logging.getLogger("hpcrl.supervise")
 
 CANCEL_NAME = "cancel.requested"  # written by `hpcrl cancel`: the supervisor restarts nothing after it
 # squeue states after which the job will not run again under this id.
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-            "SPECIAL_EXIT", "REVOKED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "SPECIAL_EXIT",
+    "REVOKED",
+}
 
 
 class RunFailed(RuntimeError):
@@ -84,7 +103,7 @@ def _stop_coordinator(run_dir: Path, client_name: str) -> None:
     try:
         with Node(run_dir, client_name) as node:
             RequestClient(node, "coordinator", timeout_s=2.0, retries=1, discover_timeout_s=1.0).request("stop")
-    except Exception as exc:  # noqa: BLE001 - cancelling afterwards still ends everything
+    except Exception as exc:  # cancelling afterwards still ends everything
         log.warning("could not ask the coordinator to stop: %s", exc)
 
 
@@ -105,8 +124,9 @@ class LocalRun:
         return next(r for r in self.roles if r.name == name)
 
     def _submit(self, role: Role) -> None:
-        ex = make_executor(self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit",
-                           job_name=f"hpcrl-{role.name}")
+        ex = make_executor(
+            self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit", job_name=f"hpcrl-{role.name}"
+        )
         role.job = ex.submit(role.component)
         role.history.append(role.job.job_id)
         log.info("submitted %s as job %s", role.name, role.job.job_id)
@@ -122,7 +142,7 @@ class LocalRun:
                 continue
             try:
                 result = role.job.result()
-            except Exception as exc:  # noqa: BLE001 - the job's failure, judged below
+            except Exception as exc:  # the job's failure, judged below
                 result = exc
             what = verdict(role.name, result, self.cfg.learner.max_steps)
             if what == "finished":
@@ -133,20 +153,31 @@ class LocalRun:
                 continue
             err = _why(role.name, result, self.cfg.learner.max_steps)
             if role.restarts >= self.max_restarts:
-                raise RunFailed(f"{role.name} failed {role.restarts + 1} times; last: {err[-800:]} "
-                                f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)")
+                raise RunFailed(
+                    f"{role.name} failed {role.restarts + 1} times; last: {err[-800:]} "
+                    f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)"
+                )
             if role.name == "learner" and self._ended:
                 # Generators that were told the run is over are needed again by a resumed learner.
                 for name in sorted(self._ended):
                     self._submit(self.role(name))
                 self._ended.clear()
             role.restarts += 1
-            log.warning("%s ended (%s); restarting it (%d/%d)", role.name, err.strip().splitlines()[-1][:200] if
-                        err.strip() else "?", role.restarts, self.max_restarts)
+            log.warning(
+                "%s ended (%s); restarting it (%d/%d)",
+                role.name,
+                err.strip().splitlines()[-1][:200] if err.strip() else "?",
+                role.restarts,
+                self.max_restarts,
+            )
             self._submit(role)
 
-    def wait(self, on_status: Callable[[dict | None], None] = lambda s: None, poll_s: float = 1.0,
-             timeout_s: float | None = None) -> bool:
+    def wait(
+        self,
+        on_status: Callable[[dict | None], None] = lambda s: None,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
+    ) -> bool:
         """Until the learner finished (True) or `timeout_s` passed (False); calls on_status each poll."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.finished:
@@ -163,9 +194,11 @@ class LocalRun:
         coord = self.role("coordinator").job
         if coord is not None and not coord.done():
             _stop_coordinator(self.run_dir, "hpcrl-run")
-        order = [[r for r in self.roles if r.slurm_role in ("generator", "learner")],
-                 [r for r in self.roles if r.slurm_role == "sandbox"],
-                 [self.role("coordinator"), self.role("store")]]
+        order = [
+            [r for r in self.roles if r.slurm_role in ("generator", "learner")],
+            [r for r in self.roles if r.slurm_role == "sandbox"],
+            [self.role("coordinator"), self.role("store")],
+        ]
         for group in order:
             for r in group:
                 self.stop_role(r)  # generators also hear it from the coordinator; the learner checkpoints
@@ -244,22 +277,39 @@ def _result(folder: Path, job_id: str) -> Any:
         return RuntimeError(f"job {job_id} left no result (killed or cancelled); see {job.paths.stderr}")
     try:
         outcome, value = submitit.core.utils.pickle_load(path)
-    except Exception as exc:  # noqa: BLE001 - a truncated pickle is a failure like any other
+    except Exception as exc:  # a truncated pickle is a failure like any other
         return exc
     return value if outcome == "success" else RuntimeError(str(value)[-800:])
 
 
-def submit_run(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Role], search_path: Sequence[str] = (),
-               max_restarts: int = 3) -> dict:
+def submit_run(
+    cfg: Config,
+    run_dir: str | os.PathLike,
+    roles: Sequence[Role],
+    search_path: Sequence[str] = (),
+    max_restarts: int = 3,
+) -> dict:
     """Submit every component, then the supervisor; write and return the jobs.json record."""
     check_slurm(cfg)
     run_dir = Path(run_dir)
-    record = {"executor": "slurm", "run_dir": str(run_dir), "submitted": time.time(), "state": "submitted",
-              "message": "", "max_restarts": max_restarts, "search_path": list(search_path), "components": {}}
+    record = {
+        "executor": "slurm",
+        "run_dir": str(run_dir),
+        "submitted": time.time(),
+        "state": "submitted",
+        "message": "",
+        "max_restarts": max_restarts,
+        "search_path": list(search_path),
+        "components": {},
+    }
 
     def note(role: Role, job_id: str) -> None:
-        record["components"][role.name] = {"role": role.slurm_role, "job_id": job_id, "history": [job_id],
-                                           "restarts": 0}
+        record["components"][role.name] = {
+            "role": role.slurm_role,
+            "job_id": job_id,
+            "history": [job_id],
+            "restarts": 0,
+        }
 
     sandboxes = [r for r in roles if r.slurm_role == "sandbox"]
     for role in roles:
@@ -275,7 +325,8 @@ def submit_run(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Role], s
                 note(r, job.job_id)
     write_jobs(run_dir, record)
     sup = slurm_executor(cfg, run_dir, "coordinator", SUPERVISOR).submit(
-        SupervisorComponent(run_dir, cfg, tuple(search_path), max_restarts))
+        SupervisorComponent(run_dir, cfg, tuple(search_path), max_restarts)
+    )
     record["supervisor"] = {"job_id": sup.job_id, "history": [sup.job_id]}
     record["state"] = "running"
     write_jobs(run_dir, record)

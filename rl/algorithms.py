@@ -54,7 +54,9 @@ class TokenBatch:
         return int(self.action_mask.sum().item())
 
 
-def group_advantages(rewards: torch.Tensor, group_index: torch.Tensor, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, normalize_std: bool, eps: float = 1e-6
+) -> torch.Tensor:
     """reward - mean(group), optionally / std(group); a group whose rewards are all equal gets 0."""
     rewards = rewards.float()
     n_groups = int(group_index.max().item()) + 1 if len(group_index) else 0

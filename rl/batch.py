@@ -18,7 +18,7 @@ recorded for it.
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -71,6 +71,7 @@ class GroupBuffer:
     def pop(self, n_groups: int, version: int, max_staleness: int) -> list[list[Trajectory]] | None:
         """The first n_groups eligible complete groups, or None (nothing removed) if fewer exist.
         Groups too stale to be trained, complete or not, are dropped on the way."""
+
         def stale(trajs) -> bool:
             return version - min(t.min_policy_version for t in trajs) > max_staleness
 

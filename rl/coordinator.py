@@ -35,9 +35,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import atomic_write_text
@@ -69,8 +70,17 @@ def read_status(run_dir: str | os.PathLike) -> dict | None:
 
 
 class Coordinator:
-    def __init__(self, run_dir: str | os.PathLike, weights: Mapping[str, float], group_size: int, batch_groups: int,
-                 max_staleness: int, max_steps: int, seed: int, cfg: CoordinatorConfig):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        weights: Mapping[str, float],
+        group_size: int,
+        batch_groups: int,
+        max_staleness: int,
+        max_steps: int,
+        seed: int,
+        cfg: CoordinatorConfig,
+    ):
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.sampler = TaskSampler(weights, group_size, seed)
@@ -100,10 +110,19 @@ class Coordinator:
         return self.run_dir / "coordinator" / "state.json"
 
     def _save(self) -> None:
-        outstanding = [list(_ticket_row(t)) for t in self.queue] + [list(_ticket_row(l.ticket)) for l in self.leases.values()]
-        _atomic_json(self._state_path, {"sampler": self.sampler.state(), "outstanding": outstanding,
-                                        "groups_issued": self.groups_issued, "counts": dict(self.counts),
-                                        "abandoned_groups": sorted(self.abandoned_groups)})
+        outstanding = [list(_ticket_row(t)) for t in self.queue] + [
+            list(_ticket_row(lease.ticket)) for lease in self.leases.values()
+        ]
+        _atomic_json(
+            self._state_path,
+            {
+                "sampler": self.sampler.state(),
+                "outstanding": outstanding,
+                "groups_issued": self.groups_issued,
+                "counts": dict(self.counts),
+                "abandoned_groups": sorted(self.abandoned_groups),
+            },
+        )
 
     def _restore(self) -> None:
         try:
@@ -119,7 +138,9 @@ class Coordinator:
             d, idx, ep, grp, att = row
             self.queue.append(EpisodeTicket(d, int(idx), int(ep), int(grp), int(att) + 1))
         self.counts["reissued"] += len(state["outstanding"])
-        log.info("coordinator resumed: %d episodes re-issued, %d groups issued before", len(self.queue), self.groups_issued)
+        log.info(
+            "coordinator resumed: %d episodes re-issued, %d groups issued before", len(self.queue), self.groups_issued
+        )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -158,8 +179,14 @@ class Coordinator:
             if t.attempt + 1 >= self.cfg.max_attempts:
                 self.counts["abandoned"] += 1
                 self.abandoned_groups.add(t.group)
-                log.warning("episode %d (%s task %d) abandoned after %d attempts: %s", t.episode, t.domain,
-                            t.task_index, t.attempt + 1, reason)
+                log.warning(
+                    "episode %d (%s task %d) abandoned after %d attempts: %s",
+                    t.episode,
+                    t.domain,
+                    t.task_index,
+                    t.attempt + 1,
+                    reason,
+                )
             else:
                 self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
                 self.counts["reissued"] += 1
@@ -172,12 +199,18 @@ class Coordinator:
             if lease.generator == name:
                 lease.renewed = now
         tickets = [] if self.stopping else self._issue(name, int(body.get("want", 0)), now)
-        return {"tickets": [list(_ticket_row(t)) for t in tickets], "stop": self.stopping,
-                "version": self.learner.get("version")}
+        return {
+            "tickets": [list(_ticket_row(t)) for t in tickets],
+            "stop": self.stopping,
+            "version": self.learner.get("version"),
+        }
 
     def _issue(self, generator: str, want: int, now: float) -> list[EpisodeTicket]:
-        consumed = (int(self.learner.get("trained_groups", 0)) + int(self.learner.get("dropped_groups", 0))
-                    + len(self.abandoned_groups))
+        consumed = (
+            int(self.learner.get("trained_groups", 0))
+            + int(self.learner.get("dropped_groups", 0))
+            + len(self.abandoned_groups)
+        )
         while len(self.queue) < want and self.groups_issued - consumed < self.max_ahead:
             self.queue.extend(self.sampler.next_group())
             self.groups_issued += 1
@@ -204,7 +237,7 @@ class Coordinator:
         """Re-issue the episodes of generators silent for lease_s; returns how many."""
         with self._lock:
             now = time.monotonic()
-            dead = [ep for ep, l in self.leases.items() if now - l.renewed > self.cfg.lease_s]
+            dead = [ep for ep, lease in self.leases.items() if now - lease.renewed > self.cfg.lease_s]
             for ep in dead:
                 lease = self.leases.pop(ep)
                 t = lease.ticket
@@ -226,9 +259,14 @@ class Coordinator:
         busy_gen = sum(s.get("busy_fraction", 0.0) for s in gens) / len(gens) if gens else 0.0
         sandbox_slots = max(1, sum(int(s.get("sandbox_slots", 0)) for s in gens)) if gens else 1
         sandbox_busy = sum(s.get("sandbox_s_rate", 0.0) for s in gens) / sandbox_slots
-        return {"traj_per_s": len(self._done_times) / elapsed,
-                "busy": {"generator": busy_gen, "learner": float(self.learner.get("busy_fraction", 0.0)),
-                         "sandbox": min(1.0, sandbox_busy)}}
+        return {
+            "traj_per_s": len(self._done_times) / elapsed,
+            "busy": {
+                "generator": busy_gen,
+                "learner": float(self.learner.get("busy_fraction", 0.0)),
+                "sandbox": min(1.0, sandbox_busy),
+            },
+        }
 
     def write_status(self, final: bool = False) -> None:
         """`final`: the coordinator is exiting: the run "finished" (the learner reached max_steps)

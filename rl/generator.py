@@ -23,8 +23,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -77,8 +78,18 @@ class _Episode:
 
 
 class Generator:
-    def __init__(self, cfg: GeneratorConfig, policy: Policy, domains: Mapping[str, Domain], *, run: str, name: str,
-                 seed: int, executor: Any = None, weights=None):
+    def __init__(
+        self,
+        cfg: GeneratorConfig,
+        policy: Policy,
+        domains: Mapping[str, Domain],
+        *,
+        run: str,
+        name: str,
+        seed: int,
+        executor: Any = None,
+        weights=None,
+    ):
         self.cfg, self.policy, self.domains = cfg, policy, dict(domains)
         self.run_name, self.name = run, name
         self.executor, self.weights = executor, weights
@@ -110,7 +121,9 @@ class Generator:
 
     # -- the loop ------------------------------------------------------------------------
 
-    def run(self, source: TaskSource, sink: Callable[[Trajectory], None], stop: Callable[[], bool] = lambda: False) -> None:
+    def run(
+        self, source: TaskSource, sink: Callable[[Trajectory], None], stop: Callable[[], bool] = lambda: False
+    ) -> None:
         """Generate until `stop()` is true (checked every iteration). Episodes still in flight stay
         for the next call; `close()` abandons them."""
         last = time.perf_counter()
@@ -152,7 +165,7 @@ class Generator:
             task = domain.task(ticket.task_index)
             try:
                 env = domain.make_env(task, self.executor) if domain.needs_executor else domain.make_env(task)
-            except Exception as exc:  # noqa: BLE001 - a broken site domain fails its episode, not the generator
+            except Exception as exc:  # a broken site domain fails its episode, not the generator
                 source.failed(ticket, f"make_env: {type(exc).__name__}: {exc}")
                 continue
             ep = _Episode(ticket, domain, env, task.id, time.time())
@@ -169,7 +182,9 @@ class Generator:
             return
         ids = self.policy.prompt_ids(result)
         if len(ids) + 1 >= self.max_context:
-            self._fail(ep, source, f"prompt of {len(ids)} tokens does not fit the model's {self.max_context}-token context")
+            self._fail(
+                ep, source, f"prompt of {len(ids)} tokens does not fit the model's {self.max_context}-token context"
+            )
             return
         ep.context, ep.prompt, ep.ready = list(ids), list(ids), True
 
@@ -217,18 +232,20 @@ class Generator:
         obs_ids = self.policy.encode(result.observation) if result.observation and not result.done else []
         fb = result.info.get("feedback") if result.info else None
         n = len(sample.tokens)
-        ep.steps.append(Step(
-            policy_version=version,
-            prompt_tokens=np.asarray(prompt, np.int32),
-            action_tokens=np.asarray(sample.tokens, np.int32),
-            action_logprobs=np.asarray(sample.logprobs, np.float32),
-            loss_mask=np.ones(n, np.uint8),
-            observation_tokens=np.asarray(obs_ids, np.int32),
-            reward=float(result.reward),
-            sandbox=_outcome(fb),
-            generate_s=gen_s,
-            env_s=env_s,
-        ))
+        ep.steps.append(
+            Step(
+                policy_version=version,
+                prompt_tokens=np.asarray(prompt, np.int32),
+                action_tokens=np.asarray(sample.tokens, np.int32),
+                action_logprobs=np.asarray(sample.logprobs, np.float32),
+                loss_mask=np.ones(n, np.uint8),
+                observation_tokens=np.asarray(obs_ids, np.int32),
+                reward=float(result.reward),
+                sandbox=_outcome(fb),
+                generate_s=gen_s,
+                env_s=env_s,
+            )
+        )
         self.stats.steps += 1
         if ep.domain.needs_executor:
             self.stats.sandbox_s += env_s
@@ -250,9 +267,16 @@ class Generator:
         _close(ep.env)
         reward = float(sum(s.reward for s in ep.steps))
         traj = Trajectory(
-            run=self.run_name, domain=ep.ticket.domain, task=ep.task_id,
-            episode=ep.ticket.episode, generator=self.name, steps=tuple(ep.steps), final_reward=reward,
-            truncation=truncation, started_at=ep.started_at, finished_at=time.time(),
+            run=self.run_name,
+            domain=ep.ticket.domain,
+            task=ep.task_id,
+            episode=ep.ticket.episode,
+            generator=self.name,
+            steps=tuple(ep.steps),
+            final_reward=reward,
+            truncation=truncation,
+            started_at=ep.started_at,
+            finished_at=time.time(),
         )
         self.stats.trajectories += 1
         self.stats.reward_sum += reward
@@ -286,7 +310,7 @@ def _timed(fn, *args):
     t0 = time.perf_counter()
     try:
         return fn(*args), time.perf_counter() - t0, None
-    except Exception as exc:  # noqa: BLE001 - reported per episode by the caller
+    except Exception as exc:  # reported per episode by the caller
         return None, time.perf_counter() - t0, exc
 
 
@@ -299,5 +323,5 @@ def _outcome(fb: Any) -> SandboxOutcome:
 def _close(env: Environment) -> None:
     try:
         env.close()
-    except Exception as exc:  # noqa: BLE001 - cleanup must not take the generator down
+    except Exception as exc:  # cleanup must not take the generator down
         log.warning("environment close failed: %s", exc)

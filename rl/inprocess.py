@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hpcrl.core.config import Config, load_config
 from hpcrl.rl.batch import GroupBuffer
@@ -30,8 +30,12 @@ from hpcrl.rl.weights import WeightStore
 __all__ = ["train_in_process"]
 
 
-def train_in_process(cfg: Config, run_dir: str | Path, on_step: Callable[[dict], None] = lambda m: None,
-                     stop_at_reward: float | None = None) -> list[dict]:
+def train_in_process(
+    cfg: Config,
+    run_dir: str | Path,
+    on_step: Callable[[dict], None] = lambda m: None,
+    stop_at_reward: float | None = None,
+) -> list[dict]:
     """Train up to cfg.learner.max_steps optimizer steps (resuming from the run dir's newest
     checkpoint, if any), or until a step's mean reward reaches `stop_at_reward`; return each
     step's metrics. Episodes in flight at a crash are not saved: a resumed loop samples new ones."""
@@ -47,8 +51,16 @@ def train_in_process(cfg: Config, run_dir: str | Path, on_step: Callable[[dict],
 
         executor = SandboxJudge(make_backend(cfg.sandbox))
     policy = Policy.load(cfg.policy, seed=seed)
-    gen = Generator(cfg.generators, policy, domains, run=run_dir.name or "run", name="gen-0", seed=seed,
-                    executor=executor, weights=WeightStore(run_dir, keep=cfg.learner.keep_weights))
+    gen = Generator(
+        cfg.generators,
+        policy,
+        domains,
+        run=run_dir.name or "run",
+        name="gen-0",
+        seed=seed,
+        executor=executor,
+        weights=WeightStore(run_dir, keep=cfg.learner.keep_weights),
+    )
     sampler = TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, seed)
     if "sampler" in resumed:
         sampler.restore(resumed["sampler"])  # new task instances, not the ones before the checkpoint
@@ -60,7 +72,7 @@ def train_in_process(cfg: Config, run_dir: str | Path, on_step: Callable[[dict],
         while learner.step < cfg.learner.max_steps:
             batch: list = []
 
-            def ready() -> bool:
+            def ready(batch: list = batch) -> bool:
                 got = buffer.pop(cfg.learner.batch_groups, learner.version, cfg.learner.max_staleness)
                 if got is not None:
                     batch.extend(got)
@@ -94,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.metrics, "a") if args.metrics else None
 
     def report(m: dict) -> None:
-        print(f"step {m['step']:4d}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
-              f"clip {m['clip_fraction']:.3f}  {m['elapsed_s']:.1f} s", flush=True)
+        print(
+            f"step {m['step']:4d}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  "
+            f"clip {m['clip_fraction']:.3f}  {m['elapsed_s']:.1f} s",
+            flush=True,
+        )
         if out:
             out.write(json.dumps(m) + "\n")
             out.flush()

@@ -26,8 +26,9 @@ import shutil
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +54,9 @@ def import_deepspeed(device: torch.device):
     # Its shared-memory collective op compiles ~50 s on first use and gloo does not need it.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed calls collectives torch has renamed; one warning per call drowns the logs.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
+    )
     return deepspeed
 
 
@@ -77,8 +80,14 @@ def deepspeed_config(cfg: LearnerConfig, policy: PolicyConfig, micro_steps: int)
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig, policy: PolicyConfig, run_dir: str | os.PathLike, seed: int,
-                 dist: DistEnv | None = None):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        policy: PolicyConfig,
+        run_dir: str | os.PathLike,
+        seed: int,
+        dist: DistEnv | None = None,
+    ):
         self.cfg, self.policy_cfg = cfg, policy
         self.run_dir = Path(run_dir)
         self.seed = seed
@@ -101,7 +110,11 @@ class Learner:
         self.dist.export()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.dist.local_rank)
-        backend = self.cfg.dist_backend if self.cfg.dist_backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        backend = (
+            self.cfg.dist_backend
+            if self.cfg.dist_backend != "auto"
+            else ("nccl" if self.device.type == "cuda" else "gloo")
+        )
         ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         self.rank, self.world = self.dist.rank, self.dist.world_size
 
@@ -110,7 +123,9 @@ class Learner:
         self.micro_steps = math.ceil(per_rank / self.cfg.micro_batch)
         config = deepspeed_config(self.cfg, self.policy_cfg, self.micro_steps)
         self.tokenizer = load_tokenizer(self.policy_cfg)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
         if self.policy_cfg.path is not None:
             # Keeps transformers' ZeRO-3 integration on, so from_pretrained loads straight into shards.
             from transformers.integrations import HfDeepSpeedConfig
@@ -141,8 +156,10 @@ class Learner:
         trajs = [t for g in groups for t in g]
         expected = self.cfg.batch_groups * self.cfg.group_size
         if len(trajs) != expected:
-            raise ValueError(f"train_step: got {len(trajs)} trajectories, the configured batch is "
-                             f"batch_groups x group_size = {expected}")
+            raise ValueError(
+                f"train_step: got {len(trajs)} trajectories, the configured batch is "
+                f"batch_groups x group_size = {expected}"
+            )
         rewards = torch.tensor([t.final_reward for t in trajs])
         gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g])
         adv = self.algorithm.advantages(rewards, gidx)
@@ -151,7 +168,7 @@ class Learner:
         # Longest first in each micro-batch keeps padding low; the chunk count is the same on
         # every rank, because each forward pass gathers ZeRO-3 shards collectively.
         mine.sort(key=lambda i: -trajs[i].n_tokens)
-        chunks = [mine[i::self.micro_steps] for i in range(self.micro_steps)]
+        chunks = [mine[i :: self.micro_steps] for i in range(self.micro_steps)]
         local_tokens = sum(sum(s.loss_mask.sum() for s in trajs[i].steps) for i in mine)
         total = torch.tensor([float(local_tokens)])
         torch.distributed.all_reduce(total)
@@ -171,7 +188,9 @@ class Learner:
             stats["loss_sum"] += float(loss_sum.detach())
         self.step += 1
         self.version += 1
-        summed = torch.tensor([stats["loss_sum"], stats["ratio_sum"], stats["clipped_sum"], stats["kl_sum"], stats["tokens"]])
+        summed = torch.tensor(
+            [stats["loss_sum"], stats["ratio_sum"], stats["clipped_sum"], stats["kl_sum"], stats["tokens"]]
+        )
         torch.distributed.all_reduce(summed)
         loss_s, ratio_s, clip_s, kl_s, tok = summed.tolist()
         by_domain: dict[str, list[float]] = defaultdict(list)
@@ -204,8 +223,12 @@ class Learner:
             lp = token_logprobs(self.engine, ids, torch.ones_like(ids))
             return (lp * 0.0).sum(), {"tokens": 0.0, "ratio_sum": 0.0, "clipped_sum": 0.0, "kl_sum": 0.0}
         tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id)
-        tb = type(tb)(*(x.to(self.device) for x in (tb.input_ids, tb.attention_mask, tb.action_mask,
-                                                      tb.behaviour_logprobs, tb.advantages)))
+        tb = type(tb)(
+            *(
+                x.to(self.device)
+                for x in (tb.input_ids, tb.attention_mask, tb.action_mask, tb.behaviour_logprobs, tb.advantages)
+            )
+        )
         lp = token_logprobs(self.engine, tb.input_ids, tb.attention_mask)
         return self.algorithm.token_loss(lp, tb)
 
@@ -270,5 +293,3 @@ class Learner:
 
 def _numel(p: torch.nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
-
-

@@ -44,8 +44,8 @@ class _Rank0:
     """What only rank 0 does: store, buffer, transport, audit."""
 
     def __init__(self, run_dir: Path, cfg: LearnerConfig, learner: Learner, extra: dict):
-        from hpcrl.core.transport import Node
         from hpcrl.core.rpc import RequestClient, VersionPublisher
+        from hpcrl.core.transport import Node
         from hpcrl.rl.store.reader import StoreReader
 
         self.run_dir, self.cfg, self.learner = run_dir, cfg, learner
@@ -85,7 +85,10 @@ class _Rank0:
             self.pub.tick()
 
     def _counts(self) -> dict:
-        return {"trained_groups": self.trained_groups, "dropped_groups": self.buffer.dropped_stale // self.cfg.group_size}
+        return {
+            "trained_groups": self.trained_groups,
+            "dropped_groups": self.buffer.dropped_stale // self.cfg.group_size,
+        }
 
     def _progress(self) -> None:
         """While waiting for data, tell the coordinator what was consumed (dropped groups count):
@@ -96,32 +99,54 @@ class _Rank0:
         try:
             self.coord.request("progress", counts)
             self._reported = counts
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # a missing coordinator must not stop training
             log.warning("could not report progress to the coordinator: %s", exc)
 
     def after_step(self, groups, m: dict, train_s: float) -> None:
         self.trained_groups += len(groups)
         self._busy += train_s
-        self._write({"life": self.life, "step": m["step"], "version": m["version"],
-                     "trained": [t.id for g in groups for t in g], "dropped": self.buffer.drained()})
+        self._write(
+            {
+                "life": self.life,
+                "step": m["step"],
+                "version": m["version"],
+                "trained": [t.id for g in groups for t in g],
+                "dropped": self.buffer.drained(),
+            }
+        )
         self.pub.publish(self.learner.version)
-        m = dict(m, **self._counts(), dropped_stale=self.buffer.dropped_stale, duplicates=self.buffer.duplicates,
-                 busy_fraction=self._meter.fraction(self._busy), life=self.life)
+        m = dict(
+            m,
+            **self._counts(),
+            dropped_stale=self.buffer.dropped_stale,
+            duplicates=self.buffer.duplicates,
+            busy_fraction=self._meter.fraction(self._busy),
+            life=self.life,
+        )
         try:
             self.coord.request("learner", m)
             self._reported = self._counts()
-        except Exception as exc:  # noqa: BLE001 - a missing coordinator must not stop training
+        except Exception as exc:
             log.warning("could not report step %d to the coordinator: %s", m["step"], exc)
 
     def extra(self) -> dict[str, Any]:
-        return {"reader": self.reader.state_dict(), "buffer": self.buffer.state_dict(),
-                "trained_groups": self.trained_groups, "life": self.life}
+        return {
+            "reader": self.reader.state_dict(),
+            "buffer": self.buffer.state_dict(),
+            "trained_groups": self.trained_groups,
+            "life": self.life,
+        }
 
     def write_cursor(self, extra: dict) -> None:
         """The state the last checkpoint holds, readable without DeepSpeed (status, tests)."""
         buf = extra["buffer"]
-        data = {"step": self.learner.step, "version": self.learner.version, "reader": extra["reader"],
-                "buffered": [r["id"] for r in buf["open"] + buf["complete"]], "pending_dropped": buf["dropped"]}
+        data = {
+            "step": self.learner.step,
+            "version": self.learner.version,
+            "reader": extra["reader"],
+            "buffered": [r["id"] for r in buf["open"] + buf["complete"]],
+            "pending_dropped": buf["dropped"],
+        }
         atomic_write_json(self.run_dir / CURSOR_NAME, data)
 
     def close(self) -> None:
@@ -130,15 +155,18 @@ class _Rank0:
         self.node.close()
 
 
-def run_learner(run_dir: str | os.PathLike, cfg: LearnerConfig, policy: PolicyConfig, seed: int,
-                stop: threading.Event | None = None) -> int:
+def run_learner(
+    run_dir: str | os.PathLike, cfg: LearnerConfig, policy: PolicyConfig, seed: int, stop: threading.Event | None = None
+) -> int:
     """Train until cfg.max_steps (or `stop`); returns the optimizer step reached."""
     run_dir = Path(run_dir)
     stop = stop or threading.Event()
     learner = Learner(cfg, policy, run_dir, seed=seed)
     extra = learner.setup()
     rank0 = _Rank0(run_dir, cfg, learner, extra) if learner.rank == 0 else None
-    log.info("learner rank %d/%d ready at step %d, version %d", learner.rank, learner.world, learner.step, learner.version)
+    log.info(
+        "learner rank %d/%d ready at step %d, version %d", learner.rank, learner.world, learner.step, learner.version
+    )
     try:
         while learner.step < cfg.max_steps:
             msg: list = [None]

@@ -17,8 +17,8 @@ the version stored in its metadata).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
@@ -171,9 +171,8 @@ def build_policy_model(cfg: PolicyConfig, tokenizer, seed: int):
             eos_id=tokenizer.eos_token_id,
         )
         return model.to(dtype)
-    from transformers import AutoModelForCausalLM
-
     import transformers
+    from transformers import AutoModelForCausalLM
 
     path = _local_folder(cfg.path)
     # transformers 5 calls it `dtype`; 4.x `torch_dtype`.
@@ -243,7 +242,9 @@ def read_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int]
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     if "version" not in meta:
-        raise ValueError(f"{path}: weight file has no 'version' metadata; was it written by hpcrl.rl.policy.save_weights?")
+        raise ValueError(
+            f"{path}: weight file has no 'version' metadata; was it written by hpcrl.rl.policy.save_weights?"
+        )
     return load_file(str(path)), int(meta["version"])
 
 
@@ -254,7 +255,9 @@ def load_weights(model, path: str | os.PathLike) -> int:
     own = model.state_dict()
     unknown = sorted(set(state) - set(own))
     if unknown:
-        raise ValueError(f"{path}: weights for {unknown[:5]} do not exist in the model; was it saved from another architecture?")
+        raise ValueError(
+            f"{path}: weights for {unknown[:5]} do not exist in the model; was it saved from another architecture?"
+        )
     expected = set(full_state_dict_names(model))
     missing = sorted(expected - set(state))
     if missing:
@@ -263,7 +266,9 @@ def load_weights(model, path: str | os.PathLike) -> int:
         for name, tensor in state.items():
             target = own[name]
             if target.shape != tensor.shape:
-                raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
             target.copy_(tensor.to(target.dtype))
     return version
 

@@ -5,13 +5,15 @@ for an unknown name says which names exist.
     @ALGORITHMS.register("grpo")
     class GRPO: ...
     ALGORITHMS.get("grpo")          # the class
-    ALGORITHMS.get("grpp")          # UnknownName: unknown algorithm 'grpp' (did you mean 'grpo'?); registered: grpo, reinforce
+    ALGORITHMS.get("grpp")          # UnknownName: unknown algorithm 'grpp' (did you mean 'grpo'?);
+                                    # registered: grpo, reinforce
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 __all__ = ["Registry", "UnknownName", "DuplicateName"]
 
@@ -53,7 +55,9 @@ class Registry(Generic[T]):
             pass
         close = difflib.get_close_matches(str(name), list(self._items), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UnknownName(f"unknown {self.kind} {name!r}{hint}; registered: {', '.join(sorted(self._items)) or '(none)'}")
+        raise UnknownName(
+            f"unknown {self.kind} {name!r}{hint}; registered: {', '.join(sorted(self._items)) or '(none)'}"
+        )
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._items))

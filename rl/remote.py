@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from hpcrl.core.rpc import RequestTimeout
 from hpcrl.rl.coordinator import ticket_from_row
@@ -29,8 +29,17 @@ log = logging.getLogger("hpcrl.generator")
 
 
 class RemoteTaskSource:
-    def __init__(self, node, name: str, sender, stats: Callable[[], dict] = dict, *, timeout_s: float = 5.0,
-                 idle_sync_s: float = 0.5, empty_backoff_s: float = 0.05):
+    def __init__(
+        self,
+        node,
+        name: str,
+        sender,
+        stats: Callable[[], dict] = dict,
+        *,
+        timeout_s: float = 5.0,
+        idle_sync_s: float = 0.5,
+        empty_backoff_s: float = 0.05,
+    ):
         from hpcrl.core.rpc import RequestClient
 
         self.name = name
@@ -59,7 +68,7 @@ class RemoteTaskSource:
         """Tickets the last sync brought (never blocks), and a new sync sent off when one is due."""
         self._collect_acks()
         self._poll_sync(0.0)
-        tickets, self._ready = self._ready[:max(n, 0)], self._ready[max(n, 0):]
+        tickets, self._ready = self._ready[: max(n, 0)], self._ready[max(n, 0) :]
         want = n - len(tickets)
         if self._inflight is None and self._sync_due(want):
             self._start_sync(want)
@@ -116,8 +125,14 @@ class RemoteTaskSource:
         return not ((want <= 0 or quiet) and nothing_to_say and now - self._last_sync < self.idle_sync_s)
 
     def _start_sync(self, want: int) -> None:
-        body = {"generator": self.name, "want": max(0, want), "done": self._done, "failed": self._failed,
-                "released": self._released, "stats": self.stats()}
+        body = {
+            "generator": self.name,
+            "want": max(0, want),
+            "done": self._done,
+            "failed": self._failed,
+            "released": self._released,
+            "stats": self.stats(),
+        }
         # Reported once sent: a retry resends the same request, and the coordinator answers a
         # repeated id from its replay cache, so nothing is reported twice or lost.
         self._inflight = self.client.start("sync", body)
@@ -215,8 +230,8 @@ class AnnouncedWeights:
         self._checked = 0.0
 
     def _subscriber(self):
-        from hpcrl.core.transport import TransportError, read_endpoint
         from hpcrl.core.rpc import VersionSubscriber
+        from hpcrl.core.transport import TransportError, read_endpoint
 
         try:
             ep = read_endpoint(self.node.run_dir, "policy")

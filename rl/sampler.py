@@ -14,10 +14,10 @@ batch (and its cache) once fewer than half remain.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Sequence
-
 import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -60,7 +60,9 @@ class Sampler:
         return piece
 
     @torch.no_grad()
-    def sample(self, contexts: Sequence[Sequence[int]], max_new: Sequence[int], stops: Sequence[tuple[str, ...]]) -> list[Sample]:
+    def sample(
+        self, contexts: Sequence[Sequence[int]], max_new: Sequence[int], stops: Sequence[tuple[str, ...]]
+    ) -> list[Sample]:
         n = len(contexts)
         if not (n == len(max_new) == len(stops)):
             raise ValueError(f"Sampler.sample: {n} contexts, {len(max_new)} max_new, {len(stops)} stops; need one each")
@@ -74,8 +76,8 @@ class Sampler:
         ids = torch.full((n, width), pol.pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
         for i, c in enumerate(contexts):
-            ids[i, width - len(c):] = torch.as_tensor(c, dtype=torch.long)
-            mask[i, width - len(c):] = 1
+            ids[i, width - len(c) :] = torch.as_tensor(c, dtype=torch.long)
+            mask[i, width - len(c) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         past, logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos)
@@ -107,7 +109,11 @@ class Sampler:
                 else:
                     piece = self._text(t)
                     texts[r] += piece
-                    if last_chars[r] and any(ch in piece for ch in last_chars[r]) and any(s in texts[r][-len(s) - len(piece):] for s in stops[r]):
+                    if (
+                        last_chars[r]
+                        and any(ch in piece for ch in last_chars[r])
+                        and any(s in texts[r][-len(s) - len(piece) :] for s in stops[r])
+                    ):
                         finish[r] = "stop"
                     elif len(toks[r]) >= limit[r]:
                         finish[r] = "length"

@@ -39,8 +39,14 @@ DEFAULT_SHAPE = SynthShape()
 TINY_SHAPE = SynthShape(steps=(1, 4), first_prompt=(4, 16), later_prompt=(0, 4), action=(1, 12), observation=(0, 8))
 
 
-def synth_trajectory(rng: np.random.Generator, run: str, generator: str, episode: int,
-                     shape: SynthShape = DEFAULT_SHAPE, policy_version: int = 0) -> Trajectory:
+def synth_trajectory(
+    rng: np.random.Generator,
+    run: str,
+    generator: str,
+    episode: int,
+    shape: SynthShape = DEFAULT_SHAPE,
+    policy_version: int = 0,
+) -> Trajectory:
     n_steps = int(rng.integers(*shape.steps))
     start = time.time()
     steps = []
@@ -53,18 +59,20 @@ def synth_trajectory(rng: np.random.Generator, run: str, generator: str, episode
         a = int(rng.integers(*shape.action))
         o = int(rng.integers(*shape.observation))
         status = SANDBOX_STATUSES[int(rng.integers(1, len(SANDBOX_STATUSES)))]
-        steps.append(Step(
-            policy_version=version,
-            prompt_tokens=rng.integers(0, shape.vocab, p, dtype=np.int32),
-            action_tokens=rng.integers(0, shape.vocab, a, dtype=np.int32),
-            action_logprobs=-rng.exponential(0.7, a).astype(np.float32),
-            loss_mask=(rng.random(a) < 0.97).astype(np.uint8),
-            observation_tokens=rng.integers(0, shape.vocab, o, dtype=np.int32),
-            reward=float(rng.normal(0.0, 0.1)),
-            sandbox=SandboxOutcome(status, 0 if status == "ok" else int(rng.integers(1, 3)), float(rng.random())),
-            generate_s=float(rng.random() * 2),
-            env_s=float(rng.random()),
-        ))
+        steps.append(
+            Step(
+                policy_version=version,
+                prompt_tokens=rng.integers(0, shape.vocab, p, dtype=np.int32),
+                action_tokens=rng.integers(0, shape.vocab, a, dtype=np.int32),
+                action_logprobs=-rng.exponential(0.7, a).astype(np.float32),
+                loss_mask=(rng.random(a) < 0.97).astype(np.uint8),
+                observation_tokens=rng.integers(0, shape.vocab, o, dtype=np.int32),
+                reward=float(rng.normal(0.0, 0.1)),
+                sandbox=SandboxOutcome(status, 0 if status == "ok" else int(rng.integers(1, 3)), float(rng.random())),
+                generate_s=float(rng.random() * 2),
+                env_s=float(rng.random()),
+            )
+        )
     truncation = "max_steps" if n_steps == shape.steps[1] - 1 and rng.random() < 0.5 else "none"
     return Trajectory(
         run=run,

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import collections
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 __all__ = ["EpisodeTicket", "TaskSampler", "TaskSource", "LocalTaskSource", "EpisodeFailed"]
 
@@ -136,8 +137,10 @@ class LocalTaskSource:
     def failed(self, ticket: EpisodeTicket, reason: str) -> None:
         if ticket.attempt + 1 >= self.max_attempts:
             raise EpisodeFailed(
-                f"episode {ticket.episode} ({ticket.domain} task {ticket.task_index}) failed {ticket.attempt + 1} times; "
-                f"last: {reason}"
+                f"episode {ticket.episode} ({ticket.domain} task {ticket.task_index}) "
+                f"failed {ticket.attempt + 1} times; last: {reason}"
             )
         self.reissued += 1
-        self._queue.appendleft(EpisodeTicket(ticket.domain, ticket.task_index, ticket.episode, ticket.group, ticket.attempt + 1))
+        self._queue.appendleft(
+            EpisodeTicket(ticket.domain, ticket.task_index, ticket.episode, ticket.group, ticket.attempt + 1)
+        )

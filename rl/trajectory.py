@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -136,8 +137,10 @@ class SandboxOutcome:
     def __post_init__(self) -> None:
         if self.status not in SANDBOX_STATUSES:
             raise TrajectoryError(f"sandbox.status: must be one of {', '.join(SANDBOX_STATUSES)} (got {self.status!r})")
-        if isinstance(self.exit_code, bool) or not isinstance(self.exit_code, (int, np.integer)) or not (
-            -(2**31) <= int(self.exit_code) < 2**31
+        if (
+            isinstance(self.exit_code, bool)
+            or not isinstance(self.exit_code, (int, np.integer))
+            or not (-(2**31) <= int(self.exit_code) < 2**31)
         ):
             raise TrajectoryError(f"sandbox.exit_code: expected an int32 (got {self.exit_code!r})")
         object.__setattr__(self, "exit_code", int(self.exit_code))
@@ -172,7 +175,7 @@ class Step:
         self._check("step")
 
     def _check(self, where: str) -> None:
-        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
         put("policy_version", _int(self.policy_version, f"{where}.policy_version"))
         for k in ("prompt_tokens", "action_tokens", "observation_tokens"):
             put(k, _tokens(getattr(self, k), f"{where}.{k}"))
@@ -199,20 +202,35 @@ class Step:
         put("env_s", _float(self.env_s, f"{where}.env_s", ge=0.0))
 
     @classmethod
-    def _trusted(cls, policy_version: int, prompt_tokens: np.ndarray, action_tokens: np.ndarray,
-                 action_logprobs: np.ndarray, loss_mask: np.ndarray, observation_tokens: np.ndarray, reward: float,
-                 sandbox: SandboxOutcome, generate_s: float, env_s: float) -> "Step":
+    def _trusted(
+        cls,
+        policy_version: int,
+        prompt_tokens: np.ndarray,
+        action_tokens: np.ndarray,
+        action_logprobs: np.ndarray,
+        loss_mask: np.ndarray,
+        observation_tokens: np.ndarray,
+        reward: float,
+        sandbox: SandboxOutcome,
+        generate_s: float,
+        env_s: float,
+    ) -> Step:
         """Build without re-checking: only for values already checked (stored and checksummed
         after validation, or checked in bulk by `Columns.row_errors`). Skips ~10 checks per step."""
         self = object.__new__(cls)
         self.__dict__.update(
-            policy_version=policy_version, reward=reward, sandbox=sandbox, generate_s=generate_s, env_s=env_s,
+            policy_version=policy_version,
+            reward=reward,
+            sandbox=sandbox,
+            generate_s=generate_s,
+            env_s=env_s,
             prompt_tokens=prompt_tokens if not prompt_tokens.flags.writeable else _frozen(prompt_tokens),
             action_tokens=action_tokens if not action_tokens.flags.writeable else _frozen(action_tokens),
             action_logprobs=action_logprobs if not action_logprobs.flags.writeable else _frozen(action_logprobs),
             loss_mask=loss_mask if not loss_mask.flags.writeable else _frozen(loss_mask),
-            observation_tokens=(observation_tokens if not observation_tokens.flags.writeable
-                                else _frozen(observation_tokens)),
+            observation_tokens=(
+                observation_tokens if not observation_tokens.flags.writeable else _frozen(observation_tokens)
+            ),
         )
         return self
 
@@ -255,7 +273,7 @@ class Trajectory:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
         where = "trajectory"
         put("run", _name(self.run, f"{where}.run", allow_slash=False))
         put("generator", _name(self.generator, f"{where}.generator", allow_slash=False))
@@ -279,11 +297,13 @@ class Trajectory:
         put("finished_at", _float(self.finished_at, f"{where}: finished_at", ge=0.0))
         version = _int(self.schema_version, f"{where}: schema_version", lo=1)
         if version > SCHEMA_VERSION:
-            raise _fail(where, f"schema_version {version} is newer than this hpcrl reads ({SCHEMA_VERSION}); upgrade hpcrl")
+            raise _fail(
+                where, f"schema_version {version} is newer than this hpcrl reads ({SCHEMA_VERSION}); upgrade hpcrl"
+            )
         put("schema_version", SCHEMA_VERSION)  # v1 is the only version so far: nothing to upgrade
 
     @classmethod
-    def _trusted(cls, steps: tuple[Step, ...], **fields: Any) -> "Trajectory":
+    def _trusted(cls, steps: tuple[Step, ...], **fields: Any) -> Trajectory:
         """Build without re-checking: only for values already checked (see Step._trusted)."""
         self = object.__new__(cls)
         self.__dict__.update(fields, steps=steps)
@@ -332,7 +352,11 @@ class Trajectory:
                 "policy_version": s.policy_version,
                 **{k: getattr(s, k).tolist() for k in _ARRAY_FIELDS},
                 "reward": s.reward,
-                "sandbox": {"status": s.sandbox.status, "exit_code": s.sandbox.exit_code, "duration_s": s.sandbox.duration_s},
+                "sandbox": {
+                    "status": s.sandbox.status,
+                    "exit_code": s.sandbox.exit_code,
+                    "duration_s": s.sandbox.duration_s,
+                },
                 "generate_s": s.generate_s,
                 "env_s": s.env_s,
             }
@@ -341,7 +365,7 @@ class Trajectory:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Trajectory":
+    def from_dict(cls, data: Any) -> Trajectory:
         if not isinstance(data, dict):
             raise TrajectoryError(f"trajectory: expected a mapping (got {type(data).__name__})")
         known = set(_SCALAR_FIELDS) | {"steps", "id"}

@@ -44,8 +44,8 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.process import Supervised
@@ -70,15 +70,37 @@ def apptainer_args(
 ) -> list[str]:
     """The arguments after `apptainer` for running `argv` from `src_dir` under `limits`. Pure."""
     args = [
-        "exec", "--containall", "--cleanenv", "--no-home", "--net", "--network", "none", "--no-privs",
-        "--bind", f"{src_dir}:/src:ro", "--scratch", "/work", "--pwd", "/work",
-        "--env", "HOME=/work", "--env", "TMPDIR=/tmp", "--env", "LANG=C.UTF-8",
+        "exec",
+        "--containall",
+        "--cleanenv",
+        "--no-home",
+        "--net",
+        "--network",
+        "none",
+        "--no-privs",
+        "--bind",
+        f"{src_dir}:/src:ro",
+        "--scratch",
+        "/work",
+        "--pwd",
+        "/work",
+        "--env",
+        "HOME=/work",
+        "--env",
+        "TMPDIR=/tmp",
+        "--env",
+        "LANG=C.UTF-8",
     ]
     if cgroups:
-        args += ["--memory", f"{limits.memory_mb}M", "--memory-swap", f"{limits.memory_mb}M",
-                 "--pids-limit", str(limits.pids + 4)]
-    args += [image, "/bin/sh", "-c", _COPY_SH, "sh",
-             *rlimit_args(limits, memory_by_rlimit=not cgroups), "--", *argv]
+        args += [
+            "--memory",
+            f"{limits.memory_mb}M",
+            "--memory-swap",
+            f"{limits.memory_mb}M",
+            "--pids-limit",
+            str(limits.pids + 4),
+        ]
+    args += [image, "/bin/sh", "-c", _COPY_SH, "sh", *rlimit_args(limits, memory_by_rlimit=not cgroups), "--", *argv]
     return args
 
 
@@ -89,8 +111,13 @@ class ProcessSession(SupervisedSession):
     come from wait4's rusage of the reaped child."""
 
     def __init__(self, argv: Sequence[str], limits: Limits, *, env: dict[str, str], cleanup: Sequence[str] = ()):
-        proc = Supervised(argv, env=env, output_cap=limits.output_kb * 1024,
-                          deadline=time.monotonic() + limits.wall_s, on_kill=self._kill_group)
+        proc = Supervised(
+            argv,
+            env=env,
+            output_cap=limits.output_kb * 1024,
+            deadline=time.monotonic() + limits.wall_s,
+            on_kill=self._kill_group,
+        )
         super().__init__(proc, limits)
         self._cleanup = list(cleanup)
         try:
@@ -119,10 +146,17 @@ class ProcessSession(SupervisedSession):
         ru = raw.rusage
         # Apptainer exits 255 with FATAL: on stderr when the container never started.
         started = not (raw.exit_code == 255 and b"FATAL:" in raw.stderr)
-        ex = Exit(exit_code=raw.exit_code, signal=raw.signal, started=started, timed_out=raw.timed_out,
-                  output_limited=raw.output_limited, oom_killed=False,
-                  cpu_s=(ru.ru_utime + ru.ru_stime) if ru else None,
-                  peak_memory_mb=(ru.ru_maxrss / 1024) if ru else None, wall_s=raw.wall_s)
+        ex = Exit(
+            exit_code=raw.exit_code,
+            signal=raw.signal,
+            started=started,
+            timed_out=raw.timed_out,
+            output_limited=raw.output_limited,
+            oom_killed=False,
+            cpu_s=(ru.ru_utime + ru.ru_stime) if ru else None,
+            peak_memory_mb=(ru.ru_maxrss / 1024) if ru else None,
+            wall_s=raw.wall_s,
+        )
         self._result = classify(ex, self._limits, raw.stdout, raw.stderr, raw.stdout_truncated, raw.stderr_truncated)
         return self._result
 
@@ -142,7 +176,8 @@ class ApptainerBackend(Backend):
             )
         if not os.path.exists(image):
             raise SandboxUnavailable(
-                f"apptainer backend: image {image} does not exist; build it with `hpcrl sandbox build-image --out {image}`"
+                f"apptainer backend: image {image} does not exist; "
+                f"build it with `hpcrl sandbox build-image --out {image}`"
             )
         self.apptainer = path
         self.image = image
@@ -173,8 +208,14 @@ class ApptainerBackend(Backend):
             raise
 
 
-def build_image(def_file: str | os.PathLike, out: str | os.PathLike, *, apptainer: str = "apptainer",
-                fakeroot: bool = False, force: bool = False) -> int:
+def build_image(
+    def_file: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    apptainer: str = "apptainer",
+    fakeroot: bool = False,
+    force: bool = False,
+) -> int:
     """`apptainer build [--fakeroot] [--force] OUT DEF`, output streamed to this terminal; returns its exit code."""
     path = shutil.which(apptainer)
     if path is None:
@@ -186,4 +227,3 @@ def build_image(def_file: str | os.PathLike, out: str | os.PathLike, *, apptaine
 def build_args(def_file: str, out: str, *, fakeroot: bool = False, force: bool = False) -> list[str]:
     """The arguments after `apptainer` that build `out` from `def_file`. Pure."""
     return ["build", *(["--fakeroot"] if fakeroot else []), *(["--force"] if force else []), out, def_file]
-

@@ -1,7 +1,7 @@
 """The backend a config names: above the backends, as submitit's AutoExecutor sits above its executors.
 
-    from hpcrl.sandbox.auto import make_backend
-    backend = make_backend(cfg.sandbox, slot=0)     # BwrapBackend(uid=uid_base + slot) or ApptainerBackend
+from hpcrl.sandbox.auto import make_backend
+backend = make_backend(cfg.sandbox, slot=0)     # BwrapBackend(uid=uid_base + slot) or ApptainerBackend
 """
 
 from __future__ import annotations

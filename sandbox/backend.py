@@ -18,12 +18,12 @@ import contextlib
 import math
 import signal as _signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.process import Supervised
-from hpcrl.sandbox.result import ExecResult, SandboxError
+from hpcrl.sandbox.result import ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 __all__ = ["Backend", "Session", "SupervisedSession", "Exit", "CompileFailed", "classify", "rlimit_args"]
@@ -83,7 +83,7 @@ class SupervisedSession(Session):
         if not self._proc.pump(have_line, deadline=time.monotonic() + timeout_s):
             return None
         end = out.index(b"\n", self._consumed) + 1
-        line = bytes(out[self._consumed:end])
+        line = bytes(out[self._consumed : end])
         self._consumed = end
         return line
 
@@ -113,8 +113,9 @@ class Exit:
     wall_s: float
 
 
-def classify(ex: Exit, limits: Limits, stdout: bytes, stderr: bytes,
-             stdout_truncated: bool, stderr_truncated: bool) -> ExecResult:
+def classify(
+    ex: Exit, limits: Limits, stdout: bytes, stderr: bytes, stdout_truncated: bool, stderr_truncated: bool
+) -> ExecResult:
     """The status rules, in order: a kill we made explains the exit before anything else does."""
     code, sig = ex.exit_code, ex.signal
     # bwrap and apptainer report a program killed by signal N as exit 128+N; a program that
@@ -140,9 +141,16 @@ def classify(ex: Exit, limits: Limits, stdout: bytes, stderr: bytes,
     else:
         status = "ok"
     return ExecResult(
-        status=status, exit_code=code, signal=sig, stdout=stdout, stderr=stderr,
-        stdout_truncated=stdout_truncated, stderr_truncated=stderr_truncated,
-        wall_s=ex.wall_s, cpu_s=ex.cpu_s, peak_memory_mb=ex.peak_memory_mb,
+        status=status,
+        exit_code=code,
+        signal=sig,
+        stdout=stdout,
+        stderr=stderr,
+        stdout_truncated=stdout_truncated,
+        stderr_truncated=stderr_truncated,
+        wall_s=ex.wall_s,
+        cpu_s=ex.cpu_s,
+        peak_memory_mb=ex.peak_memory_mb,
     )
 
 
@@ -232,13 +240,22 @@ class Backend(abc.ABC):
         if res.status == "sandbox_error":
             return res
         # The compiler's failure (or a compile bomb hitting a limit) is the program's failure.
-        return ExecResult(status="compile_error", exit_code=res.exit_code, signal=res.signal,
-                          stdout=b"", stderr=res.stderr, stderr_truncated=res.stderr_truncated,
-                          wall_s=res.wall_s, cpu_s=res.cpu_s, peak_memory_mb=res.peak_memory_mb)
+        return ExecResult(
+            status="compile_error",
+            exit_code=res.exit_code,
+            signal=res.signal,
+            stdout=b"",
+            stderr=res.stderr,
+            stderr_truncated=res.stderr_truncated,
+            wall_s=res.wall_s,
+            cpu_s=res.cpu_s,
+            peak_memory_mb=res.peak_memory_mb,
+        )
 
     @contextlib.contextmanager
-    def session(self, spec: ExecSpec, artifact: SourceFile | None = None, *,
-                command: tuple[str, ...] | None = None) -> Iterator[Session]:
+    def session(
+        self, spec: ExecSpec, artifact: SourceFile | None = None, *, command: tuple[str, ...] | None = None
+    ) -> Iterator[Session]:
         """A live sandboxed program; leaving the block without `finish()` kills it.
 
         `command` replaces the language's run command (the judge starts its harness with
@@ -251,8 +268,9 @@ class Backend(abc.ABC):
             s.kill()
             s.finish()
 
-    def start(self, spec: ExecSpec, artifact: SourceFile | None = None, *,
-              command: tuple[str, ...] | None = None) -> Session:
+    def start(
+        self, spec: ExecSpec, artifact: SourceFile | None = None, *, command: tuple[str, ...] | None = None
+    ) -> Session:
         """`session` without the `with`: the caller must `finish()` (or kill and finish) it."""
         lang = get_language(spec.language)
         self.require(lang.name)

@@ -96,15 +96,41 @@ def bwrap_args(
     """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work. Pure."""
     args = [
         bwrap,
-        "--unshare-all", "--unshare-user", "--uid", str(_INNER_UID), "--gid", str(_INNER_UID),
-        "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        str(_INNER_UID),
+        "--gid",
+        str(_INNER_UID),
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
         "--disable-userns",
         *(layout if layout is not None else _host_layout()),
-        "--proc", "/proc", "--dev", "/dev",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
         # /dev/shm would otherwise be a writable tmpfs of half the host's RAM.
-        "--size", str(limits.shm_mb * _MIB), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp",
-        "--size", str(limits.work_mb * _MIB), "--perms", "0755", "--tmpfs", "/work",
+        "--size",
+        str(limits.shm_mb * _MIB),
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        str(limits.tmp_mb * _MIB),
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        str(limits.work_mb * _MIB),
+        "--perms",
+        "0755",
+        "--tmpfs",
+        "/work",
     ]
     made = set()
     for f, fd in file_fds:
@@ -125,8 +151,16 @@ def bwrap_args(
 
 
 def _privdrop_args(uid: int) -> list[str]:
-    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+    return [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+    ]
 
 
 class BwrapSession(SupervisedSession):
@@ -158,8 +192,17 @@ class BwrapSession(SupervisedSession):
             _reap_lost_inits(self._uid, wait_s=2.0 if self._proc.killed else 0.0)
         if raw.exit_code == 125 and not started and raw.stderr.startswith(b"sh: "):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
-        ex = Exit(exit_code=raw.exit_code, signal=raw.signal, started=started, timed_out=raw.timed_out,
-                  output_limited=raw.output_limited, oom_killed=oom, cpu_s=cpu, peak_memory_mb=peak, wall_s=raw.wall_s)
+        ex = Exit(
+            exit_code=raw.exit_code,
+            signal=raw.signal,
+            started=started,
+            timed_out=raw.timed_out,
+            output_limited=raw.output_limited,
+            oom_killed=oom,
+            cpu_s=cpu,
+            peak_memory_mb=peak,
+            wall_s=raw.wall_s,
+        )
         self._result = classify(ex, self._limits, raw.stdout, raw.stderr, raw.stdout_truncated, raw.stderr_truncated)
         return self._result
 
@@ -202,8 +245,11 @@ class BwrapBackend(Backend):
         global _announced
         if not _announced:  # once per process: which limits this machine lets us enforce
             _announced = True
-            log.info("bwrap sandbox: cgroups: %s%s", self.cgroups.describe(),
-                     "" if self._root else "; not root: no per-slot uids, no cgroups")
+            log.info(
+                "bwrap sandbox: cgroups: %s%s",
+                self.cgroups.describe(),
+                "" if self._root else "; not root: no per-slot uids, no cgroups",
+            )
 
     def describe(self) -> str:
         who = f"uid {self.uid}" + ("" if self._root else " (not root: no per-slot uid)")
@@ -222,17 +268,30 @@ class BwrapBackend(Backend):
                 os.lseek(fd, 0, os.SEEK_SET)
                 file_fds.append((f, fd))
             memory_cg = self.cgroups.memory
-            cmd = bwrap_args(argv, limits, file_fds, status_fd=status_w, memory_by_rlimit=not memory_cg,
-                             bwrap=self.bwrap, layout=self._layout)
+            cmd = bwrap_args(
+                argv,
+                limits,
+                file_fds,
+                status_fd=status_w,
+                memory_by_rlimit=not memory_cg,
+                bwrap=self.bwrap,
+                layout=self._layout,
+            )
             if self._root:
                 cmd = _privdrop_args(self.uid) + cmd
             if any((self.cgroups.memory_dir, self.cgroups.pids_dir, self.cgroups.cpu_dir, self.cgroups.kill_dir)):
                 # The outer bwrap, its pid-1 and the launcher count towards pids.max: leave room.
                 cg = RunCgroups.create(self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4)
                 cmd = ["/bin/sh", "-c", _JOIN_SH, "sh", *cg.procs_files, "--", *cmd]
-            proc = Supervised(cmd, env=dict(_LAUNCH_ENV), output_cap=limits.output_kb * 1024,
-                              deadline=time.monotonic() + limits.wall_s, pass_fds=[*fds, status_w],
-                              side_fd=status_r, on_kill=cg.kill if cg else None)
+            proc = Supervised(
+                cmd,
+                env=dict(_LAUNCH_ENV),
+                output_cap=limits.output_kb * 1024,
+                deadline=time.monotonic() + limits.wall_s,
+                pass_fds=[*fds, status_w],
+                side_fd=status_r,
+                on_kill=cg.kill if cg else None,
+            )
             with _launch_lock:  # a sweep must never take a launched outer bwrap for a lost init
                 proc.start()
                 _unreaped.add(proc.pid)
@@ -334,8 +393,8 @@ def _bwrap_children(ppid: str, uid: int) -> list[tuple[int, str]]:
         try:
             with open(f"/proc/{name}/stat", "rb") as fh:
                 stat = fh.read()
-            comm = stat[stat.index(b"(") + 1:stat.rindex(b")")]
-            state, parent = stat[stat.rindex(b")") + 2:].split(b" ", 2)[:2]
+            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
+            state, parent = stat[stat.rindex(b")") + 2 :].split(b" ", 2)[:2]
             if comm != b"bwrap" or parent.decode() != ppid or os.stat(f"/proc/{name}").st_uid != uid:
                 continue
         except (OSError, ValueError):
@@ -358,4 +417,3 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
-

@@ -58,12 +58,14 @@ class CgroupSupport:
         def one(what: str, version: str | None) -> str:
             return f"{what}: {version}" if version else f"{what}: not enforced"
 
-        return ", ".join([
-            one("memory limit", self.memory_version),
-            one("pids limit", self.pids_version),
-            one("cpu accounting", self.cpu_version),
-            "kill: v2 cgroup.kill" if self.kill_dir else "kill: pid namespace + signal each process",
-        ])
+        return ", ".join(
+            [
+                one("memory limit", self.memory_version),
+                one("pids limit", self.pids_version),
+                one("cpu accounting", self.cpu_version),
+                "kill: v2 cgroup.kill" if self.kill_dir else "kill: pid namespace + signal each process",
+            ]
+        )
 
 
 def _mounts() -> tuple[dict[str, tuple[str, str]], tuple[str, str] | None]:
@@ -101,7 +103,7 @@ def _own_paths() -> tuple[dict[str, str], str | None]:
 
 def _join(mount: tuple[str, str], path: str) -> str:
     mountpoint, root = mount
-    rel = path[len(root):] if root != "/" and path.startswith(root) else path
+    rel = path[len(root) :] if root != "/" and path.startswith(root) else path
     return os.path.join(mountpoint, rel.lstrip("/"))
 
 
@@ -208,14 +210,22 @@ def _probe() -> CgroupSupport:
     if mount_v2 is not None and own_v2 is not None:
         base = _join(mount_v2, own_v2)
         _sweep_stale(base)
-        parent, ok = _probe_hierarchy(base, {
-            "memory": ("memory.max", "67108864"), "pids": ("pids.max", "64"),
-            "cpu": ("cpu.stat", None), "kill": ("cgroup.kill", None),
-        })
+        parent, ok = _probe_hierarchy(
+            base,
+            {
+                "memory": ("memory.max", "67108864"),
+                "pids": ("pids.max", "64"),
+                "cpu": ("cpu.stat", None),
+                "kill": ("cgroup.kill", None),
+            },
+        )
         for role in ok:
             found[role] = (parent, "v2")
-    for role, ctrl, fname, value in (("memory", "memory", "memory.limit_in_bytes", "67108864"),
-                                     ("pids", "pids", "pids.max", "64"), ("cpu", "cpuacct", "cpuacct.usage", None)):
+    for role, ctrl, fname, value in (
+        ("memory", "memory", "memory.limit_in_bytes", "67108864"),
+        ("pids", "pids", "pids.max", "64"),
+        ("cpu", "cpuacct", "cpuacct.usage", None),
+    ):
         if role in found or ctrl not in mounts_v1 or ctrl not in own_v1:
             continue
         base = _join(mounts_v1[ctrl], own_v1[ctrl])
@@ -225,12 +235,16 @@ def _probe() -> CgroupSupport:
             found[role] = (parent, "v1")
         else:
             notes.append(f"{ctrl} (v1) at {base}: cannot create a child cgroup")
-    get = lambda role: found.get(role, (None, None))  # noqa: E731
+    get = lambda role: found.get(role, (None, None))
     return CgroupSupport(
-        memory_dir=get("memory")[0], memory_version=get("memory")[1],
-        pids_dir=get("pids")[0], pids_version=get("pids")[1],
-        cpu_dir=get("cpu")[0], cpu_version=get("cpu")[1],
-        kill_dir=get("kill")[0], notes=tuple(notes),
+        memory_dir=get("memory")[0],
+        memory_version=get("memory")[1],
+        pids_dir=get("pids")[0],
+        pids_version=get("pids")[1],
+        cpu_dir=get("cpu")[0],
+        cpu_version=get("cpu")[1],
+        kill_dir=get("kill")[0],
+        notes=tuple(notes),
     )
 
 
@@ -275,7 +289,7 @@ class RunCgroups:
         self._oom_before = 0
 
     @classmethod
-    def create(cls, support: CgroupSupport, memory_bytes: int, pids_max: int) -> "RunCgroups":
+    def create(cls, support: CgroupSupport, memory_bytes: int, pids_max: int) -> RunCgroups:
         name = f"run-{next(_seq)}"
         leaves: dict[str, str] = {}
         dirs: dict[str, str] = {}

@@ -9,10 +9,11 @@ Each call is one request id, sent again on a fresh socket every `attempt_s` unti
 answered or its deadline passes (`timeout_s`; by default three times the run's own limits
 plus `slack_s`, at least 60 s). Resending is cheap and safe: the server never runs an id twice
 while it lives (a resent id that is still running only moves where the answer goes), and a
-lost or restarted server is found again through its endpoint file within one attempt. A `busy` answer (the server's queue is full: nothing ran) is retried
-under a new id after a backoff. Failures raise: `SandboxError` (the server's sandbox failed),
-`ValueError` (the server refused the request as malformed), `RequestTimeout` (no answer in
-time), `SandboxBusy` (still busy at the deadline).
+lost or restarted server is found again through its endpoint file within one attempt. A `busy`
+answer (the server's queue is full: nothing ran) is retried under a new id after a backoff.
+Failures raise: `SandboxError` (the server's sandbox failed), `ValueError` (the server refused
+the request as malformed), `RequestTimeout` (no answer in time), `SandboxBusy` (still busy at
+the deadline).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from hpcrl.core.transport import Node, TransportError, read_endpoint
 from hpcrl.core.rpc import RequestClient, RequestTimeout
+from hpcrl.core.transport import Node, TransportError, read_endpoint
 from hpcrl.sandbox.judge import FunctionTask, IOCase, Verdict
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import ExecResult, SandboxError
@@ -37,8 +39,16 @@ class SandboxBusy(TransportError):
 
 
 class SandboxClient:
-    def __init__(self, node: Node, service: str = "sandbox-0", *, total_timeout_s: float | None = None,
-                 attempt_s: float = 1.0, slack_s: float = 5.0, discover_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        node: Node,
+        service: str = "sandbox-0",
+        *,
+        total_timeout_s: float | None = None,
+        attempt_s: float = 1.0,
+        slack_s: float = 5.0,
+        discover_timeout_s: float = 30.0,
+    ):
         self.node = node
         self.service = service
         self.total_timeout_s = total_timeout_s
@@ -50,23 +60,45 @@ class SandboxClient:
 
     # -- calls -------------------------------------------------------------------------------
     def run(self, spec: ExecSpec, *, timeout_s: float | None = None) -> ExecResult:
-        env = self._call("exec", spec.to_wire(), self._budget(spec.language, spec.limits, spec.compile_limits), timeout_s)
+        env = self._call(
+            "exec", spec.to_wire(), self._budget(spec.language, spec.limits, spec.compile_limits), timeout_s
+        )
         return ExecResult.from_wire(env.body)
 
-    def judge_io(self, language: str, source: str | bytes | Sequence[SourceFile], cases: Sequence[IOCase],
-                 limits: Limits | None = None, *, stop_on_fail: bool = True, timeout_s: float | None = None) -> Verdict:
+    def judge_io(
+        self,
+        language: str,
+        source: str | bytes | Sequence[SourceFile],
+        cases: Sequence[IOCase],
+        limits: Limits | None = None,
+        *,
+        stop_on_fail: bool = True,
+        timeout_s: float | None = None,
+    ) -> Verdict:
         lang = get_language(language)
         files = tuple(source) if isinstance(source, (list, tuple)) else (SourceFile(lang.main_file, source),)
         lim = limits or Limits()
-        body = {"language": language, "files": [[f.path, bytes(f.data), f.executable] for f in files],
-                "cases": [[bytes(c.stdin), bytes(c.expected)] for c in cases],
-                "limits": _limits_wire(limits), "stop_on_fail": stop_on_fail}
+        body = {
+            "language": language,
+            "files": [[f.path, bytes(f.data), f.executable] for f in files],
+            "cases": [[bytes(c.stdin), bytes(c.expected)] for c in cases],
+            "limits": _limits_wire(limits),
+            "stop_on_fail": stop_on_fail,
+        }
         budget = self._budget(language, lim, None, runs=len(cases))
         return Verdict.from_wire(self._call("judge_io", body, budget, timeout_s).body)
 
-    def judge_function(self, task: FunctionTask, limits: Limits | None = None, *, timeout_s: float | None = None) -> Verdict:
-        body = {"program": task.program, "entry_point": task.entry_point, "test": task.test,
-                "trusted_prelude": task.trusted_prelude, "name": task.name, "limits": _limits_wire(limits)}
+    def judge_function(
+        self, task: FunctionTask, limits: Limits | None = None, *, timeout_s: float | None = None
+    ) -> Verdict:
+        body = {
+            "program": task.program,
+            "entry_point": task.entry_point,
+            "test": task.test,
+            "trusted_prelude": task.trusted_prelude,
+            "name": task.name,
+            "limits": _limits_wire(limits),
+        }
         budget = (limits.wall_s if limits else 10.0) + self.slack_s
         return Verdict.from_wire(self._call("judge_function", body, budget, timeout_s).body)
 
@@ -99,8 +131,10 @@ class SandboxClient:
                 raise RequestTimeout(f"{exc} (sandbox {kind}, {total:.0f} s budget)") from None
             if env.kind == "busy":
                 if time.monotonic() + backoff >= deadline:
-                    raise SandboxBusy(f"{self.service}: queue full ({env.body}) until the {total:.0f} s deadline; "
-                                      "add slots or servers, or lower the request rate")
+                    raise SandboxBusy(
+                        f"{self.service}: queue full ({env.body}) until the {total:.0f} s deadline; "
+                        "add slots or servers, or lower the request rate"
+                    )
                 time.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 1.0)
                 continue

@@ -29,7 +29,7 @@ def decode(data, depth: int = 0):
         return [decode(v, depth + 1) for v in data]
     if t is not dict or len(data) != 1:
         raise CodecError(f"malformed value of type {t.__name__}")
-    (tag, body), = data.items()
+    ((tag, body),) = data.items()
     if tag == "i" and type(body) is str:
         try:
             return int(body)
@@ -99,4 +99,3 @@ def request(rid: int, fn: str, args: list) -> bytes:
 def load_request(source: str) -> bytes:
     """The first line to the driver: the candidate's source."""
     return b"load " + marshal.dumps(str(source)).hex().encode() + b"\n"
-

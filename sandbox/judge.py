@@ -24,18 +24,28 @@ from __future__ import annotations
 
 import builtins
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from hpcrl.sandbox.backend import Backend, Session
-from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.harness_wire import CodecError, decode, load_request, loads, request
+from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
-__all__ = ["IOCase", "CaseVerdict", "Verdict", "FunctionTask", "JudgeError", "judge_io", "judge_function",
-           "start_harness", "HARNESS_LIMITS"]
+__all__ = [
+    "IOCase",
+    "CaseVerdict",
+    "Verdict",
+    "FunctionTask",
+    "JudgeError",
+    "judge_io",
+    "judge_function",
+    "start_harness",
+    "HARNESS_LIMITS",
+]
 
 _HARNESS_SOURCE = (Path(__file__).resolve().parent / "pyharness.py").read_bytes()
 
@@ -60,7 +70,7 @@ class CaseVerdict:
         return {"passed": self.passed, "reason": self.reason, "result": self.result.to_wire() if self.result else None}
 
     @classmethod
-    def from_wire(cls, d: dict) -> "CaseVerdict":
+    def from_wire(cls, d: dict) -> CaseVerdict:
         return cls(bool(d["passed"]), str(d["reason"]), ExecResult.from_wire(d["result"]) if d.get("result") else None)
 
 
@@ -79,13 +89,23 @@ class Verdict:
     wall_s: float = 0.0
 
     def to_wire(self) -> dict:
-        return {"passed": self.passed, "reason": self.reason, "cases": [c.to_wire() for c in self.cases],
-                "result": self.result.to_wire() if self.result else None, "wall_s": self.wall_s}
+        return {
+            "passed": self.passed,
+            "reason": self.reason,
+            "cases": [c.to_wire() for c in self.cases],
+            "result": self.result.to_wire() if self.result else None,
+            "wall_s": self.wall_s,
+        }
 
     @classmethod
-    def from_wire(cls, d: dict) -> "Verdict":
-        return cls(bool(d["passed"]), str(d["reason"]), tuple(CaseVerdict.from_wire(c) for c in d.get("cases") or ()),
-                   ExecResult.from_wire(d["result"]) if d.get("result") else None, float(d.get("wall_s", 0.0)))
+    def from_wire(cls, d: dict) -> Verdict:
+        return cls(
+            bool(d["passed"]),
+            str(d["reason"]),
+            tuple(CaseVerdict.from_wire(c) for c in d.get("cases") or ()),
+            ExecResult.from_wire(d["result"]) if d.get("result") else None,
+            float(d.get("wall_s", 0.0)),
+        )
 
 
 def _norm(out: bytes) -> list[bytes]:
@@ -95,8 +115,15 @@ def _norm(out: bytes) -> list[bytes]:
     return lines
 
 
-def judge_io(backend: Backend, language: str, source: str | bytes | Sequence[SourceFile], cases: Sequence[IOCase],
-             limits: Limits | None = None, *, stop_on_fail: bool = True) -> Verdict:
+def judge_io(
+    backend: Backend,
+    language: str,
+    source: str | bytes | Sequence[SourceFile],
+    cases: Sequence[IOCase],
+    limits: Limits | None = None,
+    *,
+    stop_on_fail: bool = True,
+) -> Verdict:
     """Run the program once per case with the case's stdin; pass when every case's stdout matches."""
     t0 = time.monotonic()
     lang = get_language(language)
@@ -121,8 +148,12 @@ def judge_io(backend: Backend, language: str, source: str | bytes | Sequence[Sou
         if not cv.passed and stop_on_fail:
             break
     failed = next((v for v in verdicts if not v.passed), None)
-    return Verdict(failed is None and len(verdicts) == len(cases), failed.reason if failed else "passed",
-                   tuple(verdicts), wall_s=time.monotonic() - t0)
+    return Verdict(
+        failed is None and len(verdicts) == len(cases),
+        failed.reason if failed else "passed",
+        tuple(verdicts),
+        wall_s=time.monotonic() - t0,
+    )
 
 
 @dataclass(frozen=True)
@@ -140,9 +171,14 @@ class FunctionTask:
     name: str = field(default="task")
 
     @classmethod
-    def humaneval(cls, problem: dict, completion: str) -> "FunctionTask":
-        return cls(program=problem["prompt"] + completion, entry_point=problem["entry_point"],
-                   test=problem["test"], trusted_prelude=problem["prompt"], name=problem["task_id"])
+    def humaneval(cls, problem: dict, completion: str) -> FunctionTask:
+        return cls(
+            program=problem["prompt"] + completion,
+            entry_point=problem["entry_point"],
+            test=problem["test"],
+            trusted_prelude=problem["prompt"],
+            name=problem["task_id"],
+        )
 
 
 class CandidateError(Exception):
@@ -150,7 +186,10 @@ class CandidateError(Exception):
 
 
 class _Abort(BaseException):
-    """No usable answer (timeout, dead sandbox, garbage). BaseException: `except Exception` in a test cannot swallow it."""
+    """No usable answer (timeout, dead sandbox, garbage).
+
+    BaseException: `except Exception` in a test cannot swallow it.
+    """
 
 
 class _Proxy:
@@ -198,7 +237,7 @@ def _builtin_exception(name: str, message: str) -> Exception:
     if isinstance(cls, type) and issubclass(cls, Exception):
         try:
             return cls(message)
-        except Exception:  # noqa: BLE001 - exotic constructor signatures (UnicodeError...)
+        except Exception:  # exotic constructor signatures (UnicodeError...)
             pass
     return CandidateError(f"{name}: {message}")
 
@@ -211,13 +250,16 @@ HARNESS_LIMITS = Limits(wall_s=10.0, cpu_s=10.0, memory_mb=512, output_kb=4096)
 
 def start_harness(backend: Backend, limits: Limits | None = None) -> Session:
     """A sandbox running the function harness, waiting for its candidate (see pyharness.py)."""
-    spec = ExecSpec(language="python", argv=("main.py",), limits=limits or HARNESS_LIMITS,
-                    files=(SourceFile("main.py", _HARNESS_SOURCE),))
+    spec = ExecSpec(
+        language="python",
+        argv=("main.py",),
+        limits=limits or HARNESS_LIMITS,
+        files=(SourceFile("main.py", _HARNESS_SOURCE),),
+    )
     return backend.start(spec, command=_HARNESS_COMMAND)
 
 
-def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None = None, *,
-                   warm: Any = None) -> Verdict:
+def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None = None, *, warm: Any = None) -> Verdict:
     """Run `check(candidate)` here against the candidate running in a sandbox; see the module docstring.
 
     `warm` (a `hpcrl.sandbox.warm.WarmHarness` of this backend and these limits) hands over a
@@ -227,9 +269,9 @@ def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None =
     limits = limits or HARNESS_LIMITS
     namespace: dict[str, Any] = {"__name__": "__judge__"}
     try:
-        exec(compile(task.trusted_prelude, f"<{task.name} prelude>", "exec"), namespace)  # noqa: S102 - trusted test code
-        exec(compile(task.test, f"<{task.name} test>", "exec"), namespace)  # noqa: S102 - trusted test code
-    except Exception as exc:
+        exec(compile(task.trusted_prelude, f"<{task.name} prelude>", "exec"), namespace)  # trusted test code
+        exec(compile(task.test, f"<{task.name} test>", "exec"), namespace)  # trusted test code
+    except Exception as exc:  # any exception out of check() is a failed test
         raise JudgeError(f"{task.name}: the test code does not load: {type(exc).__name__}: {exc}") from exc
     check = namespace.get("check")
     if not callable(check):
@@ -276,7 +318,7 @@ def _drive(session, task: FunctionTask, check, namespace: dict, deadline: float)
         raise
     except AssertionError as exc:
         return f"failed: assertion {str(exc)[:200]}".rstrip()
-    except Exception as exc:  # noqa: BLE001 - any exception out of check() is a failed test
+    except Exception as exc:
         return f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     if proxy.broken:  # a test that swallowed the abort still fails
         return f"failed: {proxy.broken}"

@@ -13,16 +13,25 @@ copied into the run sandbox as /work/<artifact>.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from hpcrl.core.config import Limits
 
 __all__ = ["Language", "register", "get_language", "languages", "available_languages"]
 
 # Compilers need more room than the programs they build: g++ on <iostream> peaks near 200 MiB.
-COMPILE_LIMITS = Limits(wall_s=30.0, cpu_s=30.0, memory_mb=1024, pids=32, file_size_mb=64,
-                        output_kb=64 * 1024, work_mb=64, tmp_mb=256, shm_mb=16)
+COMPILE_LIMITS = Limits(
+    wall_s=30.0,
+    cpu_s=30.0,
+    memory_mb=1024,
+    pids=32,
+    file_size_mb=64,
+    output_kb=64 * 1024,
+    work_mb=64,
+    tmp_mb=256,
+    shm_mb=16,
+)
 
 
 @dataclass(frozen=True)
@@ -82,11 +91,23 @@ def _compile_sh(cmd: str, artifact: str) -> tuple[str, ...]:
 register(Language(name="python", main_file="main.py", run=("python3", "-B", "main.py"), tools=("python3",)))
 register(Language(name="bash", main_file="main.sh", run=("bash", "main.sh"), tools=("bash",)))
 register(Language(name="node", main_file="main.js", run=("node", "main.js"), tools=("node",)))
-register(Language(
-    name="c", main_file="main.c", run=("./prog",), tools=("gcc", "sh", "cat"),
-    compile=_compile_sh("gcc -O2 -pipe -std=gnu17 main.c -lm", "prog"), artifact="prog",
-))
-register(Language(
-    name="cpp", main_file="main.cpp", run=("./prog",), tools=("g++", "sh", "cat"),
-    compile=_compile_sh("g++ -O2 -pipe -std=gnu++17 main.cpp", "prog"), artifact="prog",
-))
+register(
+    Language(
+        name="c",
+        main_file="main.c",
+        run=("./prog",),
+        tools=("gcc", "sh", "cat"),
+        compile=_compile_sh("gcc -O2 -pipe -std=gnu17 main.c -lm", "prog"),
+        artifact="prog",
+    )
+)
+register(
+    Language(
+        name="cpp",
+        main_file="main.cpp",
+        run=("./prog",),
+        tools=("g++", "sh", "cat"),
+        compile=_compile_sh("g++ -O2 -pipe -std=gnu++17 main.cpp", "prog"),
+        artifact="prog",
+    )
+)

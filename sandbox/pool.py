@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from hpcrl.sandbox.auto import make_backend
 from hpcrl.sandbox.backend import Backend
@@ -41,13 +42,15 @@ class SlotPool:
         self._busy = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, args=(b,), name=f"sandbox-slot-{i}", daemon=True)
-                         for i, b in enumerate(self.backends)]
+        self._threads = [
+            threading.Thread(target=self._work, args=(b,), name=f"sandbox-slot-{i}", daemon=True)
+            for i, b in enumerate(self.backends)
+        ]
         for t in self._threads:
             t.start()
 
     @classmethod
-    def from_config(cls, cfg, slots: int | None = None) -> "SlotPool":
+    def from_config(cls, cfg, slots: int | None = None) -> SlotPool:
         """`slots` backends of `cfg.backend` (default `cfg.slots`), slot k as uid `cfg.uid_base + k`."""
         n = cfg.slots if slots is None else slots
         return cls([make_backend(cfg, slot=k) for k in range(n)], queue_max=cfg.queue)
@@ -119,11 +122,11 @@ class SlotPool:
             try:
                 try:
                     res, exc = fn(backend), None
-                except BaseException as e:  # noqa: BLE001 - handed to the caller's callback
+                except BaseException as e:  # handed to the caller's callback
                     res, exc = None, e
                 try:
                     done(res, exc)
-                except Exception:  # noqa: BLE001 - a callback bug must not kill the slot
+                except Exception:  # a callback bug must not kill the slot
                     log.exception("sandbox pool: completion callback failed")
             finally:
                 with self._cond:

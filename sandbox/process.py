@@ -19,8 +19,8 @@ import selectors
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 __all__ = ["RawOutcome", "Supervised"]
 
@@ -87,8 +87,15 @@ class Supervised:
     def start(self) -> None:
         self._t0 = time.monotonic()
         self._popen = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=self.env, pass_fds=self.pass_fds, close_fds=True, start_new_session=True, cwd=self.cwd,
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self.env,
+            pass_fds=self.pass_fds,
+            close_fds=True,
+            start_new_session=True,
+            cwd=self.cwd,
         )
         p = self._popen
         for f, ev in ((p.stdout, selectors.EVENT_READ), (p.stderr, selectors.EVENT_READ)):
@@ -196,10 +203,15 @@ class Supervised:
         return RawOutcome(
             exit_code=os.WEXITSTATUS(st) if os.WIFEXITED(st) else None,
             signal=os.WTERMSIG(st) if os.WIFSIGNALED(st) else None,
-            stdout=bytes(self.out), stderr=bytes(self.err),
-            stdout_truncated=self.out_truncated, stderr_truncated=self.err_truncated,
-            timed_out=self.timed_out, output_limited=self.output_limited,
-            wall_s=self._wall, rusage=self._rusage, side=bytes(self.side),
+            stdout=bytes(self.out),
+            stderr=bytes(self.err),
+            stdout_truncated=self.out_truncated,
+            stderr_truncated=self.err_truncated,
+            timed_out=self.timed_out,
+            output_limited=self.output_limited,
+            wall_s=self._wall,
+            rusage=self._rusage,
+            side=bytes(self.side),
         )
 
     # -- internals ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def encode(value, depth: int = 0):
     raise CodecError(f"cannot send a {t.__name__} across the sandbox boundary (plain data only)")
 
 
-_ESCAPES = {i: "\\u%04x" % i for i in range(32)}
+_ESCAPES = {i: f"\\u{i:04x}" for i in range(32)}
 _ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\n"): "\\n", ord("\t"): "\\t"})
 
 
@@ -91,11 +91,15 @@ def dumps(obj) -> bytes:
 
 # -- the driver (runs inside the sandbox) ----------------------------------------------------
 
+
 def _add_packages() -> None:
     """What `site` would add (the judge starts python with -S to save its start-up), minus .pth files."""
     ver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    for d in (f"/usr/local/lib/{ver}/dist-packages", "/usr/lib/python3/dist-packages",
-              f"{sys.prefix}/lib/{ver}/site-packages"):
+    for d in (
+        f"/usr/local/lib/{ver}/dist-packages",
+        "/usr/lib/python3/dist-packages",
+        f"{sys.prefix}/lib/{ver}/site-packages",
+    ):
         if os.path.isdir(d) and d not in sys.path:
             sys.path.append(d)
 
@@ -107,7 +111,7 @@ def _serve() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # the candidate's prints go to stderr, not into the channel
-    sys.stdin = open(0, "r", closefd=False)
+    sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
 
     def send(msg) -> None:
@@ -127,8 +131,8 @@ def _serve() -> None:
         pass
     namespace = {"__name__": "__candidate__", "__builtins__": __builtins__}
     try:
-        exec(compile(source, path, "exec"), namespace)  # noqa: S102 - inside the sandbox
-    except BaseException as exc:  # noqa: BLE001 - a failing candidate is a result, reported as such
+        exec(compile(source, path, "exec"), namespace)  # inside the sandbox
+    except BaseException as exc:  # a failing candidate is a result, reported as such
         send({"load_error": f"{type(exc).__name__}: {exc}"[:2000]})
         return
     send({"ready": True})
@@ -149,7 +153,7 @@ def _serve() -> None:
                 raise NameError(f"name {fn!r} is not defined by the candidate")
             value = func(*args)
             send({"id": rid, "value": encode(value)})
-        except BaseException as exc:  # noqa: BLE001 - the candidate's exception is its answer
+        except BaseException as exc:  # the candidate's exception is its answer
             send({"id": rid, "error": type(exc).__name__, "message": str(exc)[:2000]})
 
 

@@ -73,7 +73,7 @@ class ExecResult:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "ExecResult":
+    def from_wire(cls, data: dict[str, Any]) -> ExecResult:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:

@@ -38,8 +38,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from queue import SimpleQueue
-from typing import Any, Callable
+from typing import Any
 
 from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 from hpcrl.core.transport import Node
@@ -58,10 +59,15 @@ def _limits(d: Any) -> Limits | None:
     return Limits.from_wire(d) if d else None
 
 
-def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = lambda b, lim: None,
-         ceiling: Limits | None = None) -> Callable:
+def _job(
+    kind: str,
+    body: Any,
+    warm_for: Callable[[Any, Limits | None], Any] = lambda b, lim: None,
+    ceiling: Limits | None = None,
+) -> Callable:
     """Parse a request into a job `fn(backend) -> (reply kind, reply body)`; ValueError if malformed
     or if it asks for more than `ceiling` (the limits it would run under, defaults included)."""
+
     def within(limits: Limits, where: str) -> None:
         if ceiling is not None:
             limits.check_within(ceiling, where)  # the client's error names the request kind
@@ -83,25 +89,43 @@ def _job(kind: str, body: Any, warm_for: Callable[[Any, Limits | None], Any] = l
             raise ValueError(f"judge_io: {exc}") from None
         limits = _limits(body.get("limits"))
         within(limits or Limits(), "limits")
-        return lambda backend: ("verdict", judge.judge_io(backend, language, files, cases, limits, stop_on_fail=stop).to_wire())
+        return lambda backend: (
+            "verdict",
+            judge.judge_io(backend, language, files, cases, limits, stop_on_fail=stop).to_wire(),
+        )
     if kind == "judge_function":
         try:
-            task = judge.FunctionTask(program=str(body["program"]), entry_point=str(body["entry_point"]),
-                                      test=str(body["test"]), trusted_prelude=str(body.get("trusted_prelude", "")),
-                                      name=str(body.get("name", "task")))
+            task = judge.FunctionTask(
+                program=str(body["program"]),
+                entry_point=str(body["entry_point"]),
+                test=str(body["test"]),
+                trusted_prelude=str(body.get("trusted_prelude", "")),
+                name=str(body.get("name", "task")),
+            )
         except KeyError as exc:
             raise ValueError(f"judge_function: missing {exc}") from None
         limits = _limits(body.get("limits"))
         within(limits or judge.HARNESS_LIMITS, "limits")
-        return lambda backend: ("verdict", judge.judge_function(backend, task, limits, warm=warm_for(backend, limits)).to_wire())
+        return lambda backend: (
+            "verdict",
+            judge.judge_function(backend, task, limits, warm=warm_for(backend, limits)).to_wire(),
+        )
     raise ValueError(f"unknown request kind {kind!r}; kinds: exec, judge_io, judge_function, info")
 
 
 class SandboxServer:
     """Requests in through a RequestServer, jobs out to the pool, replies back when a slot finishes."""
 
-    def __init__(self, node: Node, service: str, pool: SlotPool, *, replay_cache: int = 4096,
-                 replay_cache_bytes: int = 64 << 20, ceiling: Limits | None = None):
+    def __init__(
+        self,
+        node: Node,
+        service: str,
+        pool: SlotPool,
+        *,
+        replay_cache: int = 4096,
+        replay_cache_bytes: int = 64 << 20,
+        ceiling: Limits | None = None,
+    ):
         self.node = node
         self.ceiling = ceiling  # requests over it are refused (bad_request), whoever sends them
         self.service = service
@@ -110,8 +134,14 @@ class SandboxServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.server = RequestServer(node, service, self._handle, replay_cache=replay_cache,
-                                    replay_cache_bytes=replay_cache_bytes, also=[self._wake_r])
+        self.server = RequestServer(
+            node,
+            service,
+            self._handle,
+            replay_cache=replay_cache,
+            replay_cache_bytes=replay_cache_bytes,
+            also=[self._wake_r],
+        )
         self.endpoint = self.server.endpoint
         self.refused = 0
         self._close_lock = threading.Lock()
@@ -133,9 +163,15 @@ class SandboxServer:
 
     def info(self) -> dict:
         b = self.pool.backends[0]
-        return {"backend": b.describe(), "languages": list(b.languages()), "slots": self.pool.slots,
-                "queue": self.pool.queue_max, "busy": self.pool.busy, "queued": self.pool.queued,
-                "ceiling": self.ceiling.to_wire() if self.ceiling is not None else None}
+        return {
+            "backend": b.describe(),
+            "languages": list(b.languages()),
+            "slots": self.pool.slots,
+            "queue": self.pool.queue_max,
+            "busy": self.pool.busy,
+            "queued": self.pool.queued,
+            "ceiling": self.ceiling.to_wire() if self.ceiling is not None else None,
+        }
 
     def poll_once(self, timeout_s: float = 0.1) -> None:
         _, ready = self.server.router.poll_once(timeout_s)
@@ -213,12 +249,25 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
     node = Node(run_dir, name)
     try:
         server = SandboxServer(node, name, pool, ceiling=cfg.ceiling)
-        log.info("sandbox server %s at %s: %d slot(s), queue %d; %s", name, server.endpoint.address,
-                 pool.slots, pool.queue_max, pool.backends[0].describe())
+        log.info(
+            "sandbox server %s at %s: %d slot(s), queue %d; %s",
+            name,
+            server.endpoint.address,
+            pool.slots,
+            pool.queue_max,
+            pool.backends[0].describe(),
+        )
         t0 = time.monotonic()
         server.serve(stop)
-        log.info("sandbox server %s stopping after %.0f s: %d served, %d replayed, %d refused (busy), %d dropped",
-                 name, time.monotonic() - t0, server.served, server.replayed, server.refused, server.dropped)
+        log.info(
+            "sandbox server %s stopping after %.0f s: %d served, %d replayed, %d refused (busy), %d dropped",
+            name,
+            time.monotonic() - t0,
+            server.served,
+            server.replayed,
+            server.refused,
+            server.dropped,
+        )
         pool.close()
         server.close()
     finally:

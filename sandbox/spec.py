@@ -80,10 +80,12 @@ class ExecSpec:
                 raise ValueError(f"ExecSpec.argv: items must be strings without NUL (got {a!r})")
         size = sum(len(f.data) for f in self.files)
         if size > self.limits.work_mb * 1024 * 1024:
-            raise ValueError(f"ExecSpec.files: {size} bytes do not fit the {self.limits.work_mb} MiB work dir; raise limits.work_mb")
+            raise ValueError(
+                f"ExecSpec.files: {size} bytes do not fit the {self.limits.work_mb} MiB work dir; raise limits.work_mb"
+            )
 
     @classmethod
-    def single(cls, language: str, source: str | bytes, **kw: Any) -> "ExecSpec":
+    def single(cls, language: str, source: str | bytes, **kw: Any) -> ExecSpec:
         """A one-file program under the language's main file name."""
         from hpcrl.sandbox.languages import get_language
 
@@ -100,7 +102,7 @@ class ExecSpec:
         }
 
     @classmethod
-    def from_wire(cls, data: Any) -> "ExecSpec":
+    def from_wire(cls, data: Any) -> ExecSpec:
         """Inverse of `to_wire`; raises ValueError (naming the key) on anything malformed."""
         if not isinstance(data, dict):
             raise ValueError(f"exec spec: expected a mapping (got {type(data).__name__})")
@@ -115,8 +117,9 @@ class ExecSpec:
                 stdin=data.get("stdin") or b"",
                 argv=tuple(data.get("argv") or ()),
                 limits=Limits.from_wire(data.get("limits"), "limits"),
-                compile_limits=Limits.from_wire(data["compile_limits"], "compile_limits") if data.get("compile_limits") else None,
+                compile_limits=Limits.from_wire(data["compile_limits"], "compile_limits")
+                if data.get("compile_limits")
+                else None,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"exec spec: {exc}") from None
-

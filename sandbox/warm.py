@@ -74,7 +74,7 @@ class WarmHarness:
             s.kill()
             s.finish()
 
-    def __enter__(self) -> "WarmHarness":
+    def __enter__(self) -> WarmHarness:
         return self
 
     def __exit__(self, *exc) -> None:

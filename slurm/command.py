@@ -41,14 +41,17 @@ class SlurmOutput:
 
 
 def _hint(stderr: str) -> str:
-    if "Could not establish a configuration source" in stderr or "slurm.conf" in stderr and "No such file" in stderr:
-        return "export SLURM_CONF (for the dev cluster: eval \"$(make -s devcluster-env)\")"
+    if "Could not establish a configuration source" in stderr or ("slurm.conf" in stderr and "No such file" in stderr):
+        return 'export SLURM_CONF (for the dev cluster: eval "$(make -s devcluster-env)")'
     if "Unable to contact slurm controller" in stderr or "Connection refused" in stderr:
         return "slurmctld is not answering: is the cluster up (`make devcluster` here), and SLURM_CONF right?"
     if "Invalid account" in stderr or "Invalid qos" in stderr:
         return "check slurm.account / slurm.qos in the config against `sacctmgr show assoc user=$USER`"
     if "Requested node configuration is not available" in stderr:
-        return "no node can ever satisfy this request: check partition, gres and cpus/mem per node (`sinfo -o '%P %c %m %G'`)"
+        return (
+            "no node can ever satisfy this request: check partition, gres and cpus/mem per node "
+            "(`sinfo -o '%P %c %m %G'`)"
+        )
     return ""
 
 

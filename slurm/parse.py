@@ -29,7 +29,9 @@ def parse_delimited(text: str, fields: list[str] | tuple[str, ...], sep: str = S
             continue
         parts = line.split(sep, len(fields) - 1)
         if len(parts) != len(fields):
-            raise SlurmParseError(f"line {lineno}: expected {len(fields)} fields {list(fields)}, got {len(parts)}: {line!r}")
+            raise SlurmParseError(
+                f"line {lineno}: expected {len(fields)} fields {list(fields)}, got {len(parts)}: {line!r}"
+            )
         rows.append(dict(zip(fields, (p.strip() for p in parts))))
     return rows
 
@@ -45,7 +47,7 @@ def parse_scontrol_records(text: str) -> list[dict[str, str]]:
     key_re = re.compile(r"^([A-Za-z][A-Za-z0-9_:/().-]*)=(.*)$")
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("No ") and "in the system" in line:
+        if not line or (line.startswith("No ") and "in the system" in line):
             continue
         rec: dict[str, str] = {}
         last = None
@@ -95,7 +97,7 @@ def _expand_one(item: str) -> list[str]:
     m = re.search(r"\[([^\]]*)\]", item)
     if not m:
         return [item] if item else []
-    prefix, rest = item[: m.start()], item[m.end():]
+    prefix, rest = item[: m.start()], item[m.end() :]
     out = []
     for part in m.group(1).split(","):
         if "-" in part:

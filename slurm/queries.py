@@ -18,7 +18,19 @@ from hpcrl.slurm import parse
 from hpcrl.slurm.command import run_slurm
 
 # Node states in which Slurm will not start new work.
-_UNUSABLE = ("DOWN", "DRAIN", "FAIL", "FUTURE", "MAINT", "NOT_RESPONDING", "POWER", "REBOOT", "RESERVED", "INVAL", "UNKNOWN")
+_UNUSABLE = (
+    "DOWN",
+    "DRAIN",
+    "FAIL",
+    "FUTURE",
+    "MAINT",
+    "NOT_RESPONDING",
+    "POWER",
+    "REBOOT",
+    "RESERVED",
+    "INVAL",
+    "UNKNOWN",
+)
 
 
 @dataclass(frozen=True)
@@ -137,7 +149,19 @@ def partitions() -> list[PartitionState]:
     return result
 
 
-_PENDING_FIELDS = ("job_id", "partition", "user", "nodes", "cpus", "time_limit", "start", "priority", "tres", "reason", "name")
+_PENDING_FIELDS = (
+    "job_id",
+    "partition",
+    "user",
+    "nodes",
+    "cpus",
+    "time_limit",
+    "start",
+    "priority",
+    "tres",
+    "reason",
+    "name",
+)
 
 
 def pending_jobs(partition: str | None = None) -> list[PendingJob]:
@@ -184,8 +208,14 @@ def job_records(job_ids: list[str] | tuple[str, ...]) -> dict[str, JobRecord]:
     if not job_ids:
         return {}
     argv = [
-        "sacct", "-X", "-n", "-P", "-j", ",".join(job_ids),
-        "-o", "JobID,Partition,State,ExitCode,Elapsed,Start,End,NodeList,JobName",
+        "sacct",
+        "-X",
+        "-n",
+        "-P",
+        "-j",
+        ",".join(job_ids),
+        "-o",
+        "JobID,Partition,State,ExitCode,Elapsed,Start,End,NodeList,JobName",
     ]
     result = {}
     for r in parse.parse_delimited(run_slurm(argv).stdout, _SACCT_FIELDS):
@@ -230,7 +260,9 @@ def queue(user: str | None = None, job_ids: list[str] | tuple[str, ...] = ()) ->
     out = run_slurm(argv, check=not job_ids)
     if out.returncode != 0:  # squeue -j of jobs that all left the queue exits 1
         return []
-    return parse.parse_delimited(out.stdout, ("job_id", "partition", "state", "elapsed", "time_left", "nodes", "reason_or_nodelist", "name"))
+    return parse.parse_delimited(
+        out.stdout, ("job_id", "partition", "state", "elapsed", "time_left", "nodes", "reason_or_nodelist", "name")
+    )
 
 
 def cancel(job_ids: list[str] | tuple[str, ...], signal: str | None = None) -> None:

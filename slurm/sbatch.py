@@ -102,4 +102,3 @@ def submit_script(path: str | os.PathLike, extra_args: list[str] | tuple[str, ..
     """`sbatch --parsable PATH`; returns the job id (the first component's for a hetjob)."""
     out = run_slurm(["sbatch", "--parsable", *extra_args, str(path)])
     return parse_sbatch_job_id(out.stdout)
-

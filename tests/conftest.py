@@ -35,7 +35,7 @@ def _env_exports(text: str) -> dict[str, str]:
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("export ") and "=" in line:
-            key, value = line[len("export "):].split("=", 1)
+            key, value = line[len("export ") :].split("=", 1)
             env[key] = value.strip().strip("'\"")
     return env
 
@@ -103,7 +103,7 @@ def judge():
 def server_thread(run_dir: Path, name: str, make, limits=None, *, close=None):
     """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends;
     `close(server)` then runs in that thread, before its Node closes."""
-    from hpcrl.core.transport import WireLimits, Node
+    from hpcrl.core.transport import Node, WireLimits
 
     ready, stop = threading.Event(), threading.Event()
     holder = {}

@@ -37,10 +37,18 @@ def main() -> None:
     batches = [[[Trajectory.from_dict(t) for t in g] for g in b] for b in json.load(open(args.batches))]
     learner = Learner(cfg.learner, cfg.policy, args.run_dir, seed=cfg.experiment.seed)
     extra = learner.setup()
-    report = {"rank": learner.rank, "world": learner.world, "resumed_extra": extra,
-              "start_step": learner.step, "start_version": learner.version, "steps": []}
+    report = {
+        "rank": learner.rank,
+        "world": learner.world,
+        "resumed_extra": extra,
+        "start_step": learner.step,
+        "start_version": learner.version,
+        "steps": [],
+    }
     params = list(learner.engine.module.parameters())
-    report["partitioned"] = all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in params if p.ds_numel >= 64)
+    report["partitioned"] = all(
+        hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in params if p.ds_numel >= 64
+    )
     report["local_numel"] = sum(p.ds_tensor.numel() for p in params)
     report["full_numel"] = sum(p.ds_numel for p in params)
     for i, batch in enumerate(batches, 1):

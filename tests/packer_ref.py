@@ -10,7 +10,7 @@ tests/test_scheduler.py, and bench/scheduler.py prints how much the indices buy.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 from hpcrl.slurm.backfill.packer import Placement, Preemption, Reclaim, RolloutTask, fit_length
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 __all__ = ["Snapshot", "host_residue", "adopt_orphans", "reap_orphans"]
 
@@ -32,7 +32,7 @@ class Snapshot:
     mounts: frozenset[str]
 
     @classmethod
-    def take(cls) -> "Snapshot":
+    def take(cls) -> Snapshot:
         return cls(mounts=_mounts())
 
 
@@ -87,7 +87,7 @@ def _cgroups() -> list[str]:
     for parent in {support.memory_dir, support.pids_dir, support.cpu_dir, support.kill_dir} - {None}:
         base = os.path.dirname(parent)
         for name in os.listdir(base):
-            if name.startswith("hpcrl-sbx-") and not os.path.exists(f"/proc/{name[len('hpcrl-sbx-'):]}"):
+            if name.startswith("hpcrl-sbx-") and not os.path.exists(f"/proc/{name[len('hpcrl-sbx-') :]}"):
                 found.append(f"cgroup {os.path.join(base, name)} of a dead process left behind")
         try:
             leaves = [d for d in os.listdir(parent) if d.startswith("run-")]

@@ -1,4 +1,5 @@
-"""A stand-alone store writer service for the transport and crash tests: receives trajectories over CURVE ZeroMQ, writes shards, acknowledges.
+"""A stand-alone store writer service for the transport and crash tests: receives trajectories
+over CURVE ZeroMQ, writes shards, acknowledges.
 
     python tests/store_service.py RUN_DIR [--name store-0] [--service store]
 
@@ -22,8 +23,8 @@ from pathlib import Path
 from hpcrl.core.config import RESOLVED_NAME, StoreConfig, load_config
 from hpcrl.core.schema import ConfigError, from_dict
 from hpcrl.core.transport import Node
-from hpcrl.rl.store.stream import TrajectoryReceiver
 from hpcrl.rl.store.layout import StoreError
+from hpcrl.rl.store.stream import TrajectoryReceiver
 from hpcrl.rl.store.writer import ShardWriter
 
 
@@ -43,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flush-interval", type=float)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: v for k, v in (("flush_every", args.flush_every), ("flush_interval_s", args.flush_interval))
-                 if v is not None}
+    overrides = {
+        k: v for k, v in (("flush_every", args.flush_every), ("flush_interval_s", args.flush_interval)) if v is not None
+    }
     try:
         cfg = store_config(args.run_dir, overrides)
         writer = ShardWriter(args.run_dir / "trajectories", args.name, cfg)

@@ -91,13 +91,20 @@ def test_algorithm_registry_and_config():
 def traj(task: str, episode: int, reward: float, versions=(0,), domain="arith/copy") -> Trajectory:
     steps = []
     for i, v in enumerate(versions):
-        steps.append(Step(
-            policy_version=v, prompt_tokens=[1, 10 + i] if i == 0 else [],
-            action_tokens=[20 + i, 2], action_logprobs=[-0.5 - i, -0.25], loss_mask=[1, 0 if i else 1],
-            observation_tokens=[30 + i] if i < len(versions) - 1 else [], reward=reward if i == len(versions) - 1 else 0.0,
-        ))
-    return Trajectory(run="r", domain=domain, task=task, episode=episode, generator="g", steps=tuple(steps),
-                      final_reward=reward)
+        steps.append(
+            Step(
+                policy_version=v,
+                prompt_tokens=[1, 10 + i] if i == 0 else [],
+                action_tokens=[20 + i, 2],
+                action_logprobs=[-0.5 - i, -0.25],
+                loss_mask=[1, 0 if i else 1],
+                observation_tokens=[30 + i] if i < len(versions) - 1 else [],
+                reward=reward if i == len(versions) - 1 else 0.0,
+            )
+        )
+    return Trajectory(
+        run="r", domain=domain, task=task, episode=episode, generator="g", steps=tuple(steps), final_reward=reward
+    )
 
 
 def test_layout_aligns_actions_with_logprob_positions():
@@ -110,7 +117,15 @@ def test_layout_aligns_actions_with_logprob_positions():
     assert behav == [0, -0.5, -0.25, 0, -1.5, -0.25]
     tb = collate([t, traj("b", 1, 0.0)], torch.tensor([0.5, -0.5]), pad_id=0)
     assert tb.input_ids.shape == (2, 7) and tb.action_mask.shape == (2, 6)
-    assert tb.input_ids[1].tolist() == [1, 10, 20, 2, 0, 0, 0] and tb.attention_mask[1].tolist() == [1, 1, 1, 1, 0, 0, 0]
+    assert tb.input_ids[1].tolist() == [1, 10, 20, 2, 0, 0, 0] and tb.attention_mask[1].tolist() == [
+        1,
+        1,
+        1,
+        1,
+        0,
+        0,
+        0,
+    ]
     assert tb.n_action_tokens == 5
 
 

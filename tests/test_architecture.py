@@ -158,6 +158,7 @@ def test_the_checker_sees_an_upward_import_and_a_circle():
 
 def package_dot(graph: dict[str, set[str]]) -> str:
     """The graph between sub-packages (e.g. rl.store -> core), for `dot -Tpng`."""
+
     def group(mod: str) -> str:
         parts = mod.split(".")[1:]
         path = ROOT.joinpath(*parts)
@@ -172,7 +173,9 @@ def package_dot(graph: dict[str, set[str]]) -> str:
     lines = ["digraph hpcrl {", "  rankdir=BT; node [shape=box];"]
     for floor in PACKAGES:
         members = sorted({group(m) for m in graph if _floor(m) == floor})
-        lines.append(f'  subgraph "cluster_{floor}" {{ label="{floor}/"; ' + " ".join(f'"{m}";' for m in members) + " }")
+        lines.append(
+            f'  subgraph "cluster_{floor}" {{ label="{floor}/"; ' + " ".join(f'"{m}";' for m in members) + " }"
+        )
     lines += [f'  "{a}" -> "{b}";' for a in sorted(edges) for b in sorted(edges[a])]
     return "\n".join(lines + ["}"])
 

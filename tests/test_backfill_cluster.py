@@ -18,19 +18,24 @@ import pytest
 
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.slurm import parse, queries
-from hpcrl.slurm.command import run_slurm
-from hpcrl.slurm.backfill.planner import BackfillPlanner, RolloutJobs, live_window
-from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
 from hpcrl.slurm.backfill.packer import RolloutTask
+from hpcrl.slurm.backfill.planner import BackfillPlanner, RolloutJobs, live_window
 from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
+from hpcrl.slurm.command import run_slurm
+from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
+
 from conftest import wait_for
 
 pytestmark = pytest.mark.slurm
 
 
 def hold(tmp_path, name: str, nodes: int, gpus: int, time_min: int, seconds: int) -> str:
-    text = render_script([Resources(partition="gpu", time_min=time_min, nodes=nodes, gpus_per_node=gpus, mem_mb=256)],
-                         [f"sleep {seconds}"], job_name=name, output=str(tmp_path / f"{name}-%j.out"))
+    text = render_script(
+        [Resources(partition="gpu", time_min=time_min, nodes=nodes, gpus_per_node=gpus, mem_mb=256)],
+        [f"sleep {seconds}"],
+        job_name=name,
+        output=str(tmp_path / f"{name}-%j.out"),
+    )
     return submit_script(write_script(text, tmp_path / f"{name}.sh"))
 
 
@@ -84,8 +89,11 @@ def test_sized_rollout_job_backfills_ahead_of_the_queue_and_reissues_on_reclaim(
         assert after is not None and after <= before + dt.timedelta(seconds=60), "the queued job was pushed back"
 
         # Reclaim the borrowed GPU in the middle of a task.
-        wait_for(lambda: len(queue.results()) >= 2 and queue.claimed().get(sized.owner), 60,
-                 what="two rollout results and a task in flight")
+        wait_for(
+            lambda: len(queue.results()) >= 2 and queue.claimed().get(sized.owner),
+            60,
+            what="two rollout results and a task in flight",
+        )
         in_flight = queue.claimed()[sized.owner]
         jobs.cancel([sized.job_id])
         reissued: list[int] = []
@@ -120,6 +128,7 @@ def test_requeued_rollout_job_gives_back_what_its_killed_run_held(slurm_cluster,
     job = jobs.submit_one(time_limit_min=2)
     reissued: list[int] = []
     try:
+
         def working():
             reissued.extend(jobs.poll())
             return queue.claimed().get(job.owner)

@@ -47,9 +47,13 @@ def test_synth_is_deterministic_given_seed(tmp_path, capsys):
         run(capsys, "synth", tmp_path / d, "--count", 5, "--seed", 9)
     docs = []
     for d in ("a", "b"):
-        code, out, _ = run(capsys, "export", tmp_path / d)
-        docs.append([{k: v for k, v in json.loads(line).items() if k not in ("started_at", "finished_at")}
-                     for line in out.splitlines()])
+        _code, out, _ = run(capsys, "export", tmp_path / d)
+        docs.append(
+            [
+                {k: v for k, v in json.loads(line).items() if k not in ("started_at", "finished_at")}
+                for line in out.splitlines()
+            ]
+        )
     assert docs[0] == docs[1]
 
 
@@ -60,7 +64,9 @@ def test_ls(store, capsys):
     code, out, _ = run(capsys, "ls", store, "--json")
     shards = json.loads(out)["shards"]
     assert [(s["writer"], s["status"], s["segments"], s["rows"]) for s in shards] == [
-        ("gen-a", "closed", 3, 20), ("gen-b", "closed", 3, 10)]
+        ("gen-a", "closed", 3, 20),
+        ("gen-b", "closed", 3, 10),
+    ]
     assert all(s["bytes"] > 0 for s in shards)
 
 
@@ -146,7 +152,7 @@ def test_export_writes_jsonl_that_round_trips(store, tmp_path, capsys):
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, argv, fragment):
-    code, out, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    code, _out, err = run(capsys, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert code == 2
     assert fragment in err and len(err.strip().splitlines()) == 1
 

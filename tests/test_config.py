@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from hpcrl.core.config import RESOLVED_NAME, Config, load_config
-from hpcrl.jobs.rundir import create_run_dir
 from hpcrl.core.schema import ConfigError, leaf_paths
+from hpcrl.jobs.rundir import create_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config.yaml"
@@ -91,7 +91,11 @@ def test_config_yaml_documents_every_field_with_a_comment():
         ("slurm:\n  setup: echo hi\n", "slurm.setup", "expected list of str"),
         ("slurm:\n  extra_directives: {constraint: 5}\n", "slurm.extra_directives.constraint", "expected str"),
         ("slurm:\n  account: 12\n", "slurm.account", "expected str"),
-        ("slurm:\n  learner:\n    time_min: 1\n    signal_delay_s: 90\n", "slurm.learner.signal_delay_s", "shorter than the time limit"),
+        (
+            "slurm:\n  learner:\n    time_min: 1\n    signal_delay_s: 90\n",
+            "slurm.learner.signal_delay_s",
+            "shorter than the time limit",
+        ),
         ("store:\n  compression: zstd\n", "store.compression", "must be one of none, gzip, lzf"),
         ("generators:\n  count: 0\n", "generators.count", "must be >= 1"),
     ],
@@ -125,8 +129,17 @@ def test_ints_widen_to_float_but_not_the_reverse(tmp_path):
 
 
 def test_overrides_go_through_the_schema():
-    cfg = load_config(CONFIG, ["learner.lr=3e-4", "executor=slurm", "slurm.learner.gpus_per_node=2",
-                               "slurm.account=proj42", "domains.0.weight=2.5", "slurm.setup=[module load cuda]"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "learner.lr=3e-4",
+            "executor=slurm",
+            "slurm.learner.gpus_per_node=2",
+            "slurm.account=proj42",
+            "domains.0.weight=2.5",
+            "slurm.setup=[module load cuda]",
+        ],
+    )
     assert cfg.learner.lr == pytest.approx(3e-4)
     assert cfg.executor == "slurm"
     assert cfg.slurm.learner.gpus_per_node == 2
@@ -196,10 +209,16 @@ def test_cli_validate_ok_and_print():
     "args, expected",
     [
         (["learner.lr=-1"], "config error: learner.lr: must be > 0 (got -1) [from override learner.lr=-1]"),
-        (["executor=slurmm"], "config error: executor: must be one of local, slurm (got 'slurmm') [from override executor=slurmm]"),
-        (["learner.lrr=1"], "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness, "
-                           "algorithm, group_size, batch_groups, micro_batch, weight_decay, grad_clip, max_steps, publish_every, "
-                           "keep_weights, checkpoint_every, keep_checkpoints, dist_backend [from override learner.lrr=1]"),
+        (
+            ["executor=slurmm"],
+            "config error: executor: must be one of local, slurm (got 'slurmm') [from override executor=slurmm]",
+        ),
+        (
+            ["learner.lrr=1"],
+            "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness, "
+            "algorithm, group_size, batch_groups, micro_batch, weight_decay, grad_clip, max_steps, publish_every, "
+            "keep_weights, checkpoint_every, keep_checkpoints, dist_backend [from override learner.lrr=1]",
+        ),
         (["oops"], "config error: override 'oops': expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4"),
     ],
 )

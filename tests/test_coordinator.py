@@ -16,13 +16,30 @@ from hpcrl.rl.coordinator import Coordinator, read_status, ticket_from_row
 
 def make(tmp_path, **cfg) -> Coordinator:
     c = CoordinatorConfig(**{"lease_s": 0.2, "max_attempts": 3, **cfg})
-    return Coordinator(tmp_path, {"arith/copy": 3.0, "code-repair": 1.0}, group_size=4, batch_groups=2,
-                       max_staleness=2, max_steps=5, seed=0, cfg=c)
+    return Coordinator(
+        tmp_path,
+        {"arith/copy": 3.0, "code-repair": 1.0},
+        group_size=4,
+        batch_groups=2,
+        max_staleness=2,
+        max_steps=5,
+        seed=0,
+        cfg=c,
+    )
 
 
 def sync(c, gen, want=0, done=(), failed=(), released=()):
-    r = c.handle("sync", {"generator": gen, "want": want, "done": list(done), "failed": [list(f) for f in failed],
-                          "released": list(released), "stats": {"busy_fraction": 0.5}})
+    r = c.handle(
+        "sync",
+        {
+            "generator": gen,
+            "want": want,
+            "done": list(done),
+            "failed": [list(f) for f in failed],
+            "released": list(released),
+            "stats": {"busy_fraction": 0.5},
+        },
+    )
     return [ticket_from_row(t) for t in r["tickets"]], r
 
 
@@ -85,8 +102,17 @@ def test_status_metrics_stop_and_restart(tmp_path):
     issued, _ = sync(c, "g", want=12)
     sync(c, "g", done=[t.episode for t in issued[:4]])
     for step in range(1, 6):
-        r = c.handle("learner", {"step": step, "version": step, "reward": step / 10, "trained_groups": step,
-                                 "dropped_groups": 0, "reward_by_domain": {"arith/copy": step / 10}})
+        r = c.handle(
+            "learner",
+            {
+                "step": step,
+                "version": step,
+                "reward": step / 10,
+                "trained_groups": step,
+                "dropped_groups": 0,
+                "reward_by_domain": {"arith/copy": step / 10},
+            },
+        )
     assert r["stop"] is True  # max_steps reached: generators are told at their next sync
     assert sync(c, "g", want=4)[1]["stop"] is True
     c.write_status()

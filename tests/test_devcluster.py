@@ -14,15 +14,17 @@ import pytest
 
 from hpcrl.slurm import queries
 from hpcrl.slurm.command import run_slurm
-from hpcrl.slurm.parse import parse_sbatch_job_id
 from hpcrl.slurm.devcluster.cluster import Cluster
 from hpcrl.slurm.devcluster.layout import Layout
+from hpcrl.slurm.parse import parse_sbatch_job_id
+
 from conftest import devcluster_cmd, wait_for
 
 
 def devcluster(*args: str, timeout_s: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(devcluster_cmd(*args), capture_output=True, text=True, timeout=timeout_s, env=env,
-                          check=False)
+    return subprocess.run(
+        devcluster_cmd(*args), capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+    )
 
 
 def tagged_processes(state_dir: str) -> list[int]:
@@ -81,7 +83,9 @@ def test_up_is_idempotent_and_status_reports(slurm_cluster):
 @pytest.mark.slurm
 def test_down_stops_everything_and_up_resumes(slurm_cluster):
     state = slurm_cluster["HPCRL_DEVCLUSTER_DIR"]
-    first = parse_sbatch_job_id(run_slurm(["sbatch", "--parsable", "--output=/dev/null", "-p", "cpu", "-t", "5", "--wrap", "sleep 300"]).stdout)
+    first = parse_sbatch_job_id(
+        run_slurm(["sbatch", "--parsable", "--output=/dev/null", "-p", "cpu", "-t", "5", "--wrap", "sleep 300"]).stdout
+    )
     wait_for(lambda: [r for r in queries.queue(job_ids=[first]) if r["state"] == "RUNNING"], 60, what="job running")
 
     down = devcluster("down")
@@ -99,5 +103,7 @@ def test_down_stops_everything_and_up_resumes(slurm_cluster):
     rec = wait_for(lambda: queries.job_records([first]).get(first), 30, what="record of the job from before down")
     assert rec.state == "CANCELLED"
     # Slurm's state survived, so job ids keep counting instead of restarting at 1.
-    second = parse_sbatch_job_id(run_slurm(["sbatch", "--parsable", "--output=/dev/null", "-p", "cpu", "-t", "1", "--wrap", "true"]).stdout)
+    second = parse_sbatch_job_id(
+        run_slurm(["sbatch", "--parsable", "--output=/dev/null", "-p", "cpu", "-t", "1", "--wrap", "true"]).stdout
+    )
     assert int(second) > int(first)

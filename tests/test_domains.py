@@ -38,7 +38,10 @@ def test_registry_rejects_duplicates_and_lists_known_names():
 
 
 def test_unknown_family_and_variant_say_what_exists():
-    with pytest.raises(DomainError, match=r"unknown domain family 'arihm' \(did you mean 'arith'\?\); registered: arith, code-repair, synth"):
+    with pytest.raises(
+        DomainError,
+        match=r"unknown domain family 'arihm' \(did you mean 'arith'\?\); registered: arith, code-repair, synth",
+    ):
         get_domain("arihm/copy")
     with pytest.raises(DomainError, match=r"arith: unknown variant 'add-mod11'; variants: copy, add<k>-mod<m>"):
         get_domain("arith/add-mod11")
@@ -48,7 +51,9 @@ def test_unknown_family_and_variant_say_what_exists():
         get_domain("synth/nope")
 
 
-@pytest.mark.parametrize("variant", ["copy", "add3-mod10", "add1-mod7", "add-mod10", "add-mod4", "max2", "max5", "min3"])
+@pytest.mark.parametrize(
+    "variant", ["copy", "add3-mod10", "add1-mod7", "add-mod10", "add-mod4", "max2", "max5", "min3"]
+)
 def test_arith_answers_are_right_and_tasks_deterministic(variant):
     d = get_domain(f"arith/{variant}")
     assert d.action.max_tokens == 1
@@ -68,7 +73,7 @@ def test_arith_answers_are_right_and_tasks_deterministic(variant):
             assert a == (max if op == "max" else min)(map(int, xs)) and len(xs) == int(variant[3:])
         env = d.make_env(t)
         assert env.reset() == p
-        obs, reward, done, info = env.step(str(a))
+        _obs, reward, done, _info = env.step(str(a))
         assert (reward, done) == (1.0, True)
     assert len({d.task(i).prompt for i in range(200)}) > 5  # not one prompt over and over
 
@@ -102,7 +107,7 @@ def test_hundreds_of_domains_from_one_config(tmp_path):
     assert all(isinstance(d, Domain) and d.name == n for n, d in domains.items())
 
 
-SITE_MODULE = textwrap.dedent('''
+SITE_MODULE = textwrap.dedent("""
     from hpcrl.rl.domains import PromptDomain
 
     PAIRS = [("capital of France?", "Paris"), ("2*3=", "6")]
@@ -121,7 +126,7 @@ SITE_MODULE = textwrap.dedent('''
 
     def wrong_type(name):
         return "nope"
-''')
+""")
 
 
 def test_site_domain_from_config_module(tmp_path):
@@ -163,7 +168,6 @@ def test_extract_code():
 
 
 # -- code domains through the real sandbox ------------------------------------------------
-
 
 
 def test_synth_judges_by_stdin_stdout_and_gives_feedback(judge):

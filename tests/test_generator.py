@@ -20,8 +20,9 @@ from hpcrl.rl.policy import Policy, full_state_dict, token_logprobs
 from hpcrl.rl.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
 from hpcrl.rl.weights import WeightStore
 
-TINY = PolicyConfig(tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=512),
-                    device="cpu")
+TINY = PolicyConfig(
+    tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=512), device="cpu"
+)
 
 
 def collect(gen, source, n):
@@ -52,7 +53,7 @@ def test_single_and_multi_step_episodes_make_valid_trajectories():
     pos, got = 0, []
     for s in t.steps:
         pos += len(s.prompt_tokens)
-        got.extend(lp[pos - 1:pos - 1 + len(s.action_tokens)].tolist())
+        got.extend(lp[pos - 1 : pos - 1 + len(s.action_tokens)].tolist())
         pos += len(s.action_tokens) + len(s.observation_tokens)
     assert np.allclose(got, np.concatenate([s.action_logprobs for s in t.steps]), atol=1e-4)
     assert policy.decode(t.steps[0].observation_tokens).startswith(" no\n")
@@ -63,8 +64,15 @@ def test_new_weights_are_taken_between_steps(tmp_path):
     learner_side = Policy.load(TINY, seed=5)
     store.publish(full_state_dict(learner_side.model), version=0)
     policy = Policy.load(TINY, seed=0)  # different init: must be replaced by v0 before sampling
-    gen = Generator(GeneratorConfig(episodes_in_flight=8), policy, {"arith/min3-retry4": get_domain("arith/min3-retry4")},
-                    run="r", name="g0", seed=0, weights=store)
+    gen = Generator(
+        GeneratorConfig(episodes_in_flight=8),
+        policy,
+        {"arith/min3-retry4": get_domain("arith/min3-retry4")},
+        run="r",
+        name="g0",
+        seed=0,
+        weights=store,
+    )
     source = LocalTaskSource(TaskSampler({"arith/min3-retry4": 1.0}, group_size=4, seed=0))
     first: list = []
     # Stop while some episode is between steps, so it straddles the update below.
@@ -83,8 +91,6 @@ def test_new_weights_are_taken_between_steps(tmp_path):
     straddling = [t for t in later if t.min_policy_version != t.max_policy_version]
     assert straddling, "episodes in flight during the update continue with the new weights"
     assert all(list(t.policy_versions) == sorted(t.policy_versions) for t in later)
-
-
 
 
 def test_sandbox_waits_overlap_with_sampling(judge):
@@ -145,5 +151,7 @@ def test_failed_episodes_are_reissued_then_stop_the_run():
 
 def test_generator_refuses_code_domains_without_a_sandbox():
     with pytest.raises(ValueError, match=r"run code but no executor"):
-        Generator(GeneratorConfig(), Policy.load(TINY, seed=0), {"synth": get_domain("synth")}, run="r", name="g", seed=0)
+        Generator(
+            GeneratorConfig(), Policy.load(TINY, seed=0), {"synth": get_domain("synth")}, run="r", name="g", seed=0
+        )
     assert StepResult("", 1.0, True, {}).done

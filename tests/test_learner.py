@@ -27,9 +27,17 @@ from hpcrl.rl.weights import WeightStore
 
 WORKER = Path(__file__).with_name("learner_worker.py")
 OVERRIDES = [
-    "policy.device=cpu", "policy.tiny.hidden_size=32", "policy.tiny.num_layers=1", "policy.tiny.num_heads=2",
-    "policy.tiny.intermediate_size=64", "learner.group_size=4", "learner.batch_groups=4", "learner.micro_batch=4",
-    "learner.lr=1e-2", "learner.keep_weights=5", "generators.episodes_in_flight=16",
+    "policy.device=cpu",
+    "policy.tiny.hidden_size=32",
+    "policy.tiny.num_layers=1",
+    "policy.tiny.num_heads=2",
+    "policy.tiny.intermediate_size=64",
+    "learner.group_size=4",
+    "learner.batch_groups=4",
+    "learner.micro_batch=4",
+    "learner.lr=1e-2",
+    "learner.keep_weights=5",
+    "generators.episodes_in_flight=16",
     "domains=[{name: arith/copy}, {name: arith/max3-retry2}]",
 ]
 TIMEOUT_S = 120
@@ -63,10 +71,12 @@ def make_batches(cfg_path: Path, n: int) -> list:
     gen.run(source, add, stop=lambda: len(full) >= n * cfg.learner.batch_groups)
     gen.close()
     assert any(len(t.steps) > 1 for g in full for t in g), "want multi-step episodes in the batch"
-    full = [[dataclasses.replace(t, final_reward=float((i + j) % 2)).to_dict() for i, t in enumerate(g)]
-            for j, g in enumerate(full)]
+    full = [
+        [dataclasses.replace(t, final_reward=float((i + j) % 2)).to_dict() for i, t in enumerate(g)]
+        for j, g in enumerate(full)
+    ]
     k = cfg.learner.batch_groups
-    return [full[i * k:(i + 1) * k] for i in range(n)]
+    return [full[i * k : (i + 1) * k] for i in range(n)]
 
 
 def free_port() -> int:
@@ -79,10 +89,25 @@ def launch(world: int, cfg: Path, run_dir: Path, batches: Path, out: Path, *extr
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(cfg), str(run_dir), str(batches), str(out), *extra],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            HF_HUB_OFFLINE="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(cfg), str(run_dir), str(batches), str(out), *extra],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 

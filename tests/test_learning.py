@@ -20,9 +20,24 @@ def test_reward_rises_from_untrained_to_0_8(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcrl.rl.inprocess", str(ROOT / "config.yaml"), "learner.max_steps=300",
-         "--run-dir", str(tmp_path / "run"), "--metrics", str(metrics), "--stop-at-reward", "0.8"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.rl.inprocess",
+            str(ROOT / "config.yaml"),
+            "learner.max_steps=300",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--metrics",
+            str(metrics),
+            "--stop-at-reward",
+            "0.8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -25,8 +25,9 @@ from hpcrl.rl.policy import (
 )
 from hpcrl.rl.sampler import Sampler
 
-TINY = PolicyConfig(tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=256),
-                    device="cpu")
+TINY = PolicyConfig(
+    tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=256), device="cpu"
+)
 
 
 def test_char_tokenizer_round_trips_every_character():
@@ -57,8 +58,12 @@ def test_logprobs_do_not_depend_on_padding_side():
     seq = torch.tensor([p.prompt_ids("max 3 8:7")])
     plain = token_logprobs(p.model, seq)
     pad = torch.full((1, 3), p.pad_id)
-    left = token_logprobs(p.model, torch.cat([pad, seq], 1), torch.cat([torch.zeros(1, 3), torch.ones_like(seq)], 1).long())
-    right = token_logprobs(p.model, torch.cat([seq, pad], 1), torch.cat([torch.ones_like(seq), torch.zeros(1, 3)], 1).long())
+    left = token_logprobs(
+        p.model, torch.cat([pad, seq], 1), torch.cat([torch.zeros(1, 3), torch.ones_like(seq)], 1).long()
+    )
+    right = token_logprobs(
+        p.model, torch.cat([seq, pad], 1), torch.cat([torch.ones_like(seq), torch.zeros(1, 3)], 1).long()
+    )
     assert torch.allclose(left[:, 3:], plain, atol=1e-5)
     assert torch.allclose(right[:, : plain.shape[1]], plain, atol=1e-5)
     assert (plain <= 0).all()
@@ -99,7 +104,10 @@ def test_sampler_logprobs_match_a_full_forward_pass():
     p = Policy.load(TINY, seed=0)
     s = Sampler(p, seed=0)
     # Six one-token rows finish at once: the batch (and its KV cache) shrinks to the other two.
-    contexts = [p.prompt_ids(f"copy {i}:") for i in range(6)] + [p.prompt_ids("a much longer prompt here:"), p.prompt_ids("x")]
+    contexts = [p.prompt_ids(f"copy {i}:") for i in range(6)] + [
+        p.prompt_ids("a much longer prompt here:"),
+        p.prompt_ids("x"),
+    ]
     max_new = [1] * 6 + [12, 5]
     out = s.sample(contexts, max_new=max_new, stops=[()] * 8)
     assert all(len(o.tokens) <= m for o, m in zip(out, max_new))
@@ -107,7 +115,7 @@ def test_sampler_logprobs_match_a_full_forward_pass():
     assert len(out[6].tokens) > 1 or out[6].finish == "eos"
     for ctx, o in zip(contexts, out):
         full = torch.tensor([list(ctx) + list(o.tokens)])
-        ref = token_logprobs(p.model, full)[0, len(ctx) - 1:]
+        ref = token_logprobs(p.model, full)[0, len(ctx) - 1 :]
         assert torch.allclose(ref, torch.tensor(o.logprobs), atol=1e-4), (ref, o.logprobs)
         if o.finish == "eos":
             assert o.tokens[-1] == p.eos_id

@@ -18,6 +18,7 @@ import pytest
 from hpcrl.jobs.supervise import pids
 from hpcrl.rl.coordinator import read_status
 from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
+
 from audit import lineage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,8 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def hpcrl(*args: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.jobs.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -35,7 +43,7 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> str:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)  # hpcrl run stops its jobs on Ctrl-C
         out, _ = proc.communicate(timeout=90)
-        raise AssertionError(f"hpcrl run did not finish in {timeout_s:.0f} s:\n{out[-3000:]}")
+        raise AssertionError(f"hpcrl run did not finish in {timeout_s:.0f} s:\n{out[-3000:]}") from None
     return out
 
 
@@ -76,13 +84,22 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
 def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_path):
     from hpcrl.rl.store.reader import StoreReader, iter_segments
 
-    proc = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path}", "learner.max_steps=40",
-                 "learner.checkpoint_every=10", "--run-id", "kill")
+    proc = hpcrl(
+        "run",
+        "config.yaml",
+        f"experiment.run_root={tmp_path}",
+        "learner.max_steps=40",
+        "learner.checkpoint_every=10",
+        "--run-id",
+        "kill",
+    )
     run_dir = tmp_path / "kill"
     deadline = time.monotonic() + 120
     killed = None
     while killed is None:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:] if proc.poll() else "no progress"
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            proc.stdout.read()[-3000:] if proc.poll() else "no progress"
+        )
         st = read_status(run_dir) or {}
         step = (st.get("learner") or {}).get("step", 0)
         learner = pids(run_dir, "learner")
@@ -112,7 +129,9 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
     unread = {t.id for t in reader}
     stored = {cols.trajectory(i).id for _, _, cols in iter_segments(run_dir / "trajectories") for i in range(cols.rows)}
     accounted = set(trained) | set(dropped) | buffered | unread
-    assert stored <= accounted, f"{len(stored - accounted)} stored trajectories were lost, e.g. {sorted(stored - accounted)[:3]}"
+    assert stored <= accounted, (
+        f"{len(stored - accounted)} stored trajectories were lost, e.g. {sorted(stored - accounted)[:3]}"
+    )
     assert len(stored) > 40 * 256
     no_processes_left(run_dir)
 
@@ -131,10 +150,19 @@ def test_code_domains_run_through_a_sandbox_server(tmp_path):
             make_backend(SandboxConfig()).check()
         except SandboxError as exc:
             pytest.skip(f"sandbox unavailable: {exc}")
-    proc = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path}",
-                 "domains=[{name: arith/copy}, {name: code-repair, weight: 0.5}, {name: synth, weight: 0.5}]",
-                 "learner.max_steps=4", "learner.batch_groups=4", "learner.group_size=4",
-                 "generators.max_new_tokens=48", "generators.episodes_in_flight=32", "--run-id", "code")
+    proc = hpcrl(
+        "run",
+        "config.yaml",
+        f"experiment.run_root={tmp_path}",
+        "domains=[{name: arith/copy}, {name: code-repair, weight: 0.5}, {name: synth, weight: 0.5}]",
+        "learner.max_steps=4",
+        "learner.batch_groups=4",
+        "learner.group_size=4",
+        "generators.max_new_tokens=48",
+        "generators.episodes_in_flight=32",
+        "--run-id",
+        "code",
+    )
     out = finish(proc, 150)
     assert proc.returncode == 0, out[-4000:]
     run_dir = tmp_path / "code"

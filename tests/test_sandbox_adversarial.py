@@ -20,9 +20,10 @@ import time
 import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
-from residue import Snapshot, host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits
+
 from conftest import require_bwrap
+from residue import Snapshot, host_residue
 
 UID = 61060
 QUICK = Limits(wall_s=3, cpu_s=3, memory_mb=256, pids=32, output_kb=256)
@@ -51,6 +52,7 @@ def out(r) -> str:
 
 # -- processes ---------------------------------------------------------------------------------
 
+
 def test_fork_bomb_is_contained(backend):
     r = probe(backend, ":(){ :|:& };:\nsleep 1; echo host-still-fine", lang="bash", wall_s=2)
     assert r.status in ("timeout", "ok", "nonzero_exit")
@@ -58,9 +60,11 @@ def test_fork_bomb_is_contained(backend):
 
 
 def test_python_fork_bomb_never_exceeds_the_pids_limit(backend):
-    src = ("import os, time\nn = 0\nfor _ in range(10000):\n    try:\n        if os.fork() == 0:\n"
-           "            time.sleep(30); os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
-           "print(n, flush=True)\n")
+    src = (
+        "import os, time\nn = 0\nfor _ in range(10000):\n    try:\n        if os.fork() == 0:\n"
+        "            time.sleep(30); os._exit(0)\n        n += 1\n    except OSError:\n        break\n"
+        "print(n, flush=True)\n"
+    )
     r = probe(backend, src, pids=16, wall_s=2)
     assert r.stdout and int(r.stdout.split()[0]) < 16
 
@@ -76,9 +80,11 @@ def test_memory_bomb_in_one_process(backend):
 def test_memory_bomb_across_many_processes_is_capped_in_total(backend):
     if not backend.cgroups.memory:
         pytest.skip("no memory cgroup here: only per-process RLIMIT_DATA, the total is not capped")
-    src = ("import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        x = bytearray(60 << 20)\n"
-           "        for i in range(0, len(x), 4096): x[i] = 1\n        time.sleep(1); os._exit(0)\n"
-           "for _ in range(8):\n    os.wait()\n")
+    src = (
+        "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        x = bytearray(60 << 20)\n"
+        "        for i in range(0, len(x), 4096): x[i] = 1\n        time.sleep(1); os._exit(0)\n"
+        "for _ in range(8):\n    os.wait()\n"
+    )
     r = probe(backend, src, memory_mb=160, wall_s=4)
     assert r.status == "memory_limit"
     assert r.peak_memory_mb <= 160 + 8
@@ -95,8 +101,10 @@ def test_sleep_forever_times_out(backend):
 
 
 def test_double_fork_setsid_daemon_dies_with_the_sandbox(backend):
-    src = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-           "        time.sleep(30)\n    os._exit(0)\nos.wait()\nprint('parent done')\n")
+    src = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(30)\n    os._exit(0)\nos.wait()\nprint('parent done')\n"
+    )
     r = probe(backend, src, wall_s=3)
     assert r.status == "ok" and r.stdout == b"parent done\n"
     assert r.wall_s < 2  # the daemon did not keep the run alive
@@ -115,18 +123,23 @@ def test_stderr_flood(backend):
 
 # -- files -------------------------------------------------------------------------------------
 
+
 def test_a_2_gib_file_is_stopped_at_the_file_size_limit(backend):
-    src = ("import sys\nchunk = b'z' * (1 << 20)\nn = 0\ntry:\n    with open('big', 'wb') as f:\n"
-           "        for _ in range(2048):\n            f.write(chunk); f.flush(); n += 1\n"
-           "except OSError as e:\n    print('stopped', n, e.errno); sys.exit(1)\nprint('wrote', n)\n")
+    src = (
+        "import sys\nchunk = b'z' * (1 << 20)\nn = 0\ntry:\n    with open('big', 'wb') as f:\n"
+        "        for _ in range(2048):\n            f.write(chunk); f.flush(); n += 1\n"
+        "except OSError as e:\n    print('stopped', n, e.errno); sys.exit(1)\nprint('wrote', n)\n"
+    )
     r = probe(backend, src, file_size_mb=16, work_mb=64, wall_s=5)
     assert r.stdout.startswith(b"stopped") and int(r.stdout.split()[1]) <= 16
 
 
 def test_100000_small_files_run_out_of_work_dir_space(backend):
-    src = ("import os\nn = 0\ntry:\n    for i in range(100000):\n        with open(f'f{i}', 'wb') as f:\n"
-           "            f.write(b'x')\n        n += 1\nexcept OSError as e:\n    print('stopped', n, e.errno)\n"
-           "else:\n    print('created', n)\n")
+    src = (
+        "import os\nn = 0\ntry:\n    for i in range(100000):\n        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(b'x')\n        n += 1\nexcept OSError as e:\n    print('stopped', n, e.errno)\n"
+        "else:\n    print('created', n)\n"
+    )
     r = probe(backend, src, work_mb=16, wall_s=10, cpu_s=10, memory_mb=512)
     assert r.stdout.startswith(b"stopped"), out(r)
     assert int(r.stdout.split()[1]) < 100000
@@ -134,8 +147,10 @@ def test_100000_small_files_run_out_of_work_dir_space(backend):
 
 def test_dev_shm_fill_is_capped_and_private(backend):
     host_free = shutil.disk_usage("/dev/shm").free
-    src = ("n = 0\ntry:\n    with open('/dev/shm/fill', 'wb') as f:\n        while True:\n"
-           "            f.write(b's' * (1 << 20)); f.flush(); n += 1\nexcept OSError as e:\n    print('stopped', n)\n")
+    src = (
+        "n = 0\ntry:\n    with open('/dev/shm/fill', 'wb') as f:\n        while True:\n"
+        "            f.write(b's' * (1 << 20)); f.flush(); n += 1\nexcept OSError as e:\n    print('stopped', n)\n"
+    )
     r = probe(backend, src, shm_mb=8, file_size_mb=64)
     assert r.stdout.startswith(b"stopped") and int(r.stdout.split()[1]) <= 8
     assert shutil.disk_usage("/dev/shm").free >= host_free - (4 << 20)
@@ -163,8 +178,10 @@ def test_the_run_directory_is_not_visible(backend, tmp_path):
     run_dir.mkdir(parents=True)
     secret = secrets.token_hex(16)
     (run_dir / "server.key").write_text(secret)
-    src = (f"import os\nfor p in ({str(run_dir)!r}, {str(run_dir / 'server.key')!r}, {str(tmp_path)!r}):\n"
-           "    print(os.path.exists(p))\n")
+    src = (
+        f"import os\nfor p in ({str(run_dir)!r}, {str(run_dir / 'server.key')!r}, {str(tmp_path)!r}):\n"
+        "    print(os.path.exists(p))\n"
+    )
     r = probe(backend, src)
     assert r.stdout == b"False\nFalse\nFalse\n" and secret.encode() not in r.stdout
 
@@ -172,9 +189,11 @@ def test_the_run_directory_is_not_visible(backend, tmp_path):
 def test_a_secret_in_the_servers_environment_is_not_visible(backend, monkeypatch):
     secret = secrets.token_hex(16)
     monkeypatch.setenv("HPCRL_TEST_SECRET", secret)
-    src = ("import os\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
-           "        for f in ('environ', 'cmdline'):\n            try: print(open(f'/proc/{pid}/{f}', 'rb').read())\n"
-           "            except OSError as e: print(pid, f, e)\n")
+    src = (
+        "import os\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
+        "        for f in ('environ', 'cmdline'):\n            try: print(open(f'/proc/{pid}/{f}', 'rb').read())\n"
+        "            except OSError as e: print(pid, f, e)\n"
+    )
     r = probe(backend, src)
     assert r.status == "ok" and b"/proc/1/environ" not in r.stderr
     assert secret.encode() not in r.stdout + r.stderr
@@ -182,6 +201,7 @@ def test_a_secret_in_the_servers_environment_is_not_visible(backend, monkeypatch
 
 
 # -- network -----------------------------------------------------------------------------------
+
 
 class _Listener:
     """A host listener that records whether anything connected."""
@@ -226,9 +246,11 @@ def test_host_tcp_ports_are_unreachable(backend):
     lis = _Listener(socket.AF_INET, ("0.0.0.0", 0))
     port = lis.sock.getsockname()[1]
     try:
-        src = (f"import socket\nfor host in ('127.0.0.1', {_host_ip()!r}):\n    s = socket.socket()\n    s.settimeout(1)\n"
-               f"    try:\n        s.connect((host, {port})); print('CONNECTED', host)\n"
-               "    except OSError as e:\n        print('refused', host, e.errno)\n")
+        src = (
+            f"import socket\nfor host in ('127.0.0.1', {_host_ip()!r}):\n    s = socket.socket()\n    s.settimeout(1)\n"
+            f"    try:\n        s.connect((host, {port})); print('CONNECTED', host)\n"
+            "    except OSError as e:\n        print('refused', host, e.errno)\n"
+        )
         r = probe(backend, src)
     finally:
         lis.close()
@@ -241,8 +263,11 @@ def test_host_unix_sockets_are_unreachable(backend, tmp_path):
     abstract = "\0hpcrl-test-" + secrets.token_hex(4)
     listeners = [_Listener(socket.AF_UNIX, path), _Listener(socket.AF_UNIX, abstract)]
     try:
-        src = (f"import socket\nfor addr in ({path!r}, {abstract!r}):\n    s = socket.socket(socket.AF_UNIX)\n"
-               "    try:\n        s.connect(addr); print('CONNECTED')\n    except OSError as e:\n        print('refused', e.errno)\n")
+        src = (
+            f"import socket\nfor addr in ({path!r}, {abstract!r}):\n    s = socket.socket(socket.AF_UNIX)\n"
+            "    try:\n        s.connect(addr); print('CONNECTED')\n"
+            "    except OSError as e:\n        print('refused', e.errno)\n"
+        )
         r = probe(backend, src)
     finally:
         for lis in listeners:
@@ -252,21 +277,29 @@ def test_host_unix_sockets_are_unreachable(backend, tmp_path):
 
 
 def test_dns_does_not_resolve(backend):
-    src = ("import socket\ntry:\n    print(socket.getaddrinfo('example.com', 80))\nexcept OSError as e:\n    print('no dns', e)\n"
-           "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ntry:\n    s.sendto(b'x', ('8.8.8.8', 53)); print('SENT')\n"
-           "except OSError as e:\n    print('no route', e.errno)\n")
+    src = (
+        "import socket\ntry:\n    print(socket.getaddrinfo('example.com', 80))\n"
+        "except OSError as e:\n    print('no dns', e)\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "try:\n    s.sendto(b'x', ('8.8.8.8', 53)); print('SENT')\n"
+        "except OSError as e:\n    print('no route', e.errno)\n"
+    )
     r = probe(backend, src)
     assert r.stdout.startswith(b"no dns") and b"no route" in r.stdout and b"SENT" not in r.stdout
 
 
 # -- signals, namespaces, threads, stdin -----------------------------------------------------------
 
+
 def test_kill_minus_one_cannot_reach_host_processes_of_the_same_uid(backend):
     canary = subprocess.Popen(["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "sleep", "30"])
     try:
         # kill(-1) reaches every process the caller may signal: inside the sandbox, none (ESRCH).
-        src = ("import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print('errno', e.errno)\n"
-               "print('survived')\n")
+        src = (
+            "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
+            "except OSError as e:\n    print('errno', e.errno)\n"
+            "print('survived')\n"
+        )
         before = Snapshot.take()
         r = backend.run(ExecSpec.single("python", src, limits=QUICK))
         assert r.stdout.endswith(b"survived\n")
@@ -278,18 +311,22 @@ def test_kill_minus_one_cannot_reach_host_processes_of_the_same_uid(backend):
 
 
 def test_nested_user_namespaces_are_refused(backend):
-    src = ("import ctypes, os, subprocess\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-           "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
-           "print('cli', subprocess.run(['unshare', '-U', '-r', 'true']).returncode)\n")
+    src = (
+        "import ctypes, os, subprocess\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+        "print('cli', subprocess.run(['unshare', '-U', '-r', 'true']).returncode)\n"
+    )
     r = probe(backend, src)
     lines = r.stdout.decode().split("\n")
     assert lines[0].startswith("unshare -1") and lines[1] != "cli 0"
 
 
 def test_endless_threads_are_capped_by_the_pids_limit(backend):
-    src = ("import threading, time\nn = 0\ntry:\n    while True:\n"
-           "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); n += 1\n"
-           "except RuntimeError:\n    print('capped', n, flush=True)\n")
+    src = (
+        "import threading, time\nn = 0\ntry:\n    while True:\n"
+        "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); n += 1\n"
+        "except RuntimeError:\n    print('capped', n, flush=True)\n"
+    )
     r = probe(backend, src, pids=32, wall_s=3)
     assert r.stdout.startswith(b"capped") and int(r.stdout.split()[1]) < 32
 
@@ -312,8 +349,10 @@ def test_a_program_blocked_on_an_open_stdin_is_killed_at_its_deadline(backend):
 
 def test_the_terminal_cannot_be_injected_into(backend):
     # TIOCSTI on fd 0 would push keystrokes into a controlling terminal; --new-session removes it.
-    src = ("import fcntl, termios\ntry:\n    fcntl.ioctl(0, termios.TIOCSTI, b'x'); print('INJECTED')\n"
-           "except OSError as e:\n    print('refused', e.errno)\n")
+    src = (
+        "import fcntl, termios\ntry:\n    fcntl.ioctl(0, termios.TIOCSTI, b'x'); print('INJECTED')\n"
+        "except OSError as e:\n    print('refused', e.errno)\n"
+    )
     r = probe(backend, src)
     assert r.stdout.startswith(b"refused")
 
@@ -347,7 +386,10 @@ def test_setuid_binaries_do_not_elevate(backend):
     su = next((p for p in ("/usr/bin/su", "/usr/bin/passwd", "/usr/bin/mount") if os.path.exists(p)), None)
     if su is None:
         pytest.skip("no setuid binary to try")
-    r = probe(backend, f"import subprocess\nsubprocess.run([{su!r}, '--help'], capture_output=True)\nimport os\nprint(os.geteuid())")
+    r = probe(
+        backend,
+        f"import subprocess\nsubprocess.run([{su!r}, '--help'], capture_output=True)\nimport os\nprint(os.geteuid())",
+    )
     assert r.stdout.strip().endswith(b"65534")
 
 
@@ -360,6 +402,11 @@ def test_workdir_is_a_fresh_tmpfs(backend):
 
 def test_the_host_temp_dir_is_untouched(backend):
     marker = f"hpcrl-adv-{secrets.token_hex(4)}"
-    probe(backend, f"import os\nfor d in ('/tmp', '/var/tmp', '/dev/shm'):\n    try: open(os.path.join(d, {marker!r}), 'w').write('x')\n    except OSError: pass")
+    probe(
+        backend,
+        "import os\nfor d in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+        f"    try: open(os.path.join(d, {marker!r}), 'w').write('x')\n"
+        "    except OSError: pass",
+    )
     for d in (tempfile.gettempdir(), "/var/tmp", "/dev/shm"):
         assert not os.path.exists(os.path.join(d, marker))

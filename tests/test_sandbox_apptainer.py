@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from hpcrl.sandbox.apptainer import ApptainerBackend, ProcessSession, apptainer_
 from hpcrl.sandbox.auto import make_backend
 from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.spec import ExecSpec, Limits
+
 from conftest import wait_for
 
 ENV = {"PATH": "/usr/bin:/bin"}
@@ -23,16 +23,21 @@ ENV = {"PATH": "/usr/bin:/bin"}
 
 # -- command construction ----------------------------------------------------------------------
 
+
 def test_the_spec_becomes_a_contained_networkless_apptainer_exec():
-    args = apptainer_args(("python3", "-B", "main.py", "x"), Limits(cpu_s=2, pids=16, memory_mb=64),
-                          image="/img/sandbox.sif", src_dir="/tmp/src1")
+    args = apptainer_args(
+        ("python3", "-B", "main.py", "x"),
+        Limits(cpu_s=2, pids=16, memory_mb=64),
+        image="/img/sandbox.sif",
+        src_dir="/tmp/src1",
+    )
     line = " ".join(args)
     assert args[0] == "exec"
     assert "--containall --cleanenv --no-home --net --network none --no-privs" in line
     assert "--bind /tmp/src1:/src:ro" in line and "--scratch /work --pwd /work" in line
     image_at = args.index("/img/sandbox.sif")
     assert all(a.startswith("-") or args[i - 1].startswith("-") for i, a in enumerate(args[:image_at]) if i)
-    inner = args[image_at + 1:]
+    inner = args[image_at + 1 :]
     assert inner[:2] == ["/bin/sh", "-c"] and "cp -R /src/. /work/" in inner[2]
     assert "--nproc=16" in inner and f"--data={64 << 20}" in inner  # no cgroups: memory by rlimit
     assert inner[-5:] == ["--", "python3", "-B", "main.py", "x"]
@@ -47,7 +52,13 @@ def test_cgroup_limits_are_passed_only_when_asked_for():
 
 def test_build_image_command_and_definition_file():
     assert build_args("d.def", "o.sif") == ["build", "o.sif", "d.def"]
-    assert build_args("d.def", "o.sif", fakeroot=True, force=True) == ["build", "--fakeroot", "--force", "o.sif", "d.def"]
+    assert build_args("d.def", "o.sif", fakeroot=True, force=True) == [
+        "build",
+        "--fakeroot",
+        "--force",
+        "o.sif",
+        "d.def",
+    ]
     text = default_def_file().read_text()
     for tool in ("python3", "gcc", "g++", "bash", "nodejs", "util-linux"):
         assert tool in text
@@ -69,6 +80,7 @@ def test_config_selects_the_backend(tmp_path):
 
 
 # -- the supervised session, on real processes --------------------------------------------------
+
 
 def sh_run(script: str, limits: Limits = Limits(), stdin: bytes = b""):
     s = ProcessSession(["bash", "-c", script], limits, env=ENV)
@@ -117,6 +129,7 @@ def test_process_session_is_interactive():
 
 # -- real Apptainer ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def apptainer():
     image = os.environ.get("HPCRL_SANDBOX_IMAGE", "sandbox.sif")
@@ -127,23 +140,37 @@ def apptainer():
     return ApptainerBackend(image=image)
 
 
-@pytest.mark.parametrize("lang,src", [("python", "print(6 * 7)"), ("bash", "echo $((6 * 7))"),
-                                      ("c", '#include <stdio.h>\nint main(){printf("42\\n");}'),
-                                      ("cpp", "#include <iostream>\nint main(){std::cout<<42<<std::endl;}"),
-                                      ("node", "console.log(6 * 7)")])
+@pytest.mark.parametrize(
+    "lang,src",
+    [
+        ("python", "print(6 * 7)"),
+        ("bash", "echo $((6 * 7))"),
+        ("c", '#include <stdio.h>\nint main(){printf("42\\n");}'),
+        ("cpp", "#include <iostream>\nint main(){std::cout<<42<<std::endl;}"),
+        ("node", "console.log(6 * 7)"),
+    ],
+)
 def test_apptainer_runs_each_language(apptainer, lang, src):
     r = apptainer.run(ExecSpec.single(lang, src))
     assert r.status == "ok" and r.stdout == b"42\n"
 
 
 def test_apptainer_has_no_network_and_no_home(apptainer):
-    src = ("import os, socket\nprint(os.path.exists(os.path.expanduser('~root')), os.environ.get('HOME'))\n"
-           "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1); print('NET')\nexcept OSError:\n    print('no net')\n")
+    src = (
+        "import os, socket\nprint(os.path.exists(os.path.expanduser('~root')), os.environ.get('HOME'))\n"
+        "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1); print('NET')\n"
+        "except OSError:\n    print('no net')\n"
+    )
     r = apptainer.run(ExecSpec.single("python", src))
     assert b"NET" not in r.stdout and b"no net" in r.stdout
 
 
 def test_apptainer_limits(apptainer):
-    assert apptainer.run(ExecSpec.single("python", "import time; time.sleep(30)", limits=Limits(wall_s=1))).status == "timeout"
-    r = apptainer.run(ExecSpec.single("python", "import sys\nwhile True: sys.stdout.write('x' * 4096)", limits=Limits(output_kb=64)))
+    assert (
+        apptainer.run(ExecSpec.single("python", "import time; time.sleep(30)", limits=Limits(wall_s=1))).status
+        == "timeout"
+    )
+    r = apptainer.run(
+        ExecSpec.single("python", "import sys\nwhile True: sys.stdout.write('x' * 4096)", limits=Limits(output_kb=64))
+    )
     assert r.status == "output_limit"

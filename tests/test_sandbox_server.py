@@ -18,17 +18,17 @@ import pytest
 import zmq
 
 from hpcrl.core.config import load_config
-from hpcrl.core.transport import Node, encode, read_endpoint
 from hpcrl.core.rpc import RequestClient
-
+from hpcrl.core.transport import Node, encode, read_endpoint
 from hpcrl.sandbox.client import SandboxBusy, SandboxClient
 from hpcrl.sandbox.judge import FunctionTask, IOCase
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.pool import SlotPool
-from residue import adopt_orphans, host_residue, reap_orphans
 from hpcrl.sandbox.server import SandboxServer
 from hpcrl.sandbox.spec import ExecSpec, Limits
+
 from conftest import require_bwrap, server_thread
+from residue import adopt_orphans, host_residue, reap_orphans
 
 UID = 61140
 UIDS = range(UID, UID + 4)
@@ -50,9 +50,9 @@ def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str):
         srv.close()
 
     try:
-        with server_thread(run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool,
-                                                                           ceiling=cfg.ceiling),
-                           close=close) as srv:
+        with server_thread(
+            run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling), close=close
+        ) as srv:
             yield srv
     finally:
         pool.close()
@@ -98,19 +98,27 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(bwrap_ok, r
 
 
 def test_requests_over_the_ceiling_are_refused_whoever_sends_them(bwrap_ok, run_dir):
-    with server(run_dir, 2, 8, "sandbox.ceiling.memory_mb=256", "sandbox.ceiling.wall_s=5") as srv, \
-            Node(run_dir, "gen-0") as node:
+    with (
+        server(run_dir, 2, 8, "sandbox.ceiling.memory_mb=256", "sandbox.ceiling.wall_s=5") as srv,
+        Node(run_dir, "gen-0") as node,
+    ):
         c = SandboxClient(node)
         assert c.info()["ceiling"]["memory_mb"] == 256
         big = ExecSpec.single("python", "print(1)", limits=Limits(memory_mb=4096, wall_s=60))
-        with pytest.raises(ValueError, match=r"refused the exec request: over this sandbox server's ceiling: "
-                                             r"limits.wall_s=60 \(ceiling 5.0\), limits.memory_mb=4096 \(ceiling 256\); "
-                                             r"ask for less, or raise sandbox.ceiling"):
+        with pytest.raises(
+            ValueError,
+            match=r"refused the exec request: over this sandbox server's ceiling: "
+            r"limits.wall_s=60 \(ceiling 5.0\), limits.memory_mb=4096 \(ceiling 256\); "
+            r"ask for less, or raise sandbox.ceiling",
+        ):
             c.run(big)
         # Defaults count too: the judge's harness asks for 512 MiB unless told otherwise.
         task = FunctionTask("def f(x):\n    return x\n", "f", "def check(c):\n    assert c(1) == 1\n")
-        with pytest.raises(ValueError, match=r"judge_function request: over this sandbox server's ceiling: "
-                                             r"limits.wall_s=10.0 \(ceiling 5.0\), limits.memory_mb=512"):
+        with pytest.raises(
+            ValueError,
+            match=r"judge_function request: over this sandbox server's ceiling: "
+            r"limits.wall_s=10.0 \(ceiling 5.0\), limits.memory_mb=512",
+        ):
             c.judge_function(task)
         assert c.judge_function(task, Limits(memory_mb=256, wall_s=5)).passed
         assert c.run(ExecSpec.single("python", "print(2)", limits=Limits(memory_mb=128, wall_s=5))).stdout == b"2\n"
@@ -154,17 +162,31 @@ def _start_server(run_dir: Path, config: Path) -> subprocess.Popen:
     old = None
     try:
         old = read_endpoint(run_dir, "sandbox-0").instance
-    except Exception:  # noqa: BLE001 - no endpoint yet
+    except Exception:  # no endpoint yet
         pass
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", "sandbox", "serve", "--slots", "2",
-                             "--run-dir", str(run_dir), "--config", str(config)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcrl.jobs.cli",
+            "sandbox",
+            "serve",
+            "--slots",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            str(config),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
             if read_endpoint(run_dir, "sandbox-0").instance != old:
                 return proc
-        except Exception:  # noqa: BLE001 - not published yet
+        except Exception:  # not published yet
             pass
         if proc.poll() is not None:
             raise AssertionError(f"sandbox server exited: {proc.stderr.read().decode()}")
@@ -186,7 +208,9 @@ def test_killing_the_server_10_times_leaves_clients_working(bwrap_ok, run_dir, t
                 # A request in flight when the server dies is answered by the next server.
                 spec = ExecSpec.single("python", f"import time; time.sleep(0.3); print({i})", limits=Limits(wall_s=2))
                 got = {}
-                t = threading.Thread(target=lambda: got.setdefault("r", client.run(spec, timeout_s=60)))
+                t = threading.Thread(
+                    target=lambda got=got, spec=spec: got.setdefault("r", client.run(spec, timeout_s=60))
+                )
                 t.start()
                 time.sleep(0.15)
                 proc.send_signal(signal.SIGKILL)

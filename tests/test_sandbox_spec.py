@@ -16,8 +16,8 @@ from hpcrl.sandbox.pyharness import dumps, encode
 from hpcrl.sandbox.result import STATUSES, ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
-
 # -- spec --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("field", ["wall_s", "cpu_s", "memory_mb", "pids", "output_kb", "work_mb"])
 def test_limits_reject_non_positive_values_naming_the_field(field):
@@ -49,9 +49,14 @@ def test_exec_spec_refuses_files_larger_than_the_work_dir():
 
 
 def test_exec_spec_wire_form_round_trips():
-    spec = ExecSpec("cpp", (SourceFile("main.cpp", b"int main(){}"), SourceFile("run.sh", b"", True)),
-                    stdin=b"\x00\xff", argv=("a", "b"), limits=Limits(wall_s=3, memory_mb=100),
-                    compile_limits=Limits(wall_s=20))
+    spec = ExecSpec(
+        "cpp",
+        (SourceFile("main.cpp", b"int main(){}"), SourceFile("run.sh", b"", True)),
+        stdin=b"\x00\xff",
+        argv=("a", "b"),
+        limits=Limits(wall_s=3, memory_mb=100),
+        compile_limits=Limits(wall_s=20),
+    )
     assert ExecSpec.from_wire(spec.to_wire()) == spec
 
 
@@ -62,11 +67,22 @@ def test_exec_spec_from_wire_names_unknown_keys():
 
 # -- result ------------------------------------------------------------------------------------
 
+
 def test_result_json_has_exactly_the_documented_names():
     r = ExecResult(status="ok", exit_code=0, stdout=b"hi\xff", wall_s=0.0123456)
     d = json.loads(r.to_json())
-    assert set(d) == {"status", "exit_code", "signal", "stdout", "stderr", "stdout_truncated", "stderr_truncated",
-                      "wall_s", "cpu_s", "peak_memory_mb"}
+    assert set(d) == {
+        "status",
+        "exit_code",
+        "signal",
+        "stdout",
+        "stderr",
+        "stdout_truncated",
+        "stderr_truncated",
+        "wall_s",
+        "cpu_s",
+        "peak_memory_mb",
+    }
     assert d["stdout"] == "hi\ufffd" and d["wall_s"] == 0.0123
 
 
@@ -78,6 +94,7 @@ def test_result_refuses_unknown_status_and_round_trips_on_the_wire():
 
 
 # -- languages ---------------------------------------------------------------------------------
+
 
 def test_language_registry_refuses_duplicates_and_lists_names_for_unknown_ones():
     with pytest.raises(ValueError, match="already registered"):
@@ -99,26 +116,39 @@ def test_language_presence_follows_the_lookup():
 
 # -- status rules ------------------------------------------------------------------------------
 
+
 def _exit(**kw):
-    base = dict(exit_code=0, signal=None, started=True, timed_out=False, output_limited=False,
-                oom_killed=False, cpu_s=0.1, peak_memory_mb=1.0, wall_s=0.1)
+    base = dict(
+        exit_code=0,
+        signal=None,
+        started=True,
+        timed_out=False,
+        output_limited=False,
+        oom_killed=False,
+        cpu_s=0.1,
+        peak_memory_mb=1.0,
+        wall_s=0.1,
+    )
     base.update(kw)
     return Exit(**base)
 
 
-@pytest.mark.parametrize("kw,status,code,sig", [
-    ({}, "ok", 0, None),
-    ({"exit_code": 3}, "nonzero_exit", 3, None),
-    ({"exit_code": 128 + 11}, "killed_by_signal", None, 11),
-    ({"exit_code": 128 + signal.SIGXCPU}, "cpu_limit", None, signal.SIGXCPU),
-    ({"exit_code": 137, "cpu_s": 2.0}, "cpu_limit", None, 9),
-    ({"exit_code": 137, "oom_killed": True}, "memory_limit", None, 9),
-    ({"exit_code": 0, "oom_killed": True}, "memory_limit", 0, None),
-    ({"exit_code": None, "signal": 9, "oom_killed": True, "timed_out": True}, "memory_limit", None, 9),
-    ({"exit_code": None, "signal": 9, "timed_out": True}, "timeout", None, 9),
-    ({"exit_code": None, "signal": 9, "output_limited": True, "timed_out": True}, "output_limit", None, 9),
-    ({"exit_code": 1, "started": False}, "sandbox_error", 1, None),
-])
+@pytest.mark.parametrize(
+    "kw,status,code,sig",
+    [
+        ({}, "ok", 0, None),
+        ({"exit_code": 3}, "nonzero_exit", 3, None),
+        ({"exit_code": 128 + 11}, "killed_by_signal", None, 11),
+        ({"exit_code": 128 + signal.SIGXCPU}, "cpu_limit", None, signal.SIGXCPU),
+        ({"exit_code": 137, "cpu_s": 2.0}, "cpu_limit", None, 9),
+        ({"exit_code": 137, "oom_killed": True}, "memory_limit", None, 9),
+        ({"exit_code": 0, "oom_killed": True}, "memory_limit", 0, None),
+        ({"exit_code": None, "signal": 9, "oom_killed": True, "timed_out": True}, "memory_limit", None, 9),
+        ({"exit_code": None, "signal": 9, "timed_out": True}, "timeout", None, 9),
+        ({"exit_code": None, "signal": 9, "output_limited": True, "timed_out": True}, "output_limit", None, 9),
+        ({"exit_code": 1, "started": False}, "sandbox_error", 1, None),
+    ],
+)
 def test_classify(kw, status, code, sig):
     r = classify(_exit(**kw), Limits(cpu_s=2), b"", b"", False, False)
     assert (r.status, r.exit_code, r.signal) == (status, code, sig)
@@ -133,30 +163,63 @@ def test_rlimits_cap_processes_files_and_cpu_and_memory_only_without_a_cgroup():
 
 # -- the bwrap command line --------------------------------------------------------------------
 
+
 def test_bwrap_command_isolates_and_copies_files_in():
     files = [(SourceFile("main.py", b""), 5), (SourceFile("pkg/a/b.py", b"", True), 6)]
-    args = bwrap_args(("python3", "main.py"), Limits(work_mb=8, tmp_mb=4, shm_mb=2), files,
-                      status_fd=9, memory_by_rlimit=False, layout=["--ro-bind", "/usr", "/usr"])
+    args = bwrap_args(
+        ("python3", "main.py"),
+        Limits(work_mb=8, tmp_mb=4, shm_mb=2),
+        files,
+        status_fd=9,
+        memory_by_rlimit=False,
+        layout=["--ro-bind", "/usr", "/usr"],
+    )
     line = " ".join(args)
-    for flag in ("--unshare-all --unshare-user", "--die-with-parent", "--new-session", "--cap-drop ALL",
-                 "--disable-userns", "--clearenv", "--remount-ro /", "--json-status-fd 9",
-                 f"--size {2 << 20} --tmpfs /dev/shm --remount-ro /dev", f"--size {4 << 20} --tmpfs /tmp",
-                 f"--size {8 << 20} --perms 0755 --tmpfs /work", "--uid 65534 --gid 65534"):
+    for flag in (
+        "--unshare-all --unshare-user",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop ALL",
+        "--disable-userns",
+        "--clearenv",
+        "--remount-ro /",
+        "--json-status-fd 9",
+        f"--size {2 << 20} --tmpfs /dev/shm --remount-ro /dev",
+        f"--size {4 << 20} --tmpfs /tmp",
+        f"--size {8 << 20} --perms 0755 --tmpfs /work",
+        "--uid 65534 --gid 65534",
+    ):
         assert flag in line, flag
     assert "--perms 0644 --file 5 /work/main.py" in line
     assert "--dir /work/pkg" in line and "--dir /work/pkg/a" in line
     assert line.index("--dir /work/pkg/a") < line.index("--perms 0755 --file 6 /work/pkg/a/b.py")
     # rlimits apply inside, to the program only; the program comes last.
-    tail = args[args.index("--") + 1:]
+    tail = args[args.index("--") + 1 :]
     assert tail[0] == "prlimit" and tail[-2:] == ["python3", "main.py"]
     assert "--share-net" not in line and "--bind" not in line.replace("--ro-bind", "")
 
 
 # -- the function-harness codec ----------------------------------------------------------------
 
-VALUES = [None, True, 0, -5, 2**80, 1.5, -0.0, "", "tab\tquote\"back\\slash\n\x00\x1f é ☃ \U0001f600",
-          [1, [2, [3]]], (1, "a", (None,)), {1: "a", "b": [1], (1, 2): {3}}, {1, 2}, frozenset({"x"}),
-          b"\x00\xff", 1 + 2j, []]
+VALUES = [
+    None,
+    True,
+    0,
+    -5,
+    2**80,
+    1.5,
+    -0.0,
+    "",
+    'tab\tquote"back\\slash\n\x00\x1f é ☃ \U0001f600',
+    [1, [2, [3]]],
+    (1, "a", (None,)),
+    {1: "a", "b": [1], (1, 2): {3}},
+    {1, 2},
+    frozenset({"x"}),
+    b"\x00\xff",
+    1 + 2j,
+    [],
+]
 
 
 @pytest.mark.parametrize("value", VALUES, ids=[repr(v)[:20] for v in VALUES])
@@ -184,8 +247,19 @@ def test_encode_refuses_subclasses_that_could_lie_about_equality():
             encode(v)
 
 
-@pytest.mark.parametrize("line", [b"{", b'{"value": NaN}', b'{"a": 1, "b": 2}', b'{"t": 5}', b'{"zz": []}',
-                                  b'{"s": [[1]]}', b'{"d": [[[1], 2]]}', b"[" * 200 + b"]" * 200])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"{",
+        b'{"value": NaN}',
+        b'{"a": 1, "b": 2}',
+        b'{"t": 5}',
+        b'{"zz": []}',
+        b'{"s": [[1]]}',
+        b'{"d": [[[1], 2]]}',
+        b"[" * 200 + b"]" * 200,
+    ],
+)
 def test_decode_refuses_malformed_or_unknown_encodings(line):
     with pytest.raises(CodecError):
         decode(loads(line))

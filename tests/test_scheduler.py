@@ -16,6 +16,7 @@ import pytest
 
 from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.backfill.packer import GapPacker, RolloutTask, fit_length
+
 from packer_ref import ReferencePacker
 
 
@@ -27,7 +28,7 @@ def task(i: int, est: float, version: int = 0, chunk: float = 0.0) -> RolloutTas
 def test_fit_length_rounds_up_by_less_than_a_fifth():
     for est in (0.01, 0.5, 1.0, 3.3, 60.0, 1234.5, 86400.0):
         f = fit_length(est)
-        assert est <= f < est * 2 ** 0.25 * 1.000001
+        assert est <= f < est * 2**0.25 * 1.000001
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="finite number of seconds"):
             fit_length(bad)
@@ -279,7 +280,9 @@ def test_indexed_packer_decides_exactly_like_the_linear_scan(seed):
             a, b = fast.move_window(g, now, until), ref.move_window(g, now, until)
         elif op < 0.97:
             v = rng.randrange(4)
-            assert sorted(t.task_id for t in fast.withdraw_older_than(v)) == sorted(t.task_id for t in ref.withdraw_older_than(v))
+            assert sorted(t.task_id for t in fast.withdraw_older_than(v)) == sorted(
+                t.task_id for t in ref.withdraw_older_than(v)
+            )
             continue
         else:
             a, b = fast.pop_oldest(), ref.pop_oldest()

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from hpcrl.core.config import SchedulerConfig
-from hpcrl.slurm.backfill.planner import BackfillPlanner, find_window
 from hpcrl.slurm.backfill.estimates import DurationEstimator
-from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
-from hpcrl.slurm.backfill.worker import run_window
 from hpcrl.slurm.backfill.packer import RolloutTask
+from hpcrl.slurm.backfill.planner import BackfillPlanner, find_window
 from hpcrl.slurm.backfill.taskqueue import DirTaskQueue, TaskQueueError
+from hpcrl.slurm.backfill.worker import run_window
+from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW = dt.datetime(2026, 12, 2, 12, 0, 0)
@@ -72,8 +72,13 @@ CFG = SchedulerConfig(job_overhead_s=20.0, slurm_margin_s=30.0)
 
 def window(length_s, idle=(("n2", 4),)):
     end = None if length_s is None else NOW + dt.timedelta(seconds=length_s)
-    return find_window("gpu", [node("n1", 4, "ALLOCATED")] + [node(n, 4 - k) for n, k in idle], PARTS,
-                       [] if end is None else [pending("99", 8, length_s)], NOW)
+    return find_window(
+        "gpu",
+        [node("n1", 4, "ALLOCATED")] + [node(n, 4 - k) for n, k in idle],
+        PARTS,
+        [] if end is None else [pending("99", 8, length_s)],
+        NOW,
+    )
 
 
 def tasks(*ests, domain="code"):
@@ -105,13 +110,16 @@ def test_no_plan_when_nothing_can_start_in_the_window():
     assert BackfillPlanner(CFG, gpus_per_job=2).plan(window(600, idle=(("n2", 1),)), tasks(5.0)) is None
 
 
-@pytest.mark.parametrize("now, reservation, minutes", [
-    # Measured on the dev cluster (bf_resolution=60, bf_interval=1): a 1-minute job ...
-    ((12, 51, 54), (12, 53, 53), 1),  # ... started by backfill at once
-    ((12, 52, 10), (12, 53, 53), 0),  # ... kept waiting until the reserved job had run
-    ((12, 56, 44), (12, 58, 43), 1),  # ... started at once
-    ((12, 57, 0), (12, 58, 43), 0),  # ... kept waiting
-])
+@pytest.mark.parametrize(
+    "now, reservation, minutes",
+    [
+        # Measured on the dev cluster (bf_resolution=60, bf_interval=1): a 1-minute job ...
+        ((12, 51, 54), (12, 53, 53), 1),  # ... started by backfill at once
+        ((12, 52, 10), (12, 53, 53), 0),  # ... kept waiting until the reserved job had run
+        ((12, 56, 44), (12, 58, 43), 1),  # ... started at once
+        ((12, 57, 0), (12, 58, 43), 0),  # ... kept waiting
+    ],
+)
 def test_window_accounts_for_backfill_resolution(now, reservation, minutes):
     planner = BackfillPlanner(dataclasses.replace(CFG, slurm_margin_s=5.0))
     now, end = dt.datetime(2026, 12, 2, *now), dt.datetime(2026, 12, 2, *reservation)
@@ -162,8 +170,12 @@ class FakeClock:
 
 def test_run_window_takes_oldest_fitting_tasks_until_the_deadline(tmp_path):
     q = DirTaskQueue(tmp_path / "q")
-    for t in [RolloutTask(1, "a", 50.0, version=0), RolloutTask(2, "a", 5.0, version=1),
-              RolloutTask(3, "a", 5.0, version=0), RolloutTask(4, "a", 12.0, version=2)]:
+    for t in [
+        RolloutTask(1, "a", 50.0, version=0),
+        RolloutTask(2, "a", 5.0, version=1),
+        RolloutTask(3, "a", 5.0, version=0),
+        RolloutTask(4, "a", 12.0, version=2),
+    ]:
         q.put(t, {"work_s": t.est_s})
     clock = FakeClock()
     ran = []
@@ -195,8 +207,13 @@ def test_interrupted_task_stores_nothing_and_is_reissued(tmp_path):
 
 
 def worker(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "hpcrl.slurm.backfill.worker", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.slurm.backfill.worker", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def test_worker_process_stops_on_sigterm_without_a_half_result(tmp_path):
@@ -204,7 +221,9 @@ def test_worker_process_stops_on_sigterm_without_a_half_result(tmp_path):
     q.put(RolloutTask(1, "a", 0.2), {"work_s": 0.2})
     q.put(RolloutTask(2, "a", 30.0), {"work_s": 30.0})
     env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
-    proc = worker("--queue", str(q.root), "--owner", "w1", "--until", str(time.time() + 120), "--margin-s", "0", env=env)
+    proc = worker(
+        "--queue", str(q.root), "--owner", "w1", "--until", str(time.time() + 120), "--margin-s", "0", env=env
+    )
     deadline = time.time() + 20
     while q.claimed().get("w1") != [2] and time.time() < deadline:
         time.sleep(0.05)
@@ -217,17 +236,20 @@ def test_worker_process_stops_on_sigterm_without_a_half_result(tmp_path):
     assert q.release("w1") == [2]
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--owner", "w", "--until", "1"], "--queue {q}/nope: no such folder"),
-    (["--owner", "w"], "--until is required outside a Slurm job"),
-    (["--owner", "w", "--until", "1", "--runner", "nomodule"], "expected module:function"),
-    (["--owner", "w", "--until", "1", "--runner", "os:nosuch"], "cannot load it"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--owner", "w", "--until", "1"], "--queue {q}/nope: no such folder"),
+        (["--owner", "w"], "--until is required outside a Slurm job"),
+        (["--owner", "w", "--until", "1", "--runner", "nomodule"], "expected module:function"),
+        (["--owner", "w", "--until", "1", "--runner", "os:nosuch"], "cannot load it"),
+    ],
+)
 def test_worker_bad_arguments_exit_2(tmp_path, args, fragment):
     env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
     qdir = tmp_path / "nope" if "no such folder" in fragment else DirTaskQueue(tmp_path / "q").root
     proc = worker("--queue", str(qdir), *args, env=env)
-    out, err = proc.communicate(timeout=20)
+    _out, err = proc.communicate(timeout=20)
     assert proc.returncode == 2 and fragment.format(q=tmp_path) in err and len(err.strip().splitlines()) == 1, err
 
 

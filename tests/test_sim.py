@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from hpcrl.core.schema import ConfigError
-from hpcrl.slurm.sim.run import POLICIES, format_table, simulate
 from hpcrl.slurm.sim.backfill import BackfillPolicy
 from hpcrl.slurm.sim.engine import BORROW, OWNER, GpuLedger, SimInvariantError, check_conservation
+from hpcrl.slurm.sim.run import POLICIES, format_table, simulate
 from hpcrl.slurm.sim.trace import World, load_trace, parse_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_gpu_time_is_conserved(small_results, policy):
     assert 0 < r.useful_fraction <= r.busy_fraction <= 1
     # The binned timeline tells the same story as the totals.
     tl = r.timeline
-    for role, n, u in (("learner", r.learner_gpus, r.learner), ("generator", r.generator_gpus, r.generator)):
+    for role, u in (("learner", r.learner), ("generator", r.generator)):
         share = sum(sum(tl[f"{role}.{k}"]) for k in ("idle", "owner", "packed", "lost")) / len(tl["t_s"])
         assert share == pytest.approx(1.0, abs=1e-6)
         assert sum(tl[f"{role}.owner"]) / len(tl["t_s"]) == pytest.approx(u.owner_s / u.capacity_s, abs=1e-6)
@@ -187,16 +187,31 @@ families:
 """
 
 
-@pytest.mark.parametrize("edit, path, fragment", [
-    (("sandbox_slots: 4", "sandbox_slot: 4"), "cluster.sandbox_slot", "did you mean 'sandbox_slots'"),
-    (("median_s: [1, 2], shape: [0.5", "median_s: [3, 2], shape: [0.5"), "families.0.gen.median_s", "low must be <= high"),
-    (("median_s: [1, 2], shape: [0.5", "median_s: [1], shape: [0.5"), "families.0.gen.median_s", "expected [low, high]"),
-    (("dist: pareto", "dist: weibull"), "families.0.sandbox.dist", "must be one of lognormal, pareto"),
-    (("steps: 1, ", ""), "training.steps", "required key is missing"),
-    (("cap_s: 10}\n    sandbox", "cap_s: 1}\n    sandbox"), "families.0.gen.cap_s", "must be >= the highest median"),
-    (("mean: [1, 2]", "mean: [0.5, 2]"), "families.0.turns.mean", "below 1 turn"),
-    (("learner_gpus: 1", "learner_gpus: 0"), "cluster.learner_gpus", "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "edit, path, fragment",
+    [
+        (("sandbox_slots: 4", "sandbox_slot: 4"), "cluster.sandbox_slot", "did you mean 'sandbox_slots'"),
+        (
+            ("median_s: [1, 2], shape: [0.5", "median_s: [3, 2], shape: [0.5"),
+            "families.0.gen.median_s",
+            "low must be <= high",
+        ),
+        (
+            ("median_s: [1, 2], shape: [0.5", "median_s: [1], shape: [0.5"),
+            "families.0.gen.median_s",
+            "expected [low, high]",
+        ),
+        (("dist: pareto", "dist: weibull"), "families.0.sandbox.dist", "must be one of lognormal, pareto"),
+        (("steps: 1, ", ""), "training.steps", "required key is missing"),
+        (
+            ("cap_s: 10}\n    sandbox", "cap_s: 1}\n    sandbox"),
+            "families.0.gen.cap_s",
+            "must be >= the highest median",
+        ),
+        (("mean: [1, 2]", "mean: [0.5, 2]"), "families.0.turns.mean", "below 1 turn"),
+        (("learner_gpus: 1", "learner_gpus: 0"), "cluster.learner_gpus", "must be >= 1"),
+    ],
+)
 def test_bad_traces_name_the_key(edit, path, fragment):
     text = GOOD.replace(*edit)
     assert text != GOOD
@@ -214,7 +229,9 @@ def test_good_minimal_trace_runs_every_policy():
 
 # ------------------------------------------------------------------------------ CLI
 def hpcrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcrl.jobs.cli", "sim", *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.jobs.cli", "sim", *args], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_cli_json_and_plot(tmp_path):
@@ -234,13 +251,16 @@ def test_cli_table_of_policies():
     assert {"sync", "async", "backfill"} <= set(rows)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["nope.yaml"], "nope.yaml: no such trace file"),
-    (["{small}", "--plot", "x.txt"], "--plot x.txt: the file name must end in .png, .pdf, .svg"),
-    (["{small}", "--plot", "/no/such/dir/u.png"], "folder /no/such/dir does not exist"),
-    (["{small}", "--policy", "all", "--plot", "{tmp}/u.png"], "pick --policy sync, async or backfill"),
-    (["{small}", "--bins", "3"], "--bins must be at least 10"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["nope.yaml"], "nope.yaml: no such trace file"),
+        (["{small}", "--plot", "x.txt"], "--plot x.txt: the file name must end in .png, .pdf, .svg"),
+        (["{small}", "--plot", "/no/such/dir/u.png"], "folder /no/such/dir does not exist"),
+        (["{small}", "--policy", "all", "--plot", "{tmp}/u.png"], "pick --policy sync, async or backfill"),
+        (["{small}", "--bins", "3"], "--bins must be at least 10"),
+    ],
+)
 def test_cli_errors_are_one_line_exit_2(tmp_path, args, fragment):
     args = [a.format(small=TRACES / "small.yaml", tmp=tmp_path) for a in args]
     proc = hpcrl(*args)

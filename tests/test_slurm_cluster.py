@@ -21,16 +21,34 @@ from hpcrl.jobs.launch import make_executor
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
+
 from conftest import wait_for
 
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[1]
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+TERMINAL = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 def job_env() -> dict[str, str]:
-    keys = ("SLURM_JOB_ID", "SLURM_JOB_PARTITION", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_ARRAY_TASK_ID", "SLURMD_NODENAME")
+    keys = (
+        "SLURM_JOB_ID",
+        "SLURM_JOB_PARTITION",
+        "CUDA_VISIBLE_DEVICES",
+        "SLURM_JOB_GPUS",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURMD_NODENAME",
+    )
     return {k: os.environ.get(k, "") for k in keys}
 
 
@@ -48,6 +66,7 @@ def settle(job_id: str, timeout_s: float = 60) -> queries.JobRecord:
     slurmctld sends start and end records to slurmdbd asynchronously: for a moment after the
     job ends, sacct can show the end state with the start record's fields (partition) empty.
     """
+
     def done():
         rec = queries.job_records([job_id]).get(job_id)
         return rec if rec and rec.state in TERMINAL and rec.partition and rec.end else None
@@ -57,14 +76,24 @@ def settle(job_id: str, timeout_s: float = 60) -> queries.JobRecord:
 
 @pytest.fixture
 def cfg(tmp_path):
-    return load_config(ROOT / "config.yaml", [f"experiment.run_root={tmp_path}", "executor=slurm",
-                                              "slurm.coordinator.time_min=5", "slurm.learner.time_min=5",
-                                              "slurm.generator.time_min=5", "slurm.sandbox.time_min=5",
-                                              "slurm.coordinator.signal_delay_s=30", "slurm.learner.signal_delay_s=30",
-                                              "slurm.generator.signal_delay_s=30", "slurm.sandbox.signal_delay_s=30",
-                                              # The job functions below live in this test module:
-                                              # slurm.setup puts it on the job's import path.
-                                              f"slurm.setup=['export PYTHONPATH={ROOT / 'tests'}']"])
+    return load_config(
+        ROOT / "config.yaml",
+        [
+            f"experiment.run_root={tmp_path}",
+            "executor=slurm",
+            "slurm.coordinator.time_min=5",
+            "slurm.learner.time_min=5",
+            "slurm.generator.time_min=5",
+            "slurm.sandbox.time_min=5",
+            "slurm.coordinator.signal_delay_s=30",
+            "slurm.learner.signal_delay_s=30",
+            "slurm.generator.signal_delay_s=30",
+            "slurm.sandbox.signal_delay_s=30",
+            # The job functions below live in this test module:
+            # slurm.setup puts it on the job's import path.
+            f"slurm.setup=['export PYTHONPATH={ROOT / 'tests'}']",
+        ],
+    )
 
 
 def with_gpus(cfg, n: int):
@@ -120,8 +149,12 @@ def test_failing_job_raises_clear_error(slurm_cluster, cfg, tmp_path):
 
 def test_failing_batch_script_state_in_sacct(slurm_cluster, tmp_path):
     script = write_script(
-        render_script([Resources(partition="cpu", time_min=2)], ["echo about to fail", "exit 3"],
-                      job_name="hpcrl-fail", output=str(tmp_path / "%j.out")),
+        render_script(
+            [Resources(partition="cpu", time_min=2)],
+            ["echo about to fail", "exit 3"],
+            job_name="hpcrl-fail",
+            output=str(tmp_path / "%j.out"),
+        ),
         tmp_path / "fail.sh",
     )
     job_id = submit_script(script)
@@ -132,11 +165,15 @@ def test_failing_batch_script_state_in_sacct(slurm_cluster, tmp_path):
 def test_heterogeneous_job_spans_both_partitions(slurm_cluster, tmp_path):
     out = tmp_path / "het-%j.out"
     body = [
-        'srun --het-group=0 bash -c \'echo "group0 $SLURM_JOB_PARTITION $SLURMD_NODENAME"\'',
-        'srun --het-group=1 bash -c \'echo "group1 $SLURM_JOB_PARTITION $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES"\'',
+        "srun --het-group=0 bash -c 'echo \"group0 $SLURM_JOB_PARTITION $SLURMD_NODENAME\"'",
+        "srun --het-group=1 bash -c 'echo \"group1 $SLURM_JOB_PARTITION $SLURMD_NODENAME gpus=$CUDA_VISIBLE_DEVICES\"'",
     ]
-    text = render_script([Resources(partition="cpu", time_min=2), Resources(partition="gpu", time_min=2, gpus_per_node=1)],
-                         body, job_name="hpcrl-het", output=str(out))
+    text = render_script(
+        [Resources(partition="cpu", time_min=2), Resources(partition="gpu", time_min=2, gpus_per_node=1)],
+        body,
+        job_name="hpcrl-het",
+        output=str(out),
+    )
     assert text.count("#SBATCH hetjob") == 1
     job_id = submit_script(write_script(text, tmp_path / "het.sh"))
     log = tmp_path / f"het-{job_id}.out"
@@ -146,6 +183,7 @@ def test_heterogeneous_job_spans_both_partitions(slurm_cluster, tmp_path):
     g1 = next(line for line in lines if line.startswith("group1"))
     assert g0.split()[1] == "cpu"
     assert g1.split()[1] == "gpu" and g1.split("gpus=")[1].strip().isdigit()
+
     # Accounting knows both components, JOBID+0 on cpu and JOBID+1 on gpu.
     def components():
         rows = parse.parse_delimited(
@@ -170,15 +208,21 @@ def test_live_partitions_and_nodes(slurm_cluster):
     assert set(nodes) == {"n1", "n2"}
     assert all(n.gpus_total == 4 and n.cpus_total == 8 and n.usable for n in nodes.values())
     # sinfo agrees with scontrol on CPU totals (%C = allocated/idle/other/total).
-    rows = parse.parse_delimited(run_slurm(["sinfo", "-h", "-p", "gpu", "-o", "%R|%C|%G"]).stdout, ("p", "cpus", "gres"))
+    rows = parse.parse_delimited(
+        run_slurm(["sinfo", "-h", "-p", "gpu", "-o", "%R|%C|%G"]).stdout, ("p", "cpus", "gres")
+    )
     assert sum(int(r["cpus"].split("/")[3]) for r in rows) == 16
     assert all(parse.gpus_in_gres(r["gres"]) == 4 for r in rows)
 
 
 def hold_script(tmp_path: Path, name: str, gpus: int, time_min: int, seconds: int) -> Path:
     return write_script(
-        render_script([Resources(partition="gpu", time_min=time_min, gpus_per_node=gpus, cpus_per_task=1)],
-                      [f"sleep {seconds}"], job_name=name, output=str(tmp_path / "%j.out")),
+        render_script(
+            [Resources(partition="gpu", time_min=time_min, gpus_per_node=gpus, cpus_per_task=1)],
+            [f"sleep {seconds}"],
+            job_name=name,
+            output=str(tmp_path / "%j.out"),
+        ),
         tmp_path / f"{name}.sh",
     )
 
@@ -187,6 +231,7 @@ def test_full_gpu_partition_estimates_and_cancel(slurm_cluster, tmp_path):
     """Hold all 8 GPUs; a ninth GPU job pends with an expected start; --test-only agrees; cancel."""
     holders = [submit_script(hold_script(tmp_path, f"hpcrl-hold{i}", 4, 3, 170)) for i in range(2)]
     try:
+
         def all_running():
             rows = queries.queue(job_ids=holders)
             return len(rows) == 2 and all(r["state"] == "RUNNING" for r in rows)

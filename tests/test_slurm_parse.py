@@ -80,8 +80,17 @@ def test_hostlists(expr, hosts):
 
 @pytest.mark.parametrize(
     "text, seconds",
-    [("1-02:03:04", 93784), ("02:03:04", 7384), ("03:04", 184), ("5", 300), ("2-0", 172800),
-     ("UNLIMITED", None), ("INVALID", None), ("N/A", None), ("00:00:00", 0)],
+    [
+        ("1-02:03:04", 93784),
+        ("02:03:04", 7384),
+        ("03:04", 184),
+        ("5", 300),
+        ("2-0", 172800),
+        ("UNLIMITED", None),
+        ("INVALID", None),
+        ("N/A", None),
+        ("00:00:00", 0),
+    ],
 )
 def test_durations(text, seconds):
     assert parse.parse_duration_s(text) == seconds
@@ -89,8 +98,17 @@ def test_durations(text, seconds):
 
 @pytest.mark.parametrize(
     "gres, n",
-    [("gpu:4", 4), ("gpu:a100:2(S:0-1)", 2), ("gres:gpu:2", 2), ("gres/gpu:3", 3), ("(null)", 0),
-     ("gpu:2,shard:8", 2), ("gpu", 1), ("N/A", 0), ("", 0)],
+    [
+        ("gpu:4", 4),
+        ("gpu:a100:2(S:0-1)", 2),
+        ("gres:gpu:2", 2),
+        ("gres/gpu:3", 3),
+        ("(null)", 0),
+        ("gpu:2,shard:8", 2),
+        ("gpu", 1),
+        ("N/A", 0),
+        ("", 0),
+    ],
 )
 def test_gpus_in_gres(gres, n):
     assert parse.gpus_in_gres(gres) == n
@@ -132,9 +150,18 @@ def test_run_slurm_error_carries_command_code_stderr():
 
 
 def test_role_resources_become_submitit_parameters():
-    cfg = load_config(None, ["slurm.account=proj", "slurm.qos=high", "slurm.setup=[module load cuda]",
-                             "slurm.extra_directives={reservation: rl}", "slurm.learner.gpus_per_node=4",
-                             "slurm.learner.extra_directives={constraint: a100}", "slurm.learner.mem_gb=1.5"])
+    cfg = load_config(
+        None,
+        [
+            "slurm.account=proj",
+            "slurm.qos=high",
+            "slurm.setup=[module load cuda]",
+            "slurm.extra_directives={reservation: rl}",
+            "slurm.learner.gpus_per_node=4",
+            "slurm.learner.extra_directives={constraint: a100}",
+            "slurm.learner.mem_gb=1.5",
+        ],
+    )
     p = slurm_parameters(cfg.slurm, "learner", "hpcrl-learner")
     assert p["partition"] == "gpu" and p["gpus_per_node"] == 4 and p["mem"] == "1536M"
     assert p["account"] == "proj" and p["qos"] == "high" and p["setup"] == ["module load cuda"]
@@ -146,8 +173,15 @@ def test_role_resources_become_submitit_parameters():
 
 def test_hetjob_rendering():
     text = render_script(
-        [Resources(partition="cpu", time_min=5), Resources(partition="gpu", gpus_per_node=2, mem_mb=4096, extra={"constraint": "a100"})],
-        ["srun --het-group=0 hostname"], job_name="het", output="/tmp/%j.out", signal="USR1@90", requeue=True,
+        [
+            Resources(partition="cpu", time_min=5),
+            Resources(partition="gpu", gpus_per_node=2, mem_mb=4096, extra={"constraint": "a100"}),
+        ],
+        ["srun --het-group=0 hostname"],
+        job_name="het",
+        output="/tmp/%j.out",
+        signal="USR1@90",
+        requeue=True,
     )
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"

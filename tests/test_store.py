@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hpcrl.core.config import StoreConfig
+from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
     QUARANTINE_DIR,
@@ -32,15 +33,16 @@ from hpcrl.rl.store.layout import (
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import SynthShape, synth_trajectory
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
 
 SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
 
 
 def make(n: int, *, generator="g", start=0, seed=0, versions=None, shape=SMALL):
     rng = np.random.default_rng(seed)
-    return [synth_trajectory(rng, "r", generator, start + i, shape, policy_version=(versions[i] if versions else 0))
-            for i in range(n)]
+    return [
+        synth_trajectory(rng, "r", generator, start + i, shape, policy_version=(versions[i] if versions else 0))
+        for i in range(n)
+    ]
 
 
 def cfg(**kw) -> StoreConfig:
@@ -213,9 +215,28 @@ def test_shard_names_are_unique(tmp_path):
 
 def test_two_processes_write_one_store_without_file_locking(tmp_path):
     env = {**os.environ, "HDF5_USE_FILE_LOCKING": "FALSE"}
-    procs = [subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", "traj", "synth", str(tmp_path), "--count", "40",
-                               "--writer", name, "--tiny", "--flush-every", "3"], env=env, stdout=subprocess.PIPE)
-             for name in ("gen-a", "gen-b")]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hpcrl.jobs.cli",
+                "traj",
+                "synth",
+                str(tmp_path),
+                "--count",
+                "40",
+                "--writer",
+                name,
+                "--tiny",
+                "--flush-every",
+                "3",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+        for name in ("gen-a", "gen-b")
+    ]
     for p in procs:
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0 and out.split()[-1] == b"40"
@@ -390,9 +411,9 @@ def test_reader_merges_shards_in_arrival_order(tmp_path):
     ta, tb = make(6, generator="a"), make(6, generator="b")
     for i in range(3):  # flushes alternate a, b, a, b, ...
         for w, ts in ((a, ta), (b, tb)):
-            for t in ts[2 * i:2 * i + 2]:
+            for t in ts[2 * i : 2 * i + 2]:
                 w.append(t)
-            expected += ts[2 * i:2 * i + 2]
+            expected += ts[2 * i : 2 * i + 2]
             time.sleep(0.002)
     a.close()
     b.close()
@@ -471,8 +492,12 @@ def test_reader_state_from_another_version_is_refused(tmp_path):
 
 def test_store_service_sigterm_finalizes(tmp_path):
     """`tests/store_service.py` exits cleanly on SIGTERM with its shard finalized."""
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "store_service.py"), str(tmp_path), "--bind-host", "127.0.0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "store_service.py"), str(tmp_path), "--bind-host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().startswith("ready tcp://127.0.0.1:")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0

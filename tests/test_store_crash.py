@@ -38,9 +38,26 @@ def _synth(store: str, log_path: str, first: int, flush_every: int, count: int) 
     sys.stdout = open(log_path, "w", buffering=1)
     from hpcrl.jobs.cli import main
 
-    code = main(["traj", "synth", store, "--count", str(count), "--writer", WRITER, "--tiny",
-                 "--first-episode", str(first), "--flush-every", str(flush_every), "--flush-interval", "0.01",
-                 "--shard-max-rows", "40"])
+    code = main(
+        [
+            "traj",
+            "synth",
+            store,
+            "--count",
+            str(count),
+            "--writer",
+            WRITER,
+            "--tiny",
+            "--first-episode",
+            str(first),
+            "--flush-every",
+            str(flush_every),
+            "--flush-interval",
+            "0.01",
+            "--shard-max-rows",
+            "40",
+        ]
+    )
     sys.stdout.flush()
     os._exit(code)
 
@@ -69,11 +86,17 @@ def _check_store(store: Path, acked: dict[int, int]) -> dict:
             ids.update(cols.ids())
     dupes = [i for i, c in ids.items() if c > 1]
     assert not dupes, f"{len(dupes)} trajectories stored twice, e.g. {dupes[:3]}"
-    lost = [f"synth/{WRITER}/{first + j}" for first, n in acked.items() for j in range(n)
-            if f"synth/{WRITER}/{first + j}" not in ids]
+    lost = [
+        f"synth/{WRITER}/{first + j}"
+        for first, n in acked.items()
+        for j in range(n)
+        if f"synth/{WRITER}/{first + j}" not in ids
+    ]
     assert not lost, f"{len(lost)} acknowledged trajectories lost, e.g. {lost[:3]}"
     qdir = store / QUARANTINE_DIR
-    quarantined = [p for p in qdir.rglob("*") if p.is_file() and not p.name.endswith(".reason.txt")] if qdir.exists() else []
+    quarantined = (
+        [p for p in qdir.rglob("*") if p.is_file() and not p.name.endswith(".reason.txt")] if qdir.exists() else []
+    )
     bad = [p for p in quarantined if not p.name.endswith(".h5.tmp")]
     assert not bad, f"complete segments were quarantined (damage): {bad[:3]}"
     return {"stored": len(ids), "acked": sum(acked.values()), "tmp_quarantined": len(quarantined)}
@@ -111,9 +134,11 @@ def test_sigkill_loop_loses_nothing_acknowledged(tmp_path):
     assert acked[final] == 50
     mid_flush = len(tmp_seen)
     report = _check_store(store, acked)
-    print(f"\n{kills} SIGKILLs: {report['acked']} acknowledged, {report['stored']} stored "
-          f"({report['stored'] - report['acked']} durable but killed before the ack), {mid_flush} kills landed "
-          f"inside a segment write, {report['tmp_quarantined']} .tmp quarantined")
+    print(
+        f"\n{kills} SIGKILLs: {report['acked']} acknowledged, {report['stored']} stored "
+        f"({report['stored'] - report['acked']} durable but killed before the ack), {mid_flush} kills landed "
+        f"inside a segment write, {report['tmp_quarantined']} .tmp quarantined"
+    )
     assert kills >= 200
     assert report["acked"] > 1000, "the writers barely ran: kills land too early to test anything"
     # Kills must land inside flushes too, not only between them.
@@ -128,10 +153,28 @@ def test_sigkill_real_cli_then_resume(tmp_path):
     acked: dict[int, int] = {}
     for k in range(4):
         first = k * EPISODES_PER_RUN
-        proc = subprocess.Popen(exe + ["traj", "synth", str(store), "--count", "1000000", "--writer", WRITER,
-                                       "--tiny", "--first-episode", str(first), "--flush-every", "3",
-                                       "--shard-max-rows", "30"],
-                                stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            exe
+            + [
+                "traj",
+                "synth",
+                str(store),
+                "--count",
+                "1000000",
+                "--writer",
+                WRITER,
+                "--tiny",
+                "--first-episode",
+                str(first),
+                "--flush-every",
+                "3",
+                "--shard-max-rows",
+                "30",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         total = 0
         for line in proc.stdout:  # kill right after an ack, at a varying depth
             total = int(line.split()[1])
@@ -142,9 +185,25 @@ def test_sigkill_real_cli_then_resume(tmp_path):
         for line in rest.splitlines():
             total = int(line.split()[1])
         acked[first] = total
-    done = subprocess.run(exe + ["traj", "synth", str(store), "--count", "10", "--writer", WRITER, "--tiny",
-                                 "--first-episode", str(99 * EPISODES_PER_RUN)],
-                          capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run(
+        exe
+        + [
+            "traj",
+            "synth",
+            str(store),
+            "--count",
+            "10",
+            "--writer",
+            WRITER,
+            "--tiny",
+            "--first-episode",
+            str(99 * EPISODES_PER_RUN),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     acked[99 * EPISODES_PER_RUN] = 10
     _check_store(store, acked)

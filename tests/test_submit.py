@@ -18,24 +18,39 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.supervise import queue_states
 from hpcrl.rl.coordinator import read_status
+
+from conftest import wait_for
 
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small, fast runs: one-minute jobs would do, but the signal must stay inside the time limit.
-SMALL = ["executor=slurm", "slurm.coordinator.time_min=10", "slurm.learner.time_min=10", "slurm.generator.time_min=10",
-         "slurm.sandbox.time_min=10", "slurm.coordinator.signal_delay_s=30", "slurm.learner.signal_delay_s=30",
-         "slurm.generator.signal_delay_s=30", "slurm.sandbox.signal_delay_s=30"]
+SMALL = [
+    "executor=slurm",
+    "slurm.coordinator.time_min=10",
+    "slurm.learner.time_min=10",
+    "slurm.generator.time_min=10",
+    "slurm.sandbox.time_min=10",
+    "slurm.coordinator.signal_delay_s=30",
+    "slurm.learner.signal_delay_s=30",
+    "slurm.generator.signal_delay_s=30",
+    "slurm.sandbox.signal_delay_s=30",
+]
 
 
 def hpcrl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "hpcrl.jobs.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.jobs.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout_s,
+    )
 
 
 def status_json(run_dir: Path) -> dict:
@@ -52,6 +67,7 @@ def all_ids(run_dir: Path) -> list[str]:
 
 # ---- input errors and rendering (no jobs are submitted) ----
 
+
 def test_submit_refuses_the_local_executor(tmp_path):
     out = hpcrl("submit", "config.yaml", f"experiment.run_root={tmp_path}")
     assert out.returncode == 2
@@ -60,8 +76,16 @@ def test_submit_refuses_the_local_executor(tmp_path):
 
 
 def test_submit_dry_run_prints_each_roles_sbatch_script_and_creates_nothing(tmp_path):
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "generators.count=2",
-                "--dry-run", "--run-id", "dry")
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "generators.count=2",
+        "--dry-run",
+        "--run-id",
+        "dry",
+    )
     assert out.returncode == 0, out.stderr
     scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
     assert list(scripts) == ["store", "coordinator", "learner", "gen-0", "gen-1", "supervisor"]
@@ -76,8 +100,17 @@ def test_submit_dry_run_prints_each_roles_sbatch_script_and_creates_nothing(tmp_
 
 
 def test_dry_run_renders_sandbox_servers_as_one_array_on_the_cpu_partition(tmp_path):
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "sandbox.servers=3",
-                "domains=[{name: arith/copy}, {name: synth}]", "--dry-run", "--run-id", "code")
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "sandbox.servers=3",
+        "domains=[{name: arith/copy}, {name: synth}]",
+        "--dry-run",
+        "--run-id",
+        "code",
+    )
     assert out.returncode == 0, out.stderr
     scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
     assert list(scripts) == ["store", "coordinator", "sandbox", "learner", "gen-0", "supervisor"]
@@ -86,30 +119,68 @@ def test_dry_run_renders_sandbox_servers_as_one_array_on_the_cpu_partition(tmp_p
 
 
 def test_sbatch_writes_readable_scripts_and_refuses_a_multi_node_hetjob(tmp_path):
-    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "-o", str(tmp_path / "s"),
-                "--run-id", "hand")
+    out = hpcrl(
+        "sbatch",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "-o",
+        str(tmp_path / "s"),
+        "--run-id",
+        "hand",
+    )
     assert out.returncode == 0, out.stderr
     names = sorted(p.name for p in (tmp_path / "s").iterdir())
-    assert names == ["coordinator.sbatch", "gen-0.sbatch", "learner.sbatch", "store.sbatch", "submit.sh",
-                     "supervisor.sbatch"]
+    assert names == [
+        "coordinator.sbatch",
+        "gen-0.sbatch",
+        "learner.sbatch",
+        "store.sbatch",
+        "submit.sh",
+        "supervisor.sbatch",
+    ]
     learner = (tmp_path / "s" / "learner.sbatch").read_text()
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=1", "#SBATCH --requeue",
-                 "#SBATCH --signal=USR2@30", f"#SBATCH --output={tmp_path}/hand/submitit/%j_0_log.out",
-                 f"-m hpcrl.jobs.scripts {tmp_path}/hand learner"):
+    for line in (
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=USR2@30",
+        f"#SBATCH --output={tmp_path}/hand/submitit/%j_0_log.out",
+        f"-m hpcrl.jobs.scripts {tmp_path}/hand learner",
+    ):
         assert line in learner, line
     assert subprocess.run(["bash", "-n", str(tmp_path / "s" / "submit.sh")]).returncode == 0
     assert (tmp_path / "hand" / "config.resolved.yaml").exists()
 
-    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "-o", str(tmp_path / "h"),
-                "--run-id", "het", "--hetjob")
+    out = hpcrl(
+        "sbatch",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "-o",
+        str(tmp_path / "h"),
+        "--run-id",
+        "het",
+        "--hetjob",
+    )
     assert out.returncode == 0, out.stderr
     het = (tmp_path / "h" / "run.hetjob.sbatch").read_text()
     assert het.count("#SBATCH hetjob") == 1  # one group per partition: cpu (store, coordinator), gpu
     assert "#SBATCH --ntasks-per-node=2" in het and "#SBATCH --gpus-per-node=2" in het
     assert "srun --het-group=1 --exact -n1 -c2 --mem=4096M --gres=gpu:1" in het
 
-    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "slurm.learner.nodes=2",
-                "-o", str(tmp_path / "m"), "--run-id", "multi", "--hetjob")
+    out = hpcrl(
+        "sbatch",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "slurm.learner.nodes=2",
+        "-o",
+        str(tmp_path / "m"),
+        "--run-id",
+        "multi",
+        "--hetjob",
+    )
     assert out.returncode == 2 and "nodes > 1" in out.stderr
     assert not (tmp_path / "multi").exists()
 
@@ -148,14 +219,22 @@ def test_status_without_run_lists_recent_runs_newest_first(tmp_path):
     assert out.returncode == 0, out.stderr
     runs = json.loads(out.stdout)["runs"]
     assert [(r["run"], r["executor"], r["state"], r["step"]) for r in runs] == [
-        ("new", "local", "running", 3), ("old", "slurm", "finished", 9)]
+        ("new", "local", "running", 3),
+        ("old", "slurm", "finished", 9),
+    ]
     out = hpcrl("status", "--config", str(cfg))
     assert out.returncode == 0 and out.stdout.index("new") < out.stdout.index("old")
 
 
 def test_logs_prints_and_follows_a_components_files(tmp_path):
-    run = fake_run(tmp_path, "r", {"state": "running", "components": {
-        "learner": {"role": "learner", "job_id": "41", "history": ["40", "41"], "restarts": 1}}})
+    run = fake_run(
+        tmp_path,
+        "r",
+        {
+            "state": "running",
+            "components": {"learner": {"role": "learner", "job_id": "41", "history": ["40", "41"], "restarts": 1}},
+        },
+    )
     (run / "submitit").mkdir()
     (run / "submitit" / "40_0_log.err").write_text("first life\n")
     err = run / "submitit" / "41_0_log.err"
@@ -164,8 +243,13 @@ def test_logs_prints_and_follows_a_components_files(tmp_path):
     assert out.returncode == 0 and "step 1" in out.stdout and "first life" not in out.stdout
     assert "first life" in hpcrl("logs", str(run), "learner", "--all").stdout
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "hpcrl.jobs.cli", "logs", str(run), "learner", "-f"],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcrl.jobs.cli", "logs", str(run), "learner", "-f"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     try:
         assert "==> learner:" in proc.stdout.readline() and proc.stdout.readline() == "step 1\n"
         with open(err, "a") as f:
@@ -180,17 +264,37 @@ def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_pat
     run = tmp_path / "old"
     run.mkdir()
     (run / "config.resolved.yaml").write_text("executor: slurm\n")
-    (run / "status.json").write_text(json.dumps({"state": "running", "updated": time.time(), "traj_per_s": 3.0,
-                                                 "learner": {"step": 7, "version": 7, "reward": 0.5},
-                                                 "counts": {"completed": 99}, "reward_by_domain": {"a": 0.5}}))
-    (run / "jobs.json").write_text(json.dumps({"state": "running", "components": {
-        "store": {"role": "coordinator", "job_id": "999990", "history": ["999990"], "restarts": 0},
-        "learner": {"role": "learner", "job_id": "999991", "history": ["999991"], "restarts": 1}},
-        "supervisor": {"job_id": "999992", "history": ["999992"]}}))
+    (run / "status.json").write_text(
+        json.dumps(
+            {
+                "state": "running",
+                "updated": time.time(),
+                "traj_per_s": 3.0,
+                "learner": {"step": 7, "version": 7, "reward": 0.5},
+                "counts": {"completed": 99},
+                "reward_by_domain": {"a": 0.5},
+            }
+        )
+    )
+    (run / "jobs.json").write_text(
+        json.dumps(
+            {
+                "state": "running",
+                "components": {
+                    "store": {"role": "coordinator", "job_id": "999990", "history": ["999990"], "restarts": 0},
+                    "learner": {"role": "learner", "job_id": "999991", "history": ["999991"], "restarts": 1},
+                },
+                "supervisor": {"job_id": "999992", "history": ["999992"]},
+            }
+        )
+    )
     snap = status_json(run)
     assert (snap["step"], snap["version"], snap["trajectories"], snap["reward_by_domain"]) == (7, 7, 99, {"a": 0.5})
     assert [(c["name"], c["job_id"], c["state"]) for c in snap["components"]] == [
-        ("store", "999990", "UNKNOWN"), ("learner", "999991", "UNKNOWN"), ("supervisor", "999992", "UNKNOWN")]
+        ("store", "999990", "UNKNOWN"),
+        ("learner", "999991", "UNKNOWN"),
+        ("supervisor", "999992", "UNKNOWN"),
+    ]
     assert snap["components"][1]["restarts"] == 1
     assert snap["state"] == "ended"  # no job of it is left in the queue
     out = hpcrl("logs", str(run), "learner")
@@ -201,23 +305,36 @@ def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_pat
 
 # ---- on the dev cluster ----
 
+
 def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tmp_path):
     from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
-    from audit import lineage
     from hpcrl.rl.store.reader import StoreReader, iter_segments
     from hpcrl.slurm.command import run_slurm
 
+    from audit import lineage
+
     t0 = time.monotonic()
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=100",
-                "learner.checkpoint_every=10", "--run-id", "e2e")
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "learner.max_steps=100",
+        "learner.checkpoint_every=10",
+        "--run-id",
+        "e2e",
+    )
     assert out.returncode == 0, out.stderr
     run_dir = tmp_path / "e2e"
     try:
         jobs = read_jobs(run_dir)
         for name in ("store", "coordinator", "learner", "gen-0"):
             assert f"{name}" in out.stdout and jobs["components"][name]["job_id"] in out.stdout
-        wait_for(lambda: all(c["state"] == "RUNNING" for c in status_json(run_dir)["components"]), 30,
-                 what="every component RUNNING")
+        wait_for(
+            lambda: all(c["state"] == "RUNNING" for c in status_json(run_dir)["components"]),
+            30,
+            what="every component RUNNING",
+        )
         print(f"submit -> every component running: {time.monotonic() - t0:.1f} s")
         t = time.monotonic()
         snap = status_json(run_dir)
@@ -225,8 +342,12 @@ def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tm
         assert {c["name"] for c in snap["components"]} == {"store", "coordinator", "learner", "gen-0", "supervisor"}
         assert {c["node"] for c in snap["components"]} <= {"n1", "n2"}
 
-        step = wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 14 and status_json(run_dir)["step"], 90,
-                        interval_s=0.2, what="learner step 14")
+        step = wait_for(
+            lambda: (status_json(run_dir)["step"] or 0) >= 14 and status_json(run_dir)["step"],
+            90,
+            interval_s=0.2,
+            what="learner step 14",
+        )
         learner = jobs["components"]["learner"]["job_id"]
         run_slurm(["scontrol", "requeue", learner])  # SIGTERM now, the same job id runs again later
         gen = jobs["components"]["gen-0"]["job_id"]
@@ -268,8 +389,15 @@ def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tm
 
 
 def test_cancel_stops_every_job_and_finalizes_the_store(slurm_cluster, tmp_path):
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=100000",
-                "--run-id", "cancel")
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "learner.max_steps=100000",
+        "--run-id",
+        "cancel",
+    )
     assert out.returncode == 0, out.stderr
     run_dir = tmp_path / "cancel"
     wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 2, 60, what="learner steps")
@@ -283,8 +411,9 @@ def test_cancel_stops_every_job_and_finalizes_the_store(slurm_cluster, tmp_path)
 
 def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(slurm_cluster, tmp_path):
     from hpcrl.rl.learner_service import AUDIT_NAME
-    from audit import lineage
     from hpcrl.slurm.command import run_slurm
+
+    from audit import lineage
 
     # A 2-minute learner signalled 90 s ahead. slurmctld looks at time limits only every 30-60 s, at a
     # moment unrelated to the job's start: USR2 comes 30 to 90 s in, which leaves the learner time to
@@ -292,9 +421,20 @@ def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(
     # (With a 1-minute limit signalled 50 s ahead, a check landing in the first 10 s sent nothing,
     # and the next one found the job over its limit and killed it.) No periodic checkpoint before
     # step 1000: a resume past step 0 can only come from the checkpoint taken while draining.
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "slurm.learner.time_min=2",
-                "slurm.learner.signal_delay_s=90", "learner.max_steps=100000", "learner.checkpoint_every=1000",
-                "--max-restarts", "0", "--run-id", "limit")
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "slurm.learner.time_min=2",
+        "slurm.learner.signal_delay_s=90",
+        "learner.max_steps=100000",
+        "learner.checkpoint_every=1000",
+        "--max-restarts",
+        "0",
+        "--run-id",
+        "limit",
+    )
     assert out.returncode == 0, out.stderr
     assert "warning: KillWait=2 s" in out.stderr and "warning: slurm.coordinator.signal_delay_s=30" in out.stderr
     assert "slurm.learner.signal_delay_s" not in out.stderr  # 90 s ahead is no warning
@@ -302,10 +442,15 @@ def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(
     learner = read_jobs(run_dir)["components"]["learner"]["job_id"]
     try:
         try:
-            wait_for(lambda: (run_dir / AUDIT_NAME).exists() and lineage(run_dir / AUDIT_NAME)[1] >= 2, 200,
-                     what="the learner to drain on SIGUSR2, requeue and start again")
+            wait_for(
+                lambda: (run_dir / AUDIT_NAME).exists() and lineage(run_dir / AUDIT_NAME)[1] >= 2,
+                200,
+                what="the learner to drain on SIGUSR2, requeue and start again",
+            )
         except AssertionError as exc:
-            acct = run_slurm(["sacct", "-D", "-X", "-j", learner, "--format=JobID,State,Start,End,Elapsed"], check=False)
+            acct = run_slurm(
+                ["sacct", "-D", "-X", "-j", learner, "--format=JobID,State,Start,End,Elapsed"], check=False
+            )
             log = hpcrl("logs", str(run_dir), "learner").stdout
             raise AssertionError(f"{exc}\n{acct.stdout}\n{log[-3000:]}") from None
         jobs = read_jobs(run_dir)
@@ -331,8 +476,16 @@ def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(
 
 
 def test_sandbox_servers_are_submitted_as_one_job_array(slurm_cluster, tmp_path):
-    out = hpcrl("submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "sandbox.servers=2",
-                "domains=[{name: arith/copy}, {name: synth}]", "--run-id", "array")
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "sandbox.servers=2",
+        "domains=[{name: arith/copy}, {name: synth}]",
+        "--run-id",
+        "array",
+    )
     assert out.returncode == 0, out.stderr
     run_dir = tmp_path / "array"
     try:
@@ -359,15 +512,28 @@ def test_sandbox_servers_are_submitted_as_one_job_array(slurm_cluster, tmp_path)
 
 @pytest.mark.parametrize("hetjob", [False, True], ids=["jobs", "hetjob"])
 def test_sbatch_scripts_submitted_by_hand_train_and_end(slurm_cluster, tmp_path, hetjob):
-    out = hpcrl("sbatch", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=10",
-                "-o", str(tmp_path / "s"), "--run-id", "hand", *(["--hetjob"] if hetjob else []))
+    out = hpcrl(
+        "sbatch",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "learner.max_steps=10",
+        "-o",
+        str(tmp_path / "s"),
+        "--run-id",
+        "hand",
+        *(["--hetjob"] if hetjob else []),
+    )
     assert out.returncode == 0, out.stderr
     sub = subprocess.run(["bash", str(tmp_path / "s" / "submit.sh")], capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
     run_dir = tmp_path / "hand"
     try:
-        wait_for(lambda: any(c["state"] == "RUNNING" for c in status_json(run_dir)["components"]), 30,
-                 what="the hand-submitted jobs to run")
+        wait_for(
+            lambda: any(c["state"] == "RUNNING" for c in status_json(run_dir)["components"]),
+            30,
+            what="the hand-submitted jobs to run",
+        )
         wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 10, 90, what="learner step 10")
         wait_for(lambda: not queue_states(all_ids(run_dir)), 60, what="the run's jobs to end by themselves")
     except BaseException:

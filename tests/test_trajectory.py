@@ -7,15 +7,24 @@ import json
 import numpy as np
 import pytest
 
-from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.store.columns import Columns, ColumnsError
+from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.trajectory import SCHEMA_VERSION, SandboxOutcome, Step, Trajectory, TrajectoryError
 
 
 def step(**kw) -> Step:
-    args = dict(policy_version=3, prompt_tokens=[1, 2, 3], action_tokens=[4, 5], action_logprobs=[-0.5, -1.25],
-                loss_mask=[1, 0], observation_tokens=[7, 8, 9, 10], reward=0.25,
-                sandbox=SandboxOutcome("error", exit_code=1, duration_s=0.5), generate_s=1.5, env_s=0.75)
+    args = dict(
+        policy_version=3,
+        prompt_tokens=[1, 2, 3],
+        action_tokens=[4, 5],
+        action_logprobs=[-0.5, -1.25],
+        loss_mask=[1, 0],
+        observation_tokens=[7, 8, 9, 10],
+        reward=0.25,
+        sandbox=SandboxOutcome("error", exit_code=1, duration_s=0.5),
+        generate_s=1.5,
+        env_s=0.75,
+    )
     args.update(kw)
     return Step(**args)
 
@@ -23,8 +32,18 @@ def step(**kw) -> Step:
 def traj(steps=None, **kw) -> Trajectory:
     if steps is None:
         steps = (step(), step(policy_version=4, observation_tokens=[]))
-    args = dict(run="run1", domain="code", task="fizzbuzz", episode=12, generator="gen-0", steps=steps, final_reward=1.0,
-                truncation="none", started_at=100.0, finished_at=104.5)
+    args = dict(
+        run="run1",
+        domain="code",
+        task="fizzbuzz",
+        episode=12,
+        generator="gen-0",
+        steps=steps,
+        final_reward=1.0,
+        truncation="none",
+        started_at=100.0,
+        finished_at=104.5,
+    )
     args.update(kw)
     return Trajectory(**args)
 
@@ -158,18 +177,21 @@ def _broken(table: str, field: str, value, row: int = 0):
     return cols
 
 
-@pytest.mark.parametrize("cols, fragment", [
-    (_broken("traj", "final_reward", float("nan")), "final_reward: must be finite"),
-    (_broken("traj", "started_at", -1.0), "started_at: must be >= 0"),
-    (_broken("traj", "schema_version", SCHEMA_VERSION + 1), "upgrade hpcrl"),
-    (_broken("traj", "run", b"run\x01"), "control characters"),
-    (_broken("traj", "episode", 14, row=1), "does not match its fields"),
-    (_broken("traj", "n_tokens", 3), "n_tokens or policy version range"),
-    (_broken("traj", "max_policy_version", 9), "n_tokens or policy version range"),
-    (_broken("steps", "reward", float("inf"), row=2), "steps[0].reward: must be finite"),
-    (_broken("steps", "generate_s", -0.5), "steps[0].generate_s"),
-    (_broken("steps", "sandbox_s", float("nan")), "sandbox.duration_s"),
-])
+@pytest.mark.parametrize(
+    "cols, fragment",
+    [
+        (_broken("traj", "final_reward", float("nan")), "final_reward: must be finite"),
+        (_broken("traj", "started_at", -1.0), "started_at: must be >= 0"),
+        (_broken("traj", "schema_version", SCHEMA_VERSION + 1), "upgrade hpcrl"),
+        (_broken("traj", "run", b"run\x01"), "control characters"),
+        (_broken("traj", "episode", 14, row=1), "does not match its fields"),
+        (_broken("traj", "n_tokens", 3), "n_tokens or policy version range"),
+        (_broken("traj", "max_policy_version", 9), "n_tokens or policy version range"),
+        (_broken("steps", "reward", float("inf"), row=2), "steps[0].reward: must be finite"),
+        (_broken("steps", "generate_s", -0.5), "steps[0].generate_s"),
+        (_broken("steps", "sandbox_s", float("nan")), "sandbox.duration_s"),
+    ],
+)
 def test_row_errors_refuse_what_the_constructors_refuse_and_name_the_row(cols, fragment):
     errors = cols.row_errors()
     bad = [i for i, e in enumerate(errors) if e]
@@ -201,8 +223,12 @@ def test_take_and_concat_keep_the_canonical_layout():
 def test_columns_round_trip_many_shapes():
     rng = np.random.default_rng(5)
     trajs = [synth_trajectory(rng, "r", "g", i, TINY_SHAPE if i % 2 else synth_shape_small()) for i in range(40)]
-    trajs.append(traj(steps=(step(prompt_tokens=[], observation_tokens=[], action_tokens=[], action_logprobs=[],
-                                  loss_mask=[]),), episode=99))
+    trajs.append(
+        traj(
+            steps=(step(prompt_tokens=[], observation_tokens=[], action_tokens=[], action_logprobs=[], loss_mask=[]),),
+            episode=99,
+        )
+    )
     cols = Columns.encode(trajs)
     cols.validate()
     assert cols.rows == 41 and cols.ids()[0] == "r/g/0"

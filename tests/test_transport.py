@@ -18,18 +18,6 @@ import numpy as np
 import pytest
 import zmq
 
-from hpcrl.core.transport import (
-    BadMessage,
-    Endpoint,
-    WireLimits,
-    Node,
-    RunKeys,
-    TransportError,
-    decode,
-    encode,
-    publish_endpoint,
-    read_endpoint,
-)
 from hpcrl.core.rpc import (
     RemoteError,
     Reply,
@@ -39,9 +27,22 @@ from hpcrl.core.rpc import (
     VersionPublisher,
     VersionSubscriber,
 )
-from hpcrl.rl.store.stream import TrajectorySender
+from hpcrl.core.transport import (
+    BadMessage,
+    Endpoint,
+    Node,
+    RunKeys,
+    TransportError,
+    WireLimits,
+    decode,
+    encode,
+    publish_endpoint,
+    read_endpoint,
+)
 from hpcrl.rl.store.layout import list_shards, read_segment
+from hpcrl.rl.store.stream import TrajectorySender
 from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
+
 from conftest import server_thread
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +67,12 @@ def wait_until(cond, timeout_s=5.0):
 
 
 def test_envelope_round_trip_is_zero_copy():
-    arrays = [np.arange(10, dtype=np.int32), np.ones((2, 3), np.float32), np.zeros(0, np.uint8), np.array([True, False])]
+    arrays = [
+        np.arange(10, dtype=np.int32),
+        np.ones((2, 3), np.float32),
+        np.zeros(0, np.uint8),
+        np.array([True, False]),
+    ]
     frames = encode("k", {"a": [1, "x", None, 2.5, b"raw"]}, arrays, msg_id="m1")
     assert all(f is a for f, a in zip(frames[1:], arrays))  # handed to zmq as-is, no copy
     env = decode(frames)
@@ -150,6 +156,7 @@ def test_no_pickle_anywhere_in_the_message_path(monkeypatch, tmp_path):
                 assert node.attr not in banned_attrs, f"{path.name} uses {node.attr}"
             elif isinstance(node, ast.keyword):
                 assert node.arg != "allow_pickle", path.name
+
     # And at run time: a full acknowledged delivery with pickle unusable.
     def refuse(*a, **k):
         raise AssertionError("pickle used")
@@ -160,7 +167,7 @@ def test_no_pickle_anywhere_in_the_message_path(monkeypatch, tmp_path):
     from hpcrl.rl.store.stream import TrajectoryReceiver
     from hpcrl.rl.store.writer import ShardWriter
 
-    make = lambda n: TrajectoryReceiver(n, "store", ShardWriter(tmp_path / "t", "s-0", StoreConfig(flush_every=2)))  # noqa: E731
+    make = lambda n: TrajectoryReceiver(n, "store", ShardWriter(tmp_path / "t", "s-0", StoreConfig(flush_every=2)))
     with server_thread(tmp_path, "s-0", make):
         with Node(tmp_path, "gen-0") as node:
             settled = []
@@ -353,9 +360,22 @@ def test_policy_versions_reach_late_subscribers_and_garbage_is_dropped(tmp_path,
 
 
 def _start_service(run: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "store_service.py"), str(run), "--bind-host", "127.0.0.1",
-                             "--flush-every", "8", "--flush-interval", "0.1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "store_service.py"),
+            str(run),
+            "--bind-host",
+            "127.0.0.1",
+            "--flush-every",
+            "8",
+            "--flush-interval",
+            "0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.startswith("ready "), line
     return proc
@@ -408,8 +428,15 @@ def test_invalid_trajectory_is_rejected_and_receiver_keeps_serving(tmp_path, cap
     cols.traj["schema_version"][0] = 99
     body, arrays = cols.to_wire()
     caplog.set_level(logging.WARNING, logger="hpcrl.transport")
-    make = lambda n: TrajectoryReceiver(n, "store", ShardWriter(run / "trajectories", "store-0",  # noqa: E731
-                                                                StoreConfig(flush_every=1)))
+    make = lambda n: TrajectoryReceiver(
+        n,
+        "store",
+        ShardWriter(
+            run / "trajectories",
+            "store-0",
+            StoreConfig(flush_every=1),
+        ),
+    )
     with server_thread(run, "store-0", make) as receiver:
         with Node(run, "gen-0") as node:
             raw, _ = node.connect(zmq.DEALER, "store")

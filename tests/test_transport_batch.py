@@ -12,12 +12,13 @@ import pytest
 import zmq
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.core.transport import Node, decode, encode
 from hpcrl.core.rpc import Reply, RequestClient, RequestServer, RequestTimeout
+from hpcrl.core.transport import Node, decode, encode
+from hpcrl.rl.store.columns import Columns, ColumnsError
 from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender
 from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
-from hpcrl.rl.store.columns import Columns, ColumnsError
+
 from conftest import server_thread
 
 
@@ -27,8 +28,9 @@ def trajs(n: int, seed: int = 0, start: int = 0):
 
 
 def store(run):
-    return lambda node: TrajectoryReceiver(node, "store", ShardWriter(run / "trajectories", "store-0",
-                                                                      StoreConfig(flush_every=1)))
+    return lambda node: TrajectoryReceiver(
+        node, "store", ShardWriter(run / "trajectories", "store-0", StoreConfig(flush_every=1))
+    )
 
 
 def test_batch_wire_round_trip_and_one_bad_trajectory_costs_only_itself():

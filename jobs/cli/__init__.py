@@ -24,8 +24,12 @@ VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "tra
 def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None:
     """The arguments every config-driven verb shares: CONFIG, KEY=VALUE overrides, --run-id."""
     p.add_argument("config", help="experiment YAML file, e.g. config.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4)",
+    )
     if run_id:
         p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
 
@@ -45,8 +49,10 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
 
     cfg = load_config(args.config, args.overrides)
     if slurm and cfg.executor != "slurm":
-        raise UsageError(f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
-                         "(or add the override executor=slurm), or use `hpcrl run` to train on this machine")
+        raise UsageError(
+            f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
+            "(or add the override executor=slurm), or use `hpcrl run` to train on this machine"
+        )
     if getattr(args, "max_restarts", 0) < 0:
         raise UsageError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
     search = [str(Path(args.config).resolve().parent)]

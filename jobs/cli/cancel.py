@@ -17,8 +17,9 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cancel", help="cancel every Slurm job of a run",
-                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+    p = sub.add_parser(
+        "cancel", help="cancel every Slurm job of a run", description=__doc__.split("\n\n")[2].replace("\n", " ")
+    )
     p.add_argument("run", help="run directory, or a run id under the config's run_root")
     p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
     p.add_argument("--grace-s", type=float, default=20.0, help="seconds the store writer gets to finalize (default 20)")
@@ -76,9 +77,13 @@ def run(args: argparse.Namespace) -> int:
         # The outcome itself, not how the job ended: does every shard carry its manifest?
         open_shards = [s.name for s in list_shards(run_dir / "trajectories") if not s.finalized]
         if not open_shards:
-            print("store writer flushed and finalized its shards"
-                  + ("" if exited else f" (after the {args.grace_s:g} s grace, when cancelled)"))
+            print(
+                "store writer flushed and finalized its shards"
+                + ("" if exited else f" (after the {args.grace_s:g} s grace, when cancelled)")
+            )
         else:
-            print(f"store writer was stopped before finalizing {', '.join(open_shards)}: "
-                  "open shards are recovered when the store is next opened")
+            print(
+                f"store writer was stopped before finalizing {', '.join(open_shards)}: "
+                "open shards are recovered when the store is next opened"
+            )
     return 0

@@ -15,8 +15,11 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("logs", help="print or follow the logs of a Slurm run's components",
-                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+    p = sub.add_parser(
+        "logs",
+        help="print or follow the logs of a Slurm run's components",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+    )
     p.add_argument("run", help="run directory, or a run id under the config's run_root")
     p.add_argument("component", nargs="?", help="store, coordinator, learner, gen-N, sandbox-N or supervisor")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended (Ctrl-C stops)")
@@ -57,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         ids = comps[name].get("history", [comps[name]["job_id"]]) if args.all else [comps[name]["job_id"]]
         files += [(name, f) for jid in ids for f in log_files(run_dir, name, jid)]
     if not files:
-        print(f"no log files yet for {', '.join(names)} in {run_dir / 'submitit'} (jobs still pending?)", file=sys.stderr)
+        print(
+            f"no log files yet for {', '.join(names)} in {run_dir / 'submitit'} (jobs still pending?)", file=sys.stderr
+        )
         return 1
     offsets = {}
     for name, f in files:
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         offsets[f] = len(data)
         text = data.decode(errors="replace")
         if not args.component:
-            text = "\n".join(text.splitlines()[-args.lines:])
+            text = "\n".join(text.splitlines()[-args.lines :])
         text = text.rstrip("\n")  # -f continues with whole lines: no blank line in between
         print(f"==> {name}: {f} <==\n{text}", flush=True)
     while args.follow:  # Ctrl-C ends it (exit 130)

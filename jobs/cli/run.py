@@ -13,7 +13,6 @@ learner keeps its last checkpoint). Exit code 0 when the learner reached learner
 from __future__ import annotations
 
 import argparse
-
 import sys
 import time
 
@@ -34,7 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import logging
-    from pathlib import Path
 
     from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import plan
@@ -78,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if rows:
         first, last = rows[0], rows[-1]
         doms = "  ".join(f"{d} {r:.2f}" for d, r in sorted(last.get("reward_by_domain", {}).items()))
-        print(f"reward {first['reward']:.3f} (step {first['step']}) -> {last['reward']:.3f} (step {last['step']}) "
-              f"in {time.monotonic() - t0:.0f} s; last step by domain: {doms}")
+        print(
+            f"reward {first['reward']:.3f} (step {first['step']}) -> {last['reward']:.3f} (step {last['step']}) "
+            f"in {time.monotonic() - t0:.0f} s; last step by domain: {doms}"
+        )
     if png:
         print(f"reward curve: {png}")
     if not ok:

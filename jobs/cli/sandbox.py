@@ -51,9 +51,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = verbs.add_parser(
         "build-image",
         help="build the Apptainer image from containers/sandbox.def",
-        description="Run `apptainer build OUT DEF` (streamed). Needs apptainer on PATH; --fakeroot where unprivileged builds need it.",
+        description=(
+            "Run `apptainer build OUT DEF` (streamed). Needs apptainer on PATH; "
+            "--fakeroot where unprivileged builds need it."
+        ),
     )
-    b.add_argument("--def", dest="def_file", metavar="FILE", help="definition file (default: hpcrl's containers/sandbox.def)")
+    b.add_argument(
+        "--def", dest="def_file", metavar="FILE", help="definition file (default: hpcrl's containers/sandbox.def)"
+    )
     b.add_argument("--out", metavar="FILE", help="image to write (default: sandbox.image from the config)")
     b.add_argument("--fakeroot", action="store_true", help="pass --fakeroot to apptainer build")
     b.add_argument("--force", action="store_true", help="overwrite an existing image")
@@ -66,7 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve sandboxed execution to clients over ZeroMQ: SLOTS concurrent sandboxes, a bounded queue.",
     )
     s.add_argument("--slots", type=int, help="concurrent executions (default: sandbox.slots from the config)")
-    s.add_argument("--run-dir", required=True, metavar="DIR", help="run directory: keys and the server's address go here")
+    s.add_argument(
+        "--run-dir", required=True, metavar="DIR", help="run directory: keys and the server's address go here"
+    )
     s.add_argument("--name", default="sandbox-0", help="server name within the run (default sandbox-0)")
     _common(s)
     s.set_defaults(func=run_serve)
@@ -120,7 +127,9 @@ def run_exec(args: argparse.Namespace) -> int:
         limits = Limits(**changes)
         spec = ExecSpec.single(lang.name, source, stdin=stdin, limits=limits)
     except ValueError as exc:
-        raise UsageError(str(exc).replace("Limits.wall_s", "--timeout-s").replace("Limits.memory_mb", "--memory-mb")) from None
+        raise UsageError(
+            str(exc).replace("Limits.wall_s", "--timeout-s").replace("Limits.memory_mb", "--memory-mb")
+        ) from None
     try:
         backend = _backend(args)
         result = backend.run(spec)

@@ -18,8 +18,11 @@ from hpcrl.jobs.cli import add_config_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sbatch", help="write readable sbatch scripts (and submit.sh) for a run",
-                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+    p = sub.add_parser(
+        "sbatch",
+        help="write readable sbatch scripts (and submit.sh) for a run",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+    )
     add_config_args(p, run_id=True)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder the scripts are written to")
     p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
@@ -44,8 +47,15 @@ def run(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         raise UsageError(str(exc)) from None
     try:
-        paths = write_scripts(cfg, run_dir, out, plan(cfg, run_dir, domains, search), search,
-                              max_restarts=args.max_restarts, hetjob=args.hetjob)
+        paths = write_scripts(
+            cfg,
+            run_dir,
+            out,
+            plan(cfg, run_dir, domains, search),
+            search,
+            max_restarts=args.max_restarts,
+            hetjob=args.hetjob,
+        )
     except ValueError as exc:
         import shutil
 

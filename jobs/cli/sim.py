@@ -29,8 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("trace", help="trace YAML file, e.g. slurm/sim/traces/heavy-tail-300.yaml")
-    p.add_argument("--policy", choices=("sync", "async", "backfill", "all"), default=None,
-                   help="scheduling policy (default: the trace's scheduler.policy); 'all' prints the table of policies")
+    p.add_argument(
+        "--policy",
+        choices=("sync", "async", "backfill", "all"),
+        default=None,
+        help="scheduling policy (default: the trace's scheduler.policy); 'all' prints the table of policies",
+    )
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw the GPU utilization timeline into FILE (.png, .pdf or .svg)")
     p.add_argument("--bins", type=int, default=240, help="time bins of the --plot timeline (default 240)")
@@ -68,20 +72,27 @@ def run(args: argparse.Namespace) -> int:
             docs.append(doc)
         print(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
         return 0
-    print(f"trace {trace.name}: {trace.cluster.learner_gpus} learner + {trace.cluster.generator_gpus} generator GPUs, "
-          f"{trace.cluster.sandbox_slots} sandbox slots, {len(world.domains)} domains, {trace.training.steps} steps "
-          f"of {trace.training.batch_size} trajectories, staleness bound {trace.training.max_staleness}")
+    print(
+        f"trace {trace.name}: {trace.cluster.learner_gpus} learner + {trace.cluster.generator_gpus} generator GPUs, "
+        f"{trace.cluster.sandbox_slots} sandbox slots, {len(world.domains)} domains, {trace.training.steps} steps "
+        f"of {trace.training.batch_size} trajectories, staleness bound {trace.training.max_staleness}"
+    )
     if len(results) > 1:
         print(format_table(results))
     else:
         r = results[0]
         print(r.summary_line())
         for u in (r.learner, r.generator):
-            print(f"  {u.role:<9} {u.gpus:>5} GPUs: own work {u.owner_s / u.capacity_s:6.1%}  packed {u.packed_s / u.capacity_s:6.1%}"
-                  f"  lost {u.lost_s / u.capacity_s:5.1%}  idle {u.idle_s / u.capacity_s:6.1%}")
-        print(f"  trained {r.trajectories} trajectories (staleness counts {list(r.staleness)}), dropped {r.dropped} "
-              f"too-stale episodes; {r.packed_tasks} packed tasks, {r.preemptions} preempted; "
-              f"useful GPU work {r.useful_fraction:.1%}; simulated in {r.wall_s:.2f} s")
+            print(
+                f"  {u.role:<9} {u.gpus:>5} GPUs: own work {u.owner_s / u.capacity_s:6.1%}"
+                f"  packed {u.packed_s / u.capacity_s:6.1%}  lost {u.lost_s / u.capacity_s:5.1%}"
+                f"  idle {u.idle_s / u.capacity_s:6.1%}"
+            )
+        print(
+            f"  trained {r.trajectories} trajectories (staleness counts {list(r.staleness)}), dropped {r.dropped} "
+            f"too-stale episodes; {r.packed_tasks} packed tasks, {r.preemptions} preempted; "
+            f"useful GPU work {r.useful_fraction:.1%}; simulated in {r.wall_s:.2f} s"
+        )
     if args.plot:
         print(f"utilization timeline: {args.plot}")
     return 0

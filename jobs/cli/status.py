@@ -18,9 +18,12 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="show a run's jobs, step, reward and throughput (or list recent runs)",
-                       description="Summarise RUN: its components' Slurm jobs (one squeue, one sacct) and the "
-                                   "status.json its coordinator writes every second. Without RUN: recent runs.")
+    p = sub.add_parser(
+        "status",
+        help="show a run's jobs, step, reward and throughput (or list recent runs)",
+        description="Summarise RUN: its components' Slurm jobs (one squeue, one sacct) and the "
+        "status.json its coordinator writes every second. Without RUN: recent runs.",
+    )
     p.add_argument("run", nargs="?", help="run directory, or a run id under the config's run_root; omit to list runs")
     p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
     p.add_argument("--json", action="store_true", help="print one JSON object (with a `components` list)")
@@ -36,7 +39,7 @@ def _run_root(config: str):
 
     try:
         return Path(load_config(config).experiment.run_root)
-    except Exception:  # noqa: BLE001 - no usable config: only paths work
+    except Exception:  # no usable config: only paths work
         return None
 
 
@@ -72,8 +75,12 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
 
     status = read_status(run_dir)
     alive = {role: pids(run_dir, role) for role in ("coordinator", "store", "learner", "gen", "sandbox")}
-    text = (status_text(run_dir, status) + "\nprocesses  " + "  ".join(f"{role} {len(p)}" for role, p in alive.items())
-            + " alive on this host")
+    text = (
+        status_text(run_dir, status)
+        + "\nprocesses  "
+        + "  ".join(f"{role} {len(p)}" for role, p in alive.items())
+        + " alive on this host"
+    )
     return text, 0 if status else 1
 
 

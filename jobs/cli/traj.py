@@ -23,8 +23,9 @@ from hpcrl.jobs.cli import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("traj", help="inspect, verify, export or synthesize trajectory shards",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "traj", help="inspect, verify, export or synthesize trajectory shards", description=__doc__.split("\n\n")[0]
+    )
     verbs = p.add_subparsers(dest="traj_verb", metavar="ACTION", required=True)
 
     def store_cmd(name: str, help_: str):
@@ -36,15 +37,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     store_cmd("ls", "list shards: status, segments, rows, bytes").set_defaults(func=run_ls)
     store_cmd("stats", "counts, reward by domain, policy-version spread, bytes").set_defaults(func=run_stats)
     q = store_cmd("verify", "check every segment against its checksum and manifest; exit 1 on damage")
-    q.add_argument("--repair", action="store_true",
-                   help="finalize shards whose writer died (keep verified segments, quarantine the rest)")
+    q.add_argument(
+        "--repair",
+        action="store_true",
+        help="finalize shards whose writer died (keep verified segments, quarantine the rest)",
+    )
     q.set_defaults(func=run_verify)
     q = store_cmd("export", "write every verified trajectory as JSON lines")
     q.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     q.set_defaults(func=run_export)
-    q = verbs.add_parser("synth", help="write N synthetic trajectories through the real writer",
-                         description="Write synthetic multi-step trajectories with the shard writer, printing "
-                                     "'acked <total>' after each durable flush.")
+    q = verbs.add_parser(
+        "synth",
+        help="write N synthetic trajectories through the real writer",
+        description="Write synthetic multi-step trajectories with the shard writer, printing "
+        "'acked <total>' after each durable flush.",
+    )
     q.add_argument("path", metavar="DIR", help="run directory or store directory (created if missing)")
     q.add_argument("--count", type=int, required=True, help="number of trajectories")
     q.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -107,12 +114,23 @@ def run_ls(args: argparse.Namespace) -> int:
     for state in list_shards(_store(args)):
         rows, size, problems = _shard_rows(state)
         nseg = len(state.manifest.segments) if state.manifest else len(state.segment_names)
-        shards.append({"shard": state.name, "writer": state.writer, "status": _status(state), "segments": nseg,
-                       "rows": rows, "bytes": size, "problems": problems})
+        shards.append(
+            {
+                "shard": state.name,
+                "writer": state.writer,
+                "status": _status(state),
+                "segments": nseg,
+                "rows": rows,
+                "bytes": size,
+                "problems": problems,
+            }
+        )
     lines = [f"{'shard':<56} {'status':<10} {'segments':>8} {'rows':>9} {'bytes':>13}"]
     lines += [f"{s['shard']:<56} {s['status']:<10} {s['segments']:>8} {s['rows']:>9} {s['bytes']:>13}" for s in shards]
-    lines.append(f"{len(shards)} shard(s), {sum(s['rows'] for s in shards)} trajectories, "
-                 f"{sum(s['bytes'] for s in shards)} bytes")
+    lines.append(
+        f"{len(shards)} shard(s), {sum(s['rows'] for s in shards)} trajectories, "
+        f"{sum(s['bytes'] for s in shards)} bytes"
+    )
     _emit(args, {"shards": shards}, lines)
     return 0
 
@@ -127,7 +145,9 @@ def run_stats(args: argparse.Namespace) -> int:
     by_domain: dict[str, list[float]] = {}
     versions: dict[int, int] = {}
     truncation: dict[str, int] = {}
-    for state, name, cols in iter_segments(_store(args), on_error=lambda st, nm, why: bad.append(f"{st.name}/{nm}: {why}")):
+    for state, name, cols in iter_segments(
+        _store(args), on_error=lambda st, nm, why: bad.append(f"{st.name}/{nm}: {why}")
+    ):
         t = cols.traj
         n += cols.rows
         steps += len(cols.steps)
@@ -140,16 +160,31 @@ def run_stats(args: argparse.Namespace) -> int:
         for code, c in zip(*np.unique(t["truncation"], return_counts=True)):
             key = cols.truncation_names[code]
             truncation[key] = truncation.get(key, 0) + int(c)
-    domains = {d: {"count": len(r), "mean_reward": float(np.mean(r)), "min": float(np.min(r)), "max": float(np.max(r))}
-               for d, r in sorted(by_domain.items())}
-    spread = {"min": min(versions, default=None), "max": max(versions, default=None),
-              "steps_by_version": {str(k): versions[k] for k in sorted(versions)}}
-    data = {"trajectories": n, "steps": steps, "tokens": tokens, "bytes": size, "reward_by_domain": domains,
-            "policy_versions": spread, "truncation": truncation, "unreadable_segments": bad}
+    domains = {
+        d: {"count": len(r), "mean_reward": float(np.mean(r)), "min": float(np.min(r)), "max": float(np.max(r))}
+        for d, r in sorted(by_domain.items())
+    }
+    spread = {
+        "min": min(versions, default=None),
+        "max": max(versions, default=None),
+        "steps_by_version": {str(k): versions[k] for k in sorted(versions)},
+    }
+    data = {
+        "trajectories": n,
+        "steps": steps,
+        "tokens": tokens,
+        "bytes": size,
+        "reward_by_domain": domains,
+        "policy_versions": spread,
+        "truncation": truncation,
+        "unreadable_segments": bad,
+    }
     lines = [f"trajectories {n}   steps {steps}   tokens {tokens}   bytes {size}"]
     lines += [f"  {d:<16} n={v['count']:<8} mean_reward={v['mean_reward']:.4f}" for d, v in domains.items()]
-    lines.append(f"policy versions {spread['min']}..{spread['max']}: "
-                 + ", ".join(f"v{k}:{c}" for k, c in sorted(versions.items())))
+    lines.append(
+        f"policy versions {spread['min']}..{spread['max']}: "
+        + ", ".join(f"v{k}:{c}" for k, c in sorted(versions.items()))
+    )
     lines.append("truncation " + ", ".join(f"{k}:{c}" for k, c in sorted(truncation.items())))
     lines += [f"unreadable {b}" for b in bad]
     _emit(args, data, lines)
@@ -185,14 +220,27 @@ def run_verify(args: argparse.Namespace) -> int:
                 rows += read_segment(state.path / name, expect).rows
             except SegmentError as exc:
                 problems.append(f"{name}: {exc}")
-        report.append({"shard": state.name, "status": _status(state), "segments": len(checks), "rows": rows,
-                       "ok": not problems, "problems": problems})
+        report.append(
+            {
+                "shard": state.name,
+                "status": _status(state),
+                "segments": len(checks),
+                "rows": rows,
+                "ok": not problems,
+                "problems": problems,
+            }
+        )
     ok = all(r["ok"] for r in report)
-    lines = [f"{'OK ' if r['ok'] else 'BAD'} {r['shard']} ({r['status']}, {r['segments']} segments, {r['rows']} rows)"
-             + "".join(f"\n    {p}" for p in r["problems"]) for r in report]
+    lines = [
+        f"{'OK ' if r['ok'] else 'BAD'} {r['shard']} ({r['status']}, {r['segments']} segments, {r['rows']} rows)"
+        + "".join(f"\n    {p}" for p in r["problems"])
+        for r in report
+    ]
     orphaned = sum(r["status"] == "orphaned" for r in report)
-    lines.append(f"{'all' if ok else 'NOT all'} {len(report)} shard(s) verified"
-                 + (f"; {orphaned} orphaned (writer dead): `hpcrl traj verify --repair` finalizes them" if orphaned else ""))
+    lines.append(
+        f"{'all' if ok else 'NOT all'} {len(report)} shard(s) verified"
+        + (f"; {orphaned} orphaned (writer dead): `hpcrl traj verify --repair` finalizes them" if orphaned else "")
+    )
     _emit(args, {"ok": ok, "shards": report}, lines)
     return 0 if ok else 1
 
@@ -213,8 +261,12 @@ def run_export(args: argparse.Namespace) -> int:
         if out is not sys.stdout:
             out.close()
     summary = {"exported": n, "output": args.output, "skipped_segments": bad}
-    print(json.dumps(summary) if args.json else f"exported {n} trajectories to {args.output}"
-          + "".join(f"\nskipped {b}" for b in bad), file=sys.stderr)
+    print(
+        json.dumps(summary)
+        if args.json
+        else f"exported {n} trajectories to {args.output}" + "".join(f"\nskipped {b}" for b in bad),
+        file=sys.stderr,
+    )
     return 1 if bad else 0
 
 
@@ -234,9 +286,16 @@ def run_synth(args: argparse.Namespace) -> int:
         raise UsageError(f"--count must be >= 1 (got {args.count})")
     if args.first_episode < 0:
         raise UsageError(f"--first-episode must be >= 0 (got {args.first_episode})")
-    overrides = {k: v for k, v in (("flush_every", args.flush_every), ("flush_interval_s", args.flush_interval),
-                                   ("shard_max_rows", args.shard_max_rows), ("compression", args.compression))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("flush_every", args.flush_every),
+            ("flush_interval_s", args.flush_interval),
+            ("shard_max_rows", args.shard_max_rows),
+            ("compression", args.compression),
+        )
+        if v is not None
+    }
     cfg = from_dict(StoreConfig, {**dataclasses.asdict(StoreConfig()), **overrides}, "store")
     rng = np.random.default_rng(args.seed)
     shape = TINY_SHAPE if args.tiny else DEFAULT_SHAPE

@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     if args.print_resolved:
         print(dump_config(cfg), end="")
     else:
-        print(f"config OK: {args.config} (experiment {cfg.experiment.name!r}, executor {cfg.executor}, "
-              f"{len(cfg.domains)} domain(s))")
+        print(
+            f"config OK: {args.config} (experiment {cfg.experiment.name!r}, executor {cfg.executor}, "
+            f"{len(cfg.domains)} domain(s))"
+        )
     return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hpcrl.rl.domains.arith import make_arith
 from hpcrl.rl.domains.base import (
@@ -107,7 +107,9 @@ def load_site_domain(label: str, module: str, search_path: Iterable[str] = ()) -
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n in dir(mod) if not n.startswith("_"))
-            raise DomainError(f"domain {label!r}: {mod_name} has no attribute {attr_path!r}; it has: {', '.join(public)}")
+            raise DomainError(
+                f"domain {label!r}: {mod_name} has no attribute {attr_path!r}; it has: {', '.join(public)}"
+            )
         obj = getattr(obj, part)
     if isinstance(obj, Domain):
         domain = copy.copy(obj)
@@ -115,7 +117,9 @@ def load_site_domain(label: str, module: str, search_path: Iterable[str] = ()) -
     elif callable(obj):
         domain = obj(label)
     else:
-        raise DomainError(f"domain {label!r}: {module} is a {type(obj).__name__}; expected a Domain or a factory returning one")
+        raise DomainError(
+            f"domain {label!r}: {module} is a {type(obj).__name__}; expected a Domain or a factory returning one"
+        )
     _check(domain, label, module)
     return domain
 

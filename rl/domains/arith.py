@@ -32,8 +32,10 @@ ARITH_VARIANT_HELP = (
     "each optionally followed by -retry<t> (t 2..9 turns)"
 )
 
-_VARIANT_RE = re.compile(r"(?P<base>copy|add(?P<k>[1-9])-mod(?P<m1>10|[2-9])|add-mod(?P<m2>10|[2-9])|(?P<mm>max|min)(?P<n>[2-6]))"
-                         r"(?:-retry(?P<t>[2-9]))?")
+_VARIANT_RE = re.compile(
+    r"(?P<base>copy|add(?P<k>[1-9])-mod(?P<m1>10|[2-9])|add-mod(?P<m2>10|[2-9])|(?P<mm>max|min)(?P<n>[2-6]))"
+    r"(?:-retry(?P<t>[2-9]))?"
+)
 
 
 class ArithDomain(Domain):

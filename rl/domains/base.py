@@ -15,8 +15,8 @@ feeds each observation back to the model until `done`. `info` may carry `feedbac
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from collections.abc import Callable
+from typing import Any
 
 from hpcrl.rl.domains.rewards import REWARDS
 from hpcrl.rl.domains.types import ActionSpec, ExecFeedback, StepResult, Task
@@ -37,6 +37,7 @@ class Environment(abc.ABC):
 
     def close(self) -> None:
         """Release what the episode holds (sandbox sessions); called once, also on abort."""
+        return None  # optional to override: an environment that holds nothing has nothing to release
 
 
 class Domain(abc.ABC):
@@ -87,16 +88,26 @@ class PromptDomain(Domain):
     `reward(action, task, feedback)`; it sees the answer as `task.data["answer"]`.
     """
 
-    def __init__(self, name: str, prompts, reward: str | Callable[..., float] = "exact", max_tokens: int = 16,
-                 stop: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        name: str,
+        prompts,
+        reward: str | Callable[..., float] = "exact",
+        max_tokens: int = 16,
+        stop: tuple[str, ...] = (),
+    ):
 
         pairs = [tuple(p) for p in prompts]
         if not pairs or any(len(p) != 2 or not isinstance(p[0], str) for p in pairs):
-            raise ValueError(f"PromptDomain {name!r}: prompts must be a non-empty sequence of (prompt text, answer) pairs")
+            raise ValueError(
+                f"PromptDomain {name!r}: prompts must be a non-empty sequence of (prompt text, answer) pairs"
+            )
         if isinstance(reward, str):
             reward = REWARDS.get(reward)
         if not callable(reward):
-            raise ValueError(f"PromptDomain {name!r}: reward must be a reward name or callable as reward(action, task, feedback)")
+            raise ValueError(
+                f"PromptDomain {name!r}: reward must be a reward name or callable as reward(action, task, feedback)"
+            )
         self.name = name
         self.action = ActionSpec(max_tokens, tuple(stop))
         self._pairs = pairs

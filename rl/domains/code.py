@@ -15,7 +15,8 @@ candidate, so a candidate cannot pass by printing "ok" or patching the test.
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
 from hpcrl.rl.domains.problems import REPAIR_PROBLEMS, SYNTH_PROBLEMS, RepairProblem, SynthProblem
@@ -86,7 +87,9 @@ class SandboxJudge:
     def judge_io(self, language: str, source: str, cases: Sequence[tuple[str, str]]) -> ExecFeedback:
         from hpcrl.sandbox.judge import IOCase
 
-        v = self._io(language, source, [IOCase(i.encode(), o.encode()) for i, o in cases], self.limits, stop_on_fail=False)
+        v = self._io(
+            language, source, [IOCase(i.encode(), o.encode()) for i, o in cases], self.limits, stop_on_fail=False
+        )
         passed = sum(c.passed for c in v.cases)
         failed = next((c for c in v.cases if not c.passed), None)
         result = failed.result if failed else (v.cases[-1].result if v.cases else v.result)
@@ -99,7 +102,9 @@ class SandboxJudge:
             stdin, want = cases[i] if cases else ("", "")
             got = _tail(failed.result.stdout, 120) if failed is not None and failed.result else ""
             err = _tail(failed.result.stderr) if failed is not None and failed.result else v.reason
-            msg = f"{v.reason or 'failed'}; input {stdin!r}, expected {want!r}, got {got!r}" + (f"; stderr: {err}" if err else "")
+            msg = f"{v.reason or 'failed'}; input {stdin!r}, expected {want!r}, got {got!r}" + (
+                f"; stderr: {err}" if err else ""
+            )
         return ExecFeedback(passed, len(cases), status, code, float(v.wall_s), msg)
 
     def judge_function(self, program: str, entry_point: str, test: str) -> ExecFeedback:
@@ -182,7 +187,9 @@ class _ProblemDomain(Domain):
         names = [p.name for p in problems]
         if variant:
             if variant not in names:
-                raise ValueError(f"{family}: unknown problem {variant!r}; problems: {', '.join(names)} (or no variant for all)")
+                raise ValueError(
+                    f"{family}: unknown problem {variant!r}; problems: {', '.join(names)} (or no variant for all)"
+                )
             problems = [p for p in problems if p.name == variant]
         self.name = f"{family}/{variant}" if variant else family
         self.problems = tuple(problems)

@@ -56,7 +56,10 @@ SYNTH_PROBLEMS: tuple[SynthProblem, ...] = (
     SynthProblem(
         "fizzbuzz",
         "Read n and print 1..n, one per line, with Fizz for multiples of 3, Buzz of 5, FizzBuzz of both.",
-        (("5\n", "1\n2\nFizz\n4\nBuzz\n"), ("15\n", "1\n2\nFizz\n4\nBuzz\nFizz\n7\n8\nFizz\nBuzz\n11\nFizz\n13\n14\nFizzBuzz\n")),
+        (
+            ("5\n", "1\n2\nFizz\n4\nBuzz\n"),
+            ("15\n", "1\n2\nFizz\n4\nBuzz\nFizz\n7\n8\nFizz\nBuzz\n11\nFizz\n13\n14\nFizzBuzz\n"),
+        ),
         "n = int(input())\nfor i in range(1, n + 1):\n"
         "    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 else 'Buzz' if i % 5 == 0 else i)\n",
     ),
@@ -85,30 +88,41 @@ REPAIR_PROBLEMS: tuple[RepairProblem, ...] = (
     RepairProblem(
         "off-by-one-sum",
         "sum_to",
-        "def sum_to(n):\n    \"\"\"Return 1 + 2 + ... + n.\"\"\"\n    return sum(range(n))\n",
-        "def check(candidate):\n    assert candidate(1) == 1, 'f(1) should be 1'\n    assert candidate(4) == 10, 'f(4) should be 10'\n    assert candidate(0) == 0, 'f(0) should be 0'\n",
-        "def sum_to(n):\n    \"\"\"Return 1 + 2 + ... + n.\"\"\"\n    return sum(range(n + 1))\n",
+        'def sum_to(n):\n    """Return 1 + 2 + ... + n."""\n    return sum(range(n))\n',
+        "def check(candidate):\n"
+        "    assert candidate(1) == 1, 'f(1) should be 1'\n"
+        "    assert candidate(4) == 10, 'f(4) should be 10'\n"
+        "    assert candidate(0) == 0, 'f(0) should be 0'\n",
+        'def sum_to(n):\n    """Return 1 + 2 + ... + n."""\n    return sum(range(n + 1))\n',
     ),
     RepairProblem(
         "wrong-compare",
         "is_adult",
-        "def is_adult(age):\n    \"\"\"True when age is 18 or more.\"\"\"\n    return age > 18\n",
-        "def check(candidate):\n    assert candidate(18) is True, 'f(18) should be True'\n    assert candidate(17) is False, 'f(17) should be False'\n    assert candidate(40) is True, 'f(40) should be True'\n",
-        "def is_adult(age):\n    \"\"\"True when age is 18 or more.\"\"\"\n    return age >= 18\n",
+        'def is_adult(age):\n    """True when age is 18 or more."""\n    return age > 18\n',
+        "def check(candidate):\n"
+        "    assert candidate(18) is True, 'f(18) should be True'\n"
+        "    assert candidate(17) is False, 'f(17) should be False'\n"
+        "    assert candidate(40) is True, 'f(40) should be True'\n",
+        'def is_adult(age):\n    """True when age is 18 or more."""\n    return age >= 18\n',
     ),
     RepairProblem(
         "mutable-default",
         "append_one",
-        "def append_one(xs=[]):\n    \"\"\"Return a new list: xs followed by 1.\"\"\"\n    xs.append(1)\n    return xs\n",
-        "def check(candidate):\n    assert candidate([2]) == [2, 1], 'f([2]) should be [2, 1]'\n    assert candidate() == [1], 'f() should be [1]'\n    assert candidate() == [1], 'f() should be [1]'\n",
-        "def append_one(xs=None):\n    \"\"\"Return a new list: xs followed by 1.\"\"\"\n    return list(xs or []) + [1]\n",
+        'def append_one(xs=[]):\n    """Return a new list: xs followed by 1."""\n    xs.append(1)\n    return xs\n',
+        "def check(candidate):\n"
+        "    assert candidate([2]) == [2, 1], 'f([2]) should be [2, 1]'\n"
+        "    assert candidate() == [1], 'f() should be [1]'\n"
+        "    assert candidate() == [1], 'f() should be [1]'\n",
+        'def append_one(xs=None):\n    """Return a new list: xs followed by 1."""\n    return list(xs or []) + [1]\n',
     ),
     RepairProblem(
         "integer-division",
         "mean",
-        "def mean(xs):\n    \"\"\"The arithmetic mean of a non-empty list.\"\"\"\n    return sum(xs) // len(xs)\n",
-        "def check(candidate):\n    assert candidate([1, 2]) == 1.5, 'f([1, 2]) should be 1.5'\n    assert candidate([4]) == 4, 'f([4]) should be 4'\n",
-        "def mean(xs):\n    \"\"\"The arithmetic mean of a non-empty list.\"\"\"\n    return sum(xs) / len(xs)\n",
+        'def mean(xs):\n    """The arithmetic mean of a non-empty list."""\n    return sum(xs) // len(xs)\n',
+        "def check(candidate):\n"
+        "    assert candidate([1, 2]) == 1.5, 'f([1, 2]) should be 1.5'\n"
+        "    assert candidate([4]) == 4, 'f([4]) should be 4'\n",
+        'def mean(xs):\n    """The arithmetic mean of a non-empty list."""\n    return sum(xs) / len(xs)\n',
     ),
     RepairProblem(
         "name-error",
@@ -120,22 +134,28 @@ REPAIR_PROBLEMS: tuple[RepairProblem, ...] = (
     RepairProblem(
         "wrong-index",
         "last",
-        "def last(xs):\n    \"\"\"The last element of a non-empty list.\"\"\"\n    return xs[len(xs)]\n",
-        "def check(candidate):\n    assert candidate([1, 2, 3]) == 3, 'f([1, 2, 3]) should be 3'\n    assert candidate(['a']) == 'a', \"f(['a']) should be 'a'\"\n",
-        "def last(xs):\n    \"\"\"The last element of a non-empty list.\"\"\"\n    return xs[-1]\n",
+        'def last(xs):\n    """The last element of a non-empty list."""\n    return xs[len(xs)]\n',
+        "def check(candidate):\n"
+        "    assert candidate([1, 2, 3]) == 3, 'f([1, 2, 3]) should be 3'\n"
+        "    assert candidate(['a']) == 'a', \"f(['a']) should be 'a'\"\n",
+        'def last(xs):\n    """The last element of a non-empty list."""\n    return xs[-1]\n',
     ),
     RepairProblem(
         "reversed-condition",
         "evens",
-        "def evens(xs):\n    \"\"\"The even numbers of xs, in order.\"\"\"\n    return [x for x in xs if x % 2]\n",
-        "def check(candidate):\n    assert candidate([1, 2, 3, 4]) == [2, 4], 'f([1, 2, 3, 4]) should be [2, 4]'\n    assert candidate([]) == [], 'f([]) should be []'\n",
-        "def evens(xs):\n    \"\"\"The even numbers of xs, in order.\"\"\"\n    return [x for x in xs if x % 2 == 0]\n",
+        'def evens(xs):\n    """The even numbers of xs, in order."""\n    return [x for x in xs if x % 2]\n',
+        "def check(candidate):\n"
+        "    assert candidate([1, 2, 3, 4]) == [2, 4], 'f([1, 2, 3, 4]) should be [2, 4]'\n"
+        "    assert candidate([]) == [], 'f([]) should be []'\n",
+        'def evens(xs):\n    """The even numbers of xs, in order."""\n    return [x for x in xs if x % 2 == 0]\n',
     ),
     RepairProblem(
         "missing-return",
         "square",
-        "def square(x):\n    \"\"\"x squared.\"\"\"\n    x * x\n",
-        "def check(candidate):\n    assert candidate(3) == 9, 'f(3) should be 9'\n    assert candidate(-2) == 4, 'f(-2) should be 4'\n",
-        "def square(x):\n    \"\"\"x squared.\"\"\"\n    return x * x\n",
+        'def square(x):\n    """x squared."""\n    x * x\n',
+        "def check(candidate):\n"
+        "    assert candidate(3) == 9, 'f(3) should be 9'\n"
+        "    assert candidate(-2) == 4, 'f(-2) should be 4'\n",
+        'def square(x):\n    """x squared."""\n    return x * x\n',
     ),
 )

@@ -9,7 +9,7 @@ A site registers its own with `@REWARDS.register("name")` in the module its conf
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hpcrl.rl.domains.types import ExecFeedback, Task
 from hpcrl.rl.registry import Registry

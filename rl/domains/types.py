@@ -3,8 +3,9 @@ what executing an action gave. Rewards (rewards.py) and domains (base.py) both b
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["Task", "StepResult", "ActionSpec", "ExecFeedback"]
 

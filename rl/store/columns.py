@@ -28,8 +28,9 @@ take a batch as it arrived without rebuilding one Python object per trajectory.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -99,8 +100,9 @@ class ColumnsError(ValueError):
 def wire_bytes(traj: Trajectory) -> int:
     """About the bytes `traj` takes in a message: its arrays and table rows (batch sizing)."""
     n = 96 + STEP_DTYPE.itemsize * len(traj.steps)
-    return n + sum(4 * (len(s.prompt_tokens) + len(s.observation_tokens)) + 9 * len(s.action_tokens)
-                   for s in traj.steps)
+    return n + sum(
+        4 * (len(s.prompt_tokens) + len(s.observation_tokens)) + 9 * len(s.action_tokens) for s in traj.steps
+    )
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
@@ -165,7 +167,7 @@ class Columns:
     # -- encoding -----------------------------------------------------------------------------
 
     @classmethod
-    def encode(cls, trajs: Sequence[Trajectory], buffers: EncodeBuffers | None = None) -> "Columns":
+    def encode(cls, trajs: Sequence[Trajectory], buffers: EncodeBuffers | None = None) -> Columns:
         n_steps = sum(len(t.steps) for t in trajs)
         steps = np.empty(n_steps, STEP_DTYPE)
         tok_parts: list[np.ndarray] = []
@@ -182,8 +184,20 @@ class Columns:
             for s in t.steps:
                 p, a, o = len(s.prompt_tokens), len(s.action_tokens), len(s.observation_tokens)
                 step_rows.append(
-                    (s.policy_version, s.reward, tok_pos, p, a, o, act_pos,
-                     sb_code[s.sandbox.status], s.sandbox.exit_code, s.sandbox.duration_s, s.generate_s, s.env_s)
+                    (
+                        s.policy_version,
+                        s.reward,
+                        tok_pos,
+                        p,
+                        a,
+                        o,
+                        act_pos,
+                        sb_code[s.sandbox.status],
+                        s.sandbox.exit_code,
+                        s.sandbox.duration_s,
+                        s.generate_s,
+                        s.env_s,
+                    )
                 )
                 tok_parts += (s.prompt_tokens, s.action_tokens, s.observation_tokens)
                 lp_parts.append(s.action_logprobs)
@@ -195,13 +209,26 @@ class Columns:
             versions = [s.policy_version for s in t.steps]
             strings.append(tuple(x.encode() for x in (t.id, t.run, t.domain, t.task, t.generator)))
             rows.append(
-                (t.episode, t.final_reward, trunc_code[t.truncation], t.started_at, t.finished_at, start, len(t.steps),
-                 n_tok, min(versions), max(versions), t.schema_version)
+                (
+                    t.episode,
+                    t.final_reward,
+                    trunc_code[t.truncation],
+                    t.started_at,
+                    t.finished_at,
+                    start,
+                    len(t.steps),
+                    n_tok,
+                    min(versions),
+                    max(versions),
+                    t.schema_version,
+                )
             )
         # Widths rounded up to a power of two (>= 16) so consecutive batches share one dtype,
         # and the HDF5 type built for it can be reused.
-        widths = [1 << max(4, (max((len(s[i]) for s in strings), default=1) - 1).bit_length())
-                  for i in range(len(_STRING_FIELDS))]
+        widths = [
+            1 << max(4, (max((len(s[i]) for s in strings), default=1) - 1).bit_length())
+            for i in range(len(_STRING_FIELDS))
+        ]
         traj = np.empty(len(trajs), traj_dtype(widths))
         if trajs:
             for i, name in enumerate(_STRING_FIELDS):
@@ -220,8 +247,13 @@ class Columns:
                 np.concatenate(parts, out=out)
             return out
 
-        return cls(traj, steps, cat("tokens", tok_parts, tok_pos, np.int32),
-                   cat("logprobs", lp_parts, act_pos, np.float32), cat("loss_mask", mask_parts, act_pos, np.uint8))
+        return cls(
+            traj,
+            steps,
+            cat("tokens", tok_parts, tok_pos, np.int32),
+            cat("logprobs", lp_parts, act_pos, np.float32),
+            cat("loss_mask", mask_parts, act_pos, np.uint8),
+        )
 
     # -- properties -----------------------------------------------------------------------------
 
@@ -252,12 +284,11 @@ class Columns:
         """A message body (ids, string widths, code tables) and the five arrays, the two record
         tables as their raw bytes (the transport carries no structured dtypes)."""
         widths = [self.traj.dtype[n].itemsize for n in _STRING_FIELDS]
-        body = {"ids": self.ids(), "widths": widths,
-                "names": [list(self.truncation_names), list(self.sandbox_names)]}
+        body = {"ids": self.ids(), "widths": widths, "names": [list(self.truncation_names), list(self.sandbox_names)]}
         return body, [_as_bytes(self.traj), _as_bytes(self.steps), self.tokens, self.logprobs, self.loss_mask]
 
     @classmethod
-    def from_wire(cls, body: Any, arrays: Sequence[np.ndarray]) -> "Columns":
+    def from_wire(cls, body: Any, arrays: Sequence[np.ndarray]) -> Columns:
         """Inverse of `to_wire`, zero-copy; ColumnsError when the framing is broken (then no row
         can be trusted). The rows' values are `row_errors`' business."""
         if type(body) is not dict or set(body) != {"ids", "widths", "names"}:
@@ -265,13 +296,19 @@ class Columns:
         ids, widths, names = body["ids"], body["widths"], body["names"]
         if type(ids) is not list or not all(type(i) is str for i in ids):
             raise ColumnsError("batch: ids must be a list of strings")
-        if (type(widths) is not list or len(widths) != len(_STRING_FIELDS)
-                or not all(type(w) is int and 1 <= w <= 4 * MAX_NAME_LEN for w in widths)):
+        if (
+            type(widths) is not list
+            or len(widths) != len(_STRING_FIELDS)
+            or not all(type(w) is int and 1 <= w <= 4 * MAX_NAME_LEN for w in widths)
+        ):
             raise ColumnsError(f"batch: widths must be {len(_STRING_FIELDS)} ints in 1..{4 * MAX_NAME_LEN}")
         # Code tables only grow at the end: a sender's that is a prefix of ours decodes as ours.
         ours = (TRUNCATION_REASONS, SANDBOX_STATUSES)
-        if (type(names) is not list or len(names) != 2
-                or any(type(n) is not list or tuple(n) != mine[:len(n)] for n, mine in zip(names, ours))):
+        if (
+            type(names) is not list
+            or len(names) != 2
+            or any(type(n) is not list or tuple(n) != mine[: len(n)] for n, mine in zip(names, ours))
+        ):
             raise ColumnsError("batch: its truncation/sandbox code tables are not this hpcrl's; upgrade one side")
         if len(arrays) != 5 or any(a.ndim != 1 for a in arrays):
             raise ColumnsError("batch: expected 5 1-D arrays (traj, steps, tokens, logprobs, loss_mask)")
@@ -293,11 +330,17 @@ class Columns:
         t, s = self.traj, self.steps
         derived = self._derived_ok()
         ok = bool(
-            derived.all() and (t["episode"] >= 0).all() and np.isfinite(t["final_reward"]).all()
-            and _times_ok(t["started_at"]) and _times_ok(t["finished_at"])
+            derived.all()
+            and (t["episode"] >= 0).all()
+            and np.isfinite(t["final_reward"]).all()
+            and _times_ok(t["started_at"])
+            and _times_ok(t["finished_at"])
             and ((t["schema_version"] >= 1) & (t["schema_version"] <= SCHEMA_VERSION)).all()
-            and (s["policy_version"] >= 0).all() and np.isfinite(s["reward"]).all()
-            and _times_ok(s["sandbox_s"]) and _times_ok(s["generate_s"]) and _times_ok(s["env_s"])
+            and (s["policy_version"] >= 0).all()
+            and np.isfinite(s["reward"]).all()
+            and _times_ok(s["sandbox_s"])
+            and _times_ok(s["generate_s"])
+            and _times_ok(s["env_s"])
             and (not len(self.tokens) or self.tokens.min() >= 0)
             and (not len(self.logprobs) or (np.isfinite(self.logprobs).all() and self.logprobs.max() <= _LOGPROB_SLACK))
             and (not len(self.loss_mask) or self.loss_mask.max() <= 1)
@@ -313,8 +356,11 @@ class Columns:
             return np.ones(0, bool)
         lens = s["prompt_len"].astype(np.int64) + s["action_len"] + s["obs_len"]
         first, pv = t["step_start"], s["policy_version"]
-        return ((np.add.reduceat(lens, first) == t["n_tokens"]) & (np.minimum.reduceat(pv, first) == t["min_policy_version"])
-                & (np.maximum.reduceat(pv, first) == t["max_policy_version"]))
+        return (
+            (np.add.reduceat(lens, first) == t["n_tokens"])
+            & (np.minimum.reduceat(pv, first) == t["min_policy_version"])
+            & (np.maximum.reduceat(pv, first) == t["max_policy_version"])
+        )
 
     def _names_ok(self, i: int) -> bool:
         r = self.traj[i]
@@ -330,8 +376,11 @@ class Columns:
                     return False
                 if name != "id" and len(_GOOD_NAMES) < 65536:
                     _GOOD_NAMES.add(v)
-        return b"/" not in r["run"] and b"/" not in r["generator"] and (
-            r["id"] == b"%s/%s/%d" % (r["run"], r["generator"], int(r["episode"])))
+        return (
+            b"/" not in r["run"]
+            and b"/" not in r["generator"]
+            and (r["id"] == b"%s/%s/%d" % (r["run"], r["generator"], int(r["episode"])))
+        )
 
     def _row_error(self, i: int, derived_ok: bool) -> str | None:
         tid = self.traj[i]["id"].decode(errors="replace")
@@ -347,7 +396,7 @@ class Columns:
 
     # -- rows in and out -----------------------------------------------------------------------
 
-    def take(self, rows: Sequence[int]) -> "Columns":
+    def take(self, rows: Sequence[int]) -> Columns:
         """These rows (in this order) as Columns of their own, offsets re-based (arrays copied)."""
         t = self.traj[np.asarray(rows, np.int64)]
         steps = self.steps[_gather(t["step_start"], t["n_steps"])]
@@ -356,11 +405,12 @@ class Columns:
         tokens = self.tokens[_gather(steps["token_start"], lens)]
         t["step_start"] = _starts(t["n_steps"])
         steps["token_start"], steps["action_start"] = _starts(lens), _starts(steps["action_len"])
-        return Columns(t, steps, tokens, self.logprobs[act], self.loss_mask[act], self.truncation_names,
-                       self.sandbox_names)
+        return Columns(
+            t, steps, tokens, self.logprobs[act], self.loss_mask[act], self.truncation_names, self.sandbox_names
+        )
 
     @classmethod
-    def concat(cls, parts: Sequence["Columns"], buffers: EncodeBuffers | None = None) -> "Columns":
+    def concat(cls, parts: Sequence[Columns], buffers: EncodeBuffers | None = None) -> Columns:
         """Several canonical Columns as one, in order (one shared string width per field)."""
         if len(parts) == 1 and buffers is None:
             return parts[0]
@@ -371,10 +421,10 @@ class Columns:
         for p in parts:
             n, m = p.rows, len(p.steps)
             for name in traj.dtype.names:
-                traj[name][row:row + n] = p.traj[name]
-            traj["step_start"][row:row + n] += k
-            steps["token_start"][k:k + m] += tok
-            steps["action_start"][k:k + m] += act
+                traj[name][row : row + n] = p.traj[name]
+            traj["step_start"][row : row + n] += k
+            steps["token_start"][k : k + m] += tok
+            steps["action_start"][k : k + m] += act
             row, k, tok, act = row + n, k + m, tok + len(p.tokens), act + len(p.logprobs)
 
         def cat(name: str, dt) -> np.ndarray:
@@ -395,14 +445,23 @@ class Columns:
         missing = [n for n, _ in _TRAJ_NUMERIC + [(f, "") for f in _STRING_FIELDS] if n not in (t.dtype.names or ())]
         if missing:
             raise ColumnsError(f"trajectory table lacks field(s) {missing}")
-        for name, arr, dt in (("tokens", self.tokens, np.int32), ("logprobs", self.logprobs, np.float32),
-                              ("loss_mask", self.loss_mask, np.uint8)):
+        for name, arr, dt in (
+            ("tokens", self.tokens, np.int32),
+            ("logprobs", self.logprobs, np.float32),
+            ("loss_mask", self.loss_mask, np.uint8),
+        ):
             if arr.dtype != dt or arr.ndim != 1:
                 raise ColumnsError(f"{name}: expected 1-D {np.dtype(dt)} (got {arr.ndim}-D {arr.dtype})")
         if len(self.logprobs) != len(self.loss_mask):
-            raise ColumnsError(f"logprobs ({len(self.logprobs)}) and loss_mask ({len(self.loss_mask)}) differ in length")
+            raise ColumnsError(
+                f"logprobs ({len(self.logprobs)}) and loss_mask ({len(self.loss_mask)}) differ in length"
+            )
         if len(t):
-            if (t["n_steps"] < 1).any() or (t["step_start"] < 0).any() or (t["step_start"] + t["n_steps"] > len(s)).any():
+            if (
+                (t["n_steps"] < 1).any()
+                or (t["step_start"] < 0).any()
+                or (t["step_start"] + t["n_steps"] > len(s)).any()
+            ):
                 raise ColumnsError("trajectory table: step ranges fall outside the steps table")
             if (t["truncation"] >= len(self.truncation_names)).any():
                 raise ColumnsError("trajectory table: unknown truncation code")
@@ -440,21 +499,27 @@ class Columns:
         rows = self.steps[s0 : s0 + n].tolist()
         for j, (pv, reward, t0, p, a, o, a0, status, code, sandbox_s, gen_s, env_s) in enumerate(rows):
             try:
-                steps.append(make_step(
-                    pv,
-                    self.tokens[t0 : t0 + p],
-                    self.tokens[t0 + p : t0 + p + a],
-                    self.logprobs[a0 : a0 + a],
-                    self.loss_mask[a0 : a0 + a],
-                    self.tokens[t0 + p + a : t0 + p + a + o],
-                    reward,
-                    # Most steps ran no sandbox: trusted rows share the one outcome that says so.
-                    (NO_SANDBOX if trusted and status == 0 and code == 0 and sandbox_s == 0
-                     else _sandbox_trusted(self.sandbox_names[status], code, sandbox_s) if trusted
-                     else SandboxOutcome(self.sandbox_names[status], code, sandbox_s)),
-                    gen_s,
-                    env_s,
-                ))
+                steps.append(
+                    make_step(
+                        pv,
+                        self.tokens[t0 : t0 + p],
+                        self.tokens[t0 + p : t0 + p + a],
+                        self.logprobs[a0 : a0 + a],
+                        self.loss_mask[a0 : a0 + a],
+                        self.tokens[t0 + p + a : t0 + p + a + o],
+                        reward,
+                        # Most steps ran no sandbox: trusted rows share the one outcome that says so.
+                        (
+                            NO_SANDBOX
+                            if trusted and status == 0 and code == 0 and sandbox_s == 0
+                            else _sandbox_trusted(self.sandbox_names[status], code, sandbox_s)
+                            if trusted
+                            else SandboxOutcome(self.sandbox_names[status], code, sandbox_s)
+                        ),
+                        gen_s,
+                        env_s,
+                    )
+                )
             except TrajectoryError as exc:
                 where = r["id"].decode(errors="replace")
                 raise ColumnsError(f"trajectory {where}: {str(exc).replace('step.', f'steps[{j}].', 1)}") from None

@@ -98,7 +98,6 @@ class StoreError(Exception):
 
 @dataclass(frozen=True)
 class SegmentInfo:  # one segment as listed in a manifest
-
     name: str
     rows: int
     crc32: int
@@ -172,7 +171,7 @@ def _write_dataset(fid: h5f.FileID, name: str, arr: np.ndarray, compression: Com
     ds = h5d.create(fid, name.encode(), tid, space, dcpl=_dcpl(chunk, compression))
     try:
         for start in range(0, n if direct else 0, chunk):
-            part = arr[start:start + chunk]
+            part = arr[start : start + chunk]
             if len(part) < chunk:  # the last of several chunks: padded, as HDF5 stores it
                 part = np.concatenate([part, np.zeros(chunk - len(part), arr.dtype)])
             ds.write_direct_chunk((start,), part)
@@ -182,8 +181,9 @@ def _write_dataset(fid: h5f.FileID, name: str, arr: np.ndarray, compression: Com
         ds.close()
 
 
-def write_segment_file(tmp: Path, final_name: str, cols: Columns, attrs: dict[str, Any],
-                       compression: Compression = "none") -> SegmentInfo:
+def write_segment_file(
+    tmp: Path, final_name: str, cols: Columns, attrs: dict[str, Any], compression: Compression = "none"
+) -> SegmentInfo:
     """Write `cols` to the temporary file `tmp` and close it; `publish_segment` (or the writer's
     pipelined sync thread) makes it visible under `final_name`.
 
@@ -268,8 +268,13 @@ def read_segment(path: Path, expect: SegmentInfo | None = None, fields: tuple[st
         raise
     except (OSError, KeyError, ValueError, TypeError) as exc:
         raise SegmentError(f"cannot read: {exc}") from None
-    empty = {"traj": np.zeros(0, np.dtype([("id", "S1")])), "steps": None, "tokens": np.zeros(0, np.int32),
-             "logprobs": np.zeros(0, np.float32), "loss_mask": np.zeros(0, np.uint8)}
+    empty = {
+        "traj": np.zeros(0, np.dtype([("id", "S1")])),
+        "steps": None,
+        "tokens": np.zeros(0, np.int32),
+        "logprobs": np.zeros(0, np.float32),
+        "loss_mask": np.zeros(0, np.uint8),
+    }
     full = fields == ARRAY_NAMES
     cols = Columns(**{n: data.get(n, empty[n]) for n in ARRAY_NAMES}, truncation_names=trunc, sandbox_names=sandbox)
     if len(cols.traj) != rows:
@@ -326,7 +331,7 @@ class ShardManifest:
         }
 
     @classmethod
-    def from_json(cls, data: Any) -> "ShardManifest":
+    def from_json(cls, data: Any) -> ShardManifest:
         if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
             raise ValueError("not an hpcrl shard manifest")
         m = cls(
@@ -470,9 +475,17 @@ def recover_shard(store: Path, shard: Path) -> RecoveryReport:
             continue
         t = cols.traj
         flushed_at = parse_segment_name(name)[1] / 1e6
-        good.append(SegmentInfo(name, cols.rows, cols.crc32(), path.stat().st_size, flushed_at,
-                                int(t["min_policy_version"].min()) if cols.rows else 0,
-                                int(t["max_policy_version"].max()) if cols.rows else 0))
+        good.append(
+            SegmentInfo(
+                name,
+                cols.rows,
+                cols.crc32(),
+                path.stat().st_size,
+                flushed_at,
+                int(t["min_policy_version"].min()) if cols.rows else 0,
+                int(t["max_policy_version"].max()) if cols.rows else 0,
+            )
+        )
     if not good and not quarantined:
         (shard / OWNER_NAME).unlink(missing_ok=True)
         try:
@@ -481,6 +494,11 @@ def recover_shard(store: Path, shard: Path) -> RecoveryReport:
         except OSError:
             pass  # something unexpected is in there: keep it and finalize the shard empty
     finalize_shard(shard, state.writer, good, "recovered", quarantined)
-    log.info("recovered shard %s: %d segment(s), %d row(s), %d file(s) quarantined",
-             shard.name, len(good), sum(s.rows for s in good), len(quarantined))
+    log.info(
+        "recovered shard %s: %d segment(s), %d row(s), %d file(s) quarantined",
+        shard.name,
+        len(good),
+        sum(s.rows for s in good),
+        len(quarantined),
+    )
     return RecoveryReport(shard.name, sum(s.rows for s in good), len(good), tuple(quarantined), False)

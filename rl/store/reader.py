@@ -27,13 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-
-from hpcrl.rl.store.layout import SegmentError, SegmentInfo, ShardState, list_shards, parse_segment_name, read_segment
 from hpcrl.rl.store.columns import Columns, ColumnsError
+from hpcrl.rl.store.layout import SegmentError, SegmentInfo, ShardState, list_shards, parse_segment_name, read_segment
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["StoreReader", "Batch", "iter_segments", "resolve_store"]
@@ -78,7 +78,9 @@ def _segments_of(state: ShardState) -> list[_Seg]:
         listed = {s.name for s in state.manifest.segments}
         extra = [n for n in state.segment_names if n not in listed]
         if extra:
-            log.warning("shard %s: ignoring %d segment file(s) not in its manifest: %s", state.name, len(extra), extra[:3])
+            log.warning(
+                "shard %s: ignoring %d segment file(s) not in its manifest: %s", state.name, len(extra), extra[:3]
+            )
         out = []
         for s in state.manifest.segments:
             parsed = parse_segment_name(s.name)
@@ -217,8 +219,10 @@ class StoreReader:
         if not state:
             return
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"reader state version {state.get('version')!r} is not {STATE_VERSION}; "
-                             "it was saved by another hpcrl version")
+            raise ValueError(
+                f"reader state version {state.get('version')!r} is not {STATE_VERSION}; "
+                "it was saved by another hpcrl version"
+            )
         self.refresh()
         self._current = None
         for name, (seq, row) in state["positions"].items():

@@ -36,7 +36,8 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 
@@ -76,13 +77,24 @@ class TrajectorySender:
     generator's episode bookkeeping) hangs off this instead of polling the sender.
     """
 
-    def __init__(self, node: Node, service: str = "store", *, max_unacked: int = 4096, resend_after_s: float = 15.0,
-                 block_s: float = 60.0, discover_timeout_s: float = 60.0, batch_max: int = 128,
-                 batch_bytes: int = 1 << 20, linger_s: float = 0.005,
-                 on_settled: Callable[[str, bool, str], None] | None = None):
+    def __init__(
+        self,
+        node: Node,
+        service: str = "store",
+        *,
+        max_unacked: int = 4096,
+        resend_after_s: float = 15.0,
+        block_s: float = 60.0,
+        discover_timeout_s: float = 60.0,
+        batch_max: int = 128,
+        batch_bytes: int = 1 << 20,
+        linger_s: float = 0.005,
+        on_settled: Callable[[str, bool, str], None] | None = None,
+    ):
         if batch_max < 1 or batch_bytes < 1 or linger_s < 0:
-            raise ValueError(f"batch_max and batch_bytes must be >= 1 and linger_s >= 0 (got {batch_max}, "
-                             f"{batch_bytes}, {linger_s})")
+            raise ValueError(
+                f"batch_max and batch_bytes must be >= 1 and linger_s >= 0 (got {batch_max}, {batch_bytes}, {linger_s})"
+            )
         self.node = node
         self.on_settled = on_settled
         self.service = service
@@ -111,8 +123,10 @@ class TrajectorySender:
         deadline = time.monotonic() + self.block_s
         while len(self._wire) >= self.max_unacked:
             if time.monotonic() >= deadline:
-                raise TransportError(f"{len(self._wire)} trajectories unacknowledged by {self.service!r} for "
-                                     f"{self.block_s:.0f} s; is the store writer running?")
+                raise TransportError(
+                    f"{len(self._wire)} trajectories unacknowledged by {self.service!r} for "
+                    f"{self.block_s:.0f} s; is the store writer running?"
+                )
             self.pump(0.05)
         tid = traj.id
         self._wire[tid] = (traj, wire_bytes(traj))  # encoded when its batch leaves
@@ -136,8 +150,12 @@ class TrajectorySender:
         HWM) or what is left is a partial batch younger than `linger_s`."""
         while self._unsent:
             # Cheap test first: this runs once per send() and pump().
-            if not (force or len(self._unsent) >= self.batch_max or self._unsent_bytes >= self.batch_bytes
-                    or time.monotonic() - self._unsent_since >= self.linger_s):
+            if not (
+                force
+                or len(self._unsent) >= self.batch_max
+                or self._unsent_bytes >= self.batch_bytes
+                or time.monotonic() - self._unsent_since >= self.linger_s
+            ):
                 return
             batch: list[str] = []
             size = taken = 0
@@ -216,8 +234,13 @@ class TrajectorySender:
         except TransportError:
             return
         if ep.instance != self._ep.instance or ep.address != self._ep.address:
-            log.info("%s restarted (%s -> %s); reconnecting and resending %d unacknowledged trajectories",
-                     self.service, self._ep.address, ep.address, len(self._wire))
+            log.info(
+                "%s restarted (%s -> %s); reconnecting and resending %d unacknowledged trajectories",
+                self.service,
+                self._ep.address,
+                ep.address,
+                len(self._wire),
+            )
             self._sock.close(0)
             self._sock, self._ep = self.node.connect(zmq.DEALER, ep, routing_id=self.routing_id)
             self.resent += len(self._sent_at)
@@ -260,7 +283,7 @@ class TrajectoryReceiver:
     def _store(self, fn, *args):
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - e.g. disk full: nothing is acked, senders resend
+        except Exception as exc:  # e.g. disk full: nothing is acked, senders resend
             log.error("%s: storing failed, nothing acknowledged, will retry: %s", self.endpoint.service, exc)
             return None
 
@@ -301,7 +324,9 @@ class TrajectoryReceiver:
                 take.append(i)
             self._waiting[tid] = peer  # the newest connection of the sender gets the ack
         if take:
-            self._acknowledge(self._store(self.sink.append_columns, cols if len(take) == cols.rows else cols.take(take)))
+            self._acknowledge(
+                self._store(self.sink.append_columns, cols if len(take) == cols.rows else cols.take(take))
+            )
 
     def _acknowledge(self, flushed) -> None:
         if not flushed:

@@ -55,6 +55,7 @@ import psutil
 
 from hpcrl.core.config import StoreConfig
 from hpcrl.core.files import atomic_write_json, fsync_path
+from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import (
     OWNER_NAME,
     WRITER_NAME_RE,
@@ -72,7 +73,6 @@ from hpcrl.rl.store.layout import (
     short_host,
     write_segment_file,
 )
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "owner_alive"]
@@ -160,8 +160,16 @@ class _InFlight:
 
     __slots__ = ("shard", "info", "tmp", "path", "fd", "ids", "parts", "future", "settled")
 
-    def __init__(self, shard: Path, info: SegmentInfo, tmp: Path, path: Path, fd: int, ids: list[str],
-                 parts: tuple[list[Columns], list[Trajectory]]):
+    def __init__(
+        self,
+        shard: Path,
+        info: SegmentInfo,
+        tmp: Path,
+        path: Path,
+        fd: int,
+        ids: list[str],
+        parts: tuple[list[Columns], list[Trajectory]],
+    ):
         self.shard, self.info, self.tmp, self.path, self.fd = shard, info, tmp, path, fd
         # What the segment was made of (batches, loose trajectories): given back if its sync fails.
         self.ids, self.parts = ids, parts
@@ -330,9 +338,15 @@ class ShardWriter:
 
     def _open_shard(self) -> None:
         shard = new_shard_dir(self.store, self.writer)
-        atomic_write_json(shard / OWNER_NAME, {
-            "writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time(),
-        })
+        atomic_write_json(
+            shard / OWNER_NAME,
+            {
+                "writer": self.writer,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": time.time(),
+            },
+        )
         self._shard, self._segments, self._shard_rows, self._seq = shard, [], 0, 0
         self._last_beat = time.monotonic()
 
@@ -362,17 +376,23 @@ class ShardWriter:
         tmp = path.with_name(path.name + ".tmp")
         cols = self._encoded()
         try:
-            info = write_segment_file(tmp, path.name, cols,
-                                      {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
-                                      self.cfg.compression)
+            info = write_segment_file(
+                tmp,
+                path.name,
+                cols,
+                {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
+                self.cfg.compression,
+            )
             # Opened here, not on the sync thread: each call there that releases the GIL
             # must win it back from this thread, which holds it while it encodes.
             fd = os.open(tmp, os.O_RDONLY)
             start_writeback(fd)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise StoreError(f"flush to {path} failed: {exc}; {self._buffered} record(s) kept in memory, "
-                             "free space or fix permissions and flush again") from exc
+            raise StoreError(
+                f"flush to {path} failed: {exc}; {self._buffered} record(s) kept in memory, "
+                "free space or fix permissions and flush again"
+            ) from exc
         self._seq = seq
         item = _InFlight(shard, info, tmp, path, fd, cols.ids(), (self._chunks, self._loose))
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
@@ -405,13 +425,13 @@ class ShardWriter:
                 os.fsync(item.fd)
                 os.rename(item.tmp, item.path)
                 renamed.append(item)
-        except BaseException as exc:  # noqa: BLE001 - handed to the writer through the futures
+        except BaseException as exc:  # handed to the writer through the futures
             error = exc
             self._sync_failed.set()
         if renamed:
             try:
                 fsync_path(renamed[0].shard, directory=True)  # a whole group is in one shard
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 error = exc
                 self._sync_failed.set()
                 renamed = []  # visible but not known durable: not acknowledged
@@ -426,10 +446,12 @@ class ShardWriter:
         item = self._inflight[0]
         try:
             item.future.result()
-        except Exception as exc:  # noqa: BLE001 - any failure: take every unsynced batch back
+        except Exception as exc:  # any failure: take every unsynced batch back
             self._rebuffer()
-            raise StoreError(f"syncing {item.tmp} failed: {exc}; {self._buffered} record(s) kept in memory "
-                             "(none acknowledged), fix the filesystem and flush again") from exc
+            raise StoreError(
+                f"syncing {item.tmp} failed: {exc}; {self._buffered} record(s) kept in memory "
+                "(none acknowledged), fix the filesystem and flush again"
+            ) from exc
         self._complete(self._inflight.popleft())
 
     def _complete(self, item: _InFlight) -> None:
@@ -475,8 +497,9 @@ class ShardWriter:
         self._pending.difference_update(ids)
         self.total_rows += len(ids)
         self._heartbeat()
-        return FlushResult(tuple(f"{i.shard.name}/{i.info.name}" for i in done), ids,
-                           sum(i.info.bytes for i in done), self.total_rows)
+        return FlushResult(
+            tuple(f"{i.shard.name}/{i.info.name}" for i in done), ids, sum(i.info.bytes for i in done), self.total_rows
+        )
 
     def _drain(self) -> None:
         while self._inflight:
@@ -504,7 +527,7 @@ class ShardWriter:
         self.closed = True
         return result
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -513,5 +536,5 @@ class ShardWriter:
             return
         try:
             self.close()  # what was appended is consistent whatever failed in the caller
-        except Exception:  # noqa: BLE001 - the caller's exception matters more
+        except Exception:  # the caller's exception matters more
             log.exception("closing writer %r during an error exit failed", self.writer)

@@ -71,7 +71,9 @@ class DurationEstimator:
 
     def record(self, domain: str, duration_s: float) -> None:
         if not (duration_s >= 0 and math.isfinite(duration_s)):
-            raise ValueError(f"DurationEstimator.record: duration must be finite and >= 0 (got {duration_s!r} for {domain!r})")
+            raise ValueError(
+                f"DurationEstimator.record: duration must be finite and >= 0 (got {duration_s!r} for {domain!r})"
+            )
         window = self._domains.get(domain)
         if window is None:
             window = self._domains[domain] = _Window(self.history)
@@ -119,8 +121,13 @@ class DurationEstimator:
         return max(data[min(n - 1, max(below, math.ceil(p * n) - 1))] - elapsed_s, 0.0)
 
     def summary(self, domain: str) -> DomainSummary:
-        return DomainSummary(domain, self.samples(domain), self.quantile(domain, 0.5),
-                             self.quantile(domain, 0.9), self.quantile(domain, 0.99))
+        return DomainSummary(
+            domain,
+            self.samples(domain),
+            self.quantile(domain, 0.5),
+            self.quantile(domain, 0.9),
+            self.quantile(domain, 0.99),
+        )
 
     def domains(self) -> list[str]:
         return sorted(self._domains)

@@ -38,13 +38,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 __all__ = ["RolloutTask", "Placement", "Preemption", "Reclaim", "GapPacker", "fit_length"]
 
 # Estimate grid: class k covers (EDGES[k-1], EDGES[k]]; from about 1 ms to about 34 years.
-_MIN_EST_S = 2.0 ** -10
+_MIN_EST_S = 2.0**-10
 _STEPS_PER_OCTAVE = 4
 _CLASSES = 160
 EDGES = tuple(_MIN_EST_S * 2.0 ** (k / _STEPS_PER_OCTAVE) for k in range(_CLASSES))
@@ -140,8 +140,8 @@ class _SortedWindows:
         bisect.insort(chunk, item)
         self._maxes[i] = chunk[-1]
         if len(chunk) > 2 * self._LOAD:
-            half = chunk[self._LOAD:]
-            del chunk[self._LOAD:]
+            half = chunk[self._LOAD :]
+            del chunk[self._LOAD :]
             self._chunks.insert(i + 1, half)
             self._maxes[i] = chunk[-1]
             self._maxes.insert(i + 1, half[-1])

@@ -34,16 +34,35 @@ from pathlib import Path
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.slurm import queries
 from hpcrl.slurm.backfill.estimates import DurationEstimator
-from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
-from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
 from hpcrl.slurm.backfill.packer import RolloutTask
 from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
+from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
+from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
 
-__all__ = ["ClusterWindow", "find_window", "live_window", "RolloutJobPlan", "BackfillPlanner", "RolloutJobs", "SubmittedJob"]
+__all__ = [
+    "ClusterWindow",
+    "find_window",
+    "live_window",
+    "RolloutJobPlan",
+    "BackfillPlanner",
+    "RolloutJobs",
+    "SubmittedJob",
+]
 
 # States in which a job's processes are gone for good (its claims can be re-issued).
-_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-          "OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED")
+_ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "PREEMPTED",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "SPECIAL_EXIT",
+    "REVOKED",
+)
 
 
 @dataclass(frozen=True)
@@ -68,9 +87,15 @@ class ClusterWindow:
         return math.inf if self.end is None else max((self.end - self.now).total_seconds(), 0.0)
 
 
-def find_window(partition: str, nodes: list[NodeState], partitions: list[PartitionState],
-                pending: list[PendingJob], now: dt.datetime, exclude: tuple[str, ...] = (),
-                bf_resolution_s: int = 60) -> ClusterWindow:
+def find_window(
+    partition: str,
+    nodes: list[NodeState],
+    partitions: list[PartitionState],
+    pending: list[PendingJob],
+    now: dt.datetime,
+    exclude: tuple[str, ...] = (),
+    bf_resolution_s: int = 60,
+) -> ClusterWindow:
     """The backfill window for GPU jobs in `partition` now (pure: tested on captured states).
 
     A pending GPU job of any partition sharing these nodes ends the window at its expected
@@ -107,8 +132,9 @@ def bf_resolution_s() -> int:
 def live_window(partition: str, exclude: tuple[str, ...] = ()) -> ClusterWindow:
     """`find_window` on what the controller says now (scontrol show node/partition/config, squeue --start)."""
     now = dt.datetime.now().replace(microsecond=0)
-    return find_window(partition, queries.nodes(), queries.partitions(), queries.pending_jobs(), now, exclude,
-                       bf_resolution_s())
+    return find_window(
+        partition, queries.nodes(), queries.partitions(), queries.pending_jobs(), now, exclude, bf_resolution_s()
+    )
 
 
 @dataclass(frozen=True)
@@ -123,15 +149,25 @@ class RolloutJobPlan:
     window_s: float
 
     def sbatch_args(self, time_limit_min: int | None = None) -> list[str]:
-        return [f"--partition={self.partition}", f"--gpus-per-node={self.gpus_per_job}", "--nodes=1",
-                f"--time={time_limit_min or self.time_limit_min}"]
+        return [
+            f"--partition={self.partition}",
+            f"--gpus-per-node={self.gpus_per_job}",
+            "--nodes=1",
+            f"--time={time_limit_min or self.time_limit_min}",
+        ]
 
 
 class BackfillPlanner:
     """How many rollout jobs, with which --time and --time-min, for a window and pending tasks."""
 
-    def __init__(self, cfg: SchedulerConfig, estimator: DurationEstimator | None = None, *,
-                 gpus_per_job: int = 1, unbounded_time_min: int = 60):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        estimator: DurationEstimator | None = None,
+        *,
+        gpus_per_job: int = 1,
+        unbounded_time_min: int = 60,
+    ):
         if gpus_per_job < 1 or unbounded_time_min < 1:
             raise ValueError("BackfillPlanner: gpus_per_job and unbounded_time_min must be >= 1")
         self.cfg = cfg
@@ -182,8 +218,16 @@ class BackfillPlanner:
         need_min = math.ceil((overhead + max(total / jobs, max(fitting))) / 60)
         time_min = min(limit_min, math.ceil((overhead + min(fitting)) / 60))
         time_limit = max(time_min, min(limit_min, need_min))
-        return RolloutJobPlan(window.partition, jobs, self.gpus_per_job, time_limit, time_min,
-                              min(total, jobs * (time_limit * 60 - overhead)), len(fitting), window.length_s)
+        return RolloutJobPlan(
+            window.partition,
+            jobs,
+            self.gpus_per_job,
+            time_limit,
+            time_min,
+            min(total, jobs * (time_limit * 60 - overhead)),
+            len(fitting),
+            window.length_s,
+        )
 
     def resources_free_at(self, plan: RolloutJobPlan) -> dt.datetime:
         """`sbatch --test-only` for one job of the plan: when are its resources free?
@@ -222,10 +266,20 @@ def _restart(owner: str) -> int:
 class RolloutJobs:
     """Submits rollout jobs that drain a DirTaskQueue, watches them, re-issues what they leave."""
 
-    def __init__(self, queue: DirTaskQueue, *, partition: str, log_dir: str | Path, account: str | None = None,
-                 qos: str | None = None, runner: str = "hpcrl.slurm.backfill.worker:synthetic",
-                 worker_margin_s: float = 5.0, job_name: str = "hpcrl-rollout", python: str = sys.executable,
-                 mem_mb: int = 512):
+    def __init__(
+        self,
+        queue: DirTaskQueue,
+        *,
+        partition: str,
+        log_dir: str | Path,
+        account: str | None = None,
+        qos: str | None = None,
+        runner: str = "hpcrl.slurm.backfill.worker:synthetic",
+        worker_margin_s: float = 5.0,
+        job_name: str = "hpcrl-rollout",
+        python: str = sys.executable,
+        mem_mb: int = 512,
+    ):
         self.queue = queue
         self.partition = partition
         self.log_dir = Path(log_dir)
@@ -246,15 +300,30 @@ class RolloutJobs:
 
     def submit_one(self, time_limit_min: int, time_min_min: int | None = None, gpus: int = 1) -> SubmittedJob:
         extra = {"time_min": str(time_min_min)} if time_min_min else {}
-        res = Resources(partition=self.partition, time_min=time_limit_min, gpus_per_node=gpus, cpus_per_task=1,
-                        mem_mb=self.mem_mb, account=self.account, qos=self.qos, extra=extra)
+        res = Resources(
+            partition=self.partition,
+            time_min=time_limit_min,
+            gpus_per_node=gpus,
+            cpus_per_task=1,
+            mem_mb=self.mem_mb,
+            account=self.account,
+            qos=self.qos,
+            extra=extra,
+        )
         # Each run of the job claims under its own name, so a requeued run's claims are never
         # mistaken for the (killed) previous run's.
-        body = [f"exec {self.python} -m hpcrl.slurm.backfill.worker --queue {self.queue.root} "
-                f"--owner slurm-$SLURM_JOB_ID-r${{SLURM_RESTART_COUNT:-0}} --runner {self.runner} "
-                f"--margin-s {self.worker_margin_s:g}"]
-        text = render_script([res], body, job_name=self.job_name, output=str(self.log_dir / "rollout-%j.out"),
-                             header_comment="hpcrl rollout job: drains the task queue until its time limit")
+        body = [
+            f"exec {self.python} -m hpcrl.slurm.backfill.worker --queue {self.queue.root} "
+            f"--owner slurm-$SLURM_JOB_ID-r${{SLURM_RESTART_COUNT:-0}} --runner {self.runner} "
+            f"--margin-s {self.worker_margin_s:g}"
+        ]
+        text = render_script(
+            [res],
+            body,
+            job_name=self.job_name,
+            output=str(self.log_dir / "rollout-%j.out"),
+            header_comment="hpcrl rollout job: drains the task queue until its time limit",
+        )
         self.log_dir.mkdir(parents=True, exist_ok=True)
         script = write_script(text, self.log_dir / f"{self.job_name}.sh")
         job_id = submit_script(script)

@@ -80,7 +80,11 @@ class DirTaskQueue:
         return {int(p.stem): _read_json(p) for p in sorted(self.results_dir.glob("*.json"))}
 
     def claimed(self) -> dict[str, list[int]]:
-        return {d.name: sorted(int(p.stem) for p in d.glob("*.json")) for d in sorted(self.claimed_dir.iterdir()) if d.is_dir()}
+        return {
+            d.name: sorted(int(p.stem) for p in d.glob("*.json"))
+            for d in sorted(self.claimed_dir.iterdir())
+            if d.is_dir()
+        }
 
     def owners(self, prefix: str = "") -> list[str]:
         """Owners holding claims (or an empty claim folder), optionally those starting with `prefix`."""

@@ -27,8 +27,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from hpcrl.slurm.backfill.packer import GapPacker, RolloutTask
 from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
@@ -67,8 +67,15 @@ def load_runner(spec: str) -> Runner:
     return fn
 
 
-def run_window(queue: DirTaskQueue, owner: str, until: float, runner: Runner, stop: threading.Event,
-               margin_s: float = 0.0, clock: Callable[[], float] = time.time) -> WindowReport:
+def run_window(
+    queue: DirTaskQueue,
+    owner: str,
+    until: float,
+    runner: Runner,
+    stop: threading.Event,
+    margin_s: float = 0.0,
+    clock: Callable[[], float] = time.time,
+) -> WindowReport:
     """Run fitting tasks from `queue` until `until` (epoch s), nothing fits, or `stop` is set."""
     started = clock()
     done, busy = 0, 0.0
@@ -89,11 +96,21 @@ def run_window(queue: DirTaskQueue, owner: str, until: float, runner: Runner, st
         t1 = clock()
         if result is None:
             break  # interrupted: the claim stays until the coordinator re-issues it
-        queue.complete(task.task_id, owner, {
-            **result, "task_id": task.task_id, "domain": task.domain, "owner": owner, "start": t0, "end": t1,
-            "job_id": os.environ.get("SLURM_JOB_ID", ""), "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-        })
+        queue.complete(
+            task.task_id,
+            owner,
+            {
+                **result,
+                "task_id": task.task_id,
+                "domain": task.domain,
+                "owner": owner,
+                "start": t0,
+                "end": t1,
+                "job_id": os.environ.get("SLURM_JOB_ID", ""),
+                "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
+                "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            },
+        )
         done += 1
         busy += t1 - t0
     return WindowReport(owner, started, clock(), done, busy, stop.is_set())
@@ -115,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue", required=True, help="the task queue folder (DirTaskQueue)")
     ap.add_argument("--owner", required=True, help="claim name, e.g. slurm-$SLURM_JOB_ID")
     ap.add_argument("--until", type=float, help="deadline, epoch seconds (default: the Slurm job's EndTime)")
-    ap.add_argument("--runner", default="hpcrl.slurm.backfill.worker:synthetic", help="module:function that runs one task")
+    ap.add_argument(
+        "--runner", default="hpcrl.slurm.backfill.worker:synthetic", help="module:function that runs one task"
+    )
     ap.add_argument("--margin-s", type=float, default=5.0, help="stop starting tasks this long before the deadline")
     args = ap.parse_args(argv)
     try:
@@ -137,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     report = run_window(DirTaskQueue(args.queue), args.owner, until, runner, stop, args.margin_s)
-    print(f"rollout_worker {args.owner}: {report.tasks_done} task(s), busy {report.busy_s:.1f} s of "
-          f"{report.ended - report.started:.1f} s, {'stopped by signal' if report.stopped else 'no fitting work left'}",
-          flush=True)
+    print(
+        f"rollout_worker {args.owner}: {report.tasks_done} task(s), busy {report.busy_s:.1f} s of "
+        f"{report.ended - report.started:.1f} s, {'stopped by signal' if report.stopped else 'no fitting work left'}",
+        flush=True,
+    )
     return 143 if report.stopped else 0
 
 

@@ -22,8 +22,22 @@ from .layout import NODES, DaemonFailed, Failed, Layout, log
 from .procs import DAEMON_PATH, Supervisor, tail_logs
 
 TEMPLATES = Path(__file__).resolve().parent
-BINARIES = ("munged", "munge", "unmunge", "mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "slurmctld",
-            "slurmd", "sacctmgr", "sinfo", "scontrol", "squeue", "scancel")
+BINARIES = (
+    "munged",
+    "munge",
+    "unmunge",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "slurmdbd",
+    "slurmctld",
+    "slurmd",
+    "sacctmgr",
+    "sinfo",
+    "scontrol",
+    "squeue",
+    "scancel",
+)
 HEALTHY = {"idle", "mixed", "allocated", "completing"}  # "idle*" (not responding) is not
 MAX_SOCKET_PATH = 99  # sockaddr_un.sun_path is 108 bytes; munged and MariaDB want less
 BAD = ("drain", "down", "fail", "maint", "reboot", "inval")
@@ -87,8 +101,9 @@ class Cluster:
     def q(self, *argv: str, input: str | None = None, timeout_s: float = 20) -> subprocess.CompletedProcess:
         """Run a client command; a timeout reads as exit 124, a missing program as 127 (like timeout(1))."""
         try:
-            return subprocess.run(argv, input=input, capture_output=True, text=True, env=self.env, timeout=timeout_s,
-                                  check=False)
+            return subprocess.run(
+                argv, input=input, capture_output=True, text=True, env=self.env, timeout=timeout_s, check=False
+            )
         except subprocess.TimeoutExpired as exc:
             return subprocess.CompletedProcess(argv, 124, exc.stdout or "", exc.stderr or "")
         except OSError as exc:
@@ -129,8 +144,16 @@ class Cluster:
     def prepare(self) -> None:
         lay = self.layout
         os.umask(0o022)  # the daemons inherit it
-        for d in (lay.etc, lay.run, lay.log, lay.spool / "slurmctld", lay.devdir, lay.munge_dir, lay.db_dir / "tmp",
-                  *(lay.spool / f"slurmd.{n}" for n in NODES)):
+        for d in (
+            lay.etc,
+            lay.run,
+            lay.log,
+            lay.spool / "slurmctld",
+            lay.devdir,
+            lay.munge_dir,
+            lay.db_dir / "tmp",
+            *(lay.spool / f"slurmd.{n}" for n in NODES),
+        ):
             d.mkdir(parents=True, exist_ok=True)
         # munged insists on safe permissions: key dir not writable by others; socket dir needs o+x.
         for d, mode in ((lay.state, 0o755), (lay.run, 0o755), (lay.log, 0o755), (lay.munge_dir, 0o700)):
@@ -149,10 +172,17 @@ class Cluster:
     def template_values(self) -> dict[str, str]:
         lay = self.layout
         return {
-            "state": str(lay.state), "cluster": lay.cluster, "host": socket.gethostname().split(".")[0],
-            "ctld_port": str(lay.ctld_port), "n1_port": str(lay.node_ports["n1"]), "n2_port": str(lay.node_ports["n2"]),
-            "dbd_port": str(lay.dbd_port), "db_port": str(lay.db_port), "munge_socket": str(lay.munge_socket),
-            "db_pass": (lay.db_dir / "slurm.pass").read_text().strip(), "devdir": str(lay.devdir),
+            "state": str(lay.state),
+            "cluster": lay.cluster,
+            "host": socket.gethostname().split(".")[0],
+            "ctld_port": str(lay.ctld_port),
+            "n1_port": str(lay.node_ports["n1"]),
+            "n2_port": str(lay.node_ports["n2"]),
+            "dbd_port": str(lay.dbd_port),
+            "db_port": str(lay.db_port),
+            "munge_socket": str(lay.munge_socket),
+            "db_pass": (lay.db_dir / "slurm.pass").read_text().strip(),
+            "devdir": str(lay.devdir),
         }
 
     def render_configs(self) -> None:
@@ -174,8 +204,10 @@ class Cluster:
                 write_file(out, text.encode(), mode)
             out.chmod(mode)
         if changed:
-            log(f"WARNING: templates changed ({' '.join(changed)}) but daemons are running with the old config; "
-                "run 'down' then 'up' to apply")
+            log(
+                f"WARNING: templates changed ({' '.join(changed)}) but daemons are running with the old config; "
+                "run 'down' then 'up' to apply"
+            )
 
     # ---- daemons ----------------------------------------------------------------------------------
     def ensure(self, role: str, argv: list[str]) -> None:
@@ -188,8 +220,10 @@ class Cluster:
     def check_port_free(self, role: str) -> None:
         port = self.layout.role(role).port
         if port is not None and port_in_use(port):
-            raise Failed(f"port {port} (for {role}) is already in use by another process; "
-                         f"set HPCRL_DEVCLUSTER_PORT_BASE to another base (now {self.layout.port_base})")
+            raise Failed(
+                f"port {port} (for {role}) is already in use by another process; "
+                f"set HPCRL_DEVCLUSTER_PORT_BASE to another base (now {self.layout.port_base})"
+            )
 
     def up_munged(self) -> None:
         lay = self.layout
@@ -198,17 +232,36 @@ class Cluster:
         self.sup.stop(["munged"], 15)  # a munged that does not answer is no use
         for stale in (lay.munge_socket, lay.munge_socket.with_name("munge.socket.lock")):
             stale.unlink(missing_ok=True)
-        self.sup.start("munged", [
-            "munged", "-F", "-S", str(lay.munge_socket), f"--key-file={lay.munge_dir / 'munge.key'}",
-            f"--pid-file={lay.pidfile('munged')}", f"--log-file={lay.logfile('munged')}",
-            f"--seed-file={lay.munge_dir / 'munged.seed'}", "--num-threads=4"])
+        self.sup.start(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "-S",
+                str(lay.munge_socket),
+                f"--key-file={lay.munge_dir / 'munge.key'}",
+                f"--pid-file={lay.pidfile('munged')}",
+                f"--log-file={lay.logfile('munged')}",
+                f"--seed-file={lay.munge_dir / 'munged.seed'}",
+                "--num-threads=4",
+            ],
+        )
         self.sup.wait_until("munged", 15, f"munge socket {lay.munge_socket} to answer", self.munge_ok)
 
     def mariadb_opts(self) -> list[str]:
         db = self.layout.db_dir
-        return ["--no-defaults", "--basedir=/usr", f"--datadir={db / 'data'}", f"--tmpdir={db / 'tmp'}",
-                "--innodb-buffer-pool-size=512M", "--innodb-log-file-size=32M", "--innodb-lock-wait-timeout=900",
-                "--innodb-flush-log-at-trx-commit=2", "--innodb-use-native-aio=0", "--max-allowed-packet=64M"]
+        return [
+            "--no-defaults",
+            "--basedir=/usr",
+            f"--datadir={db / 'data'}",
+            f"--tmpdir={db / 'tmp'}",
+            "--innodb-buffer-pool-size=512M",
+            "--innodb-log-file-size=32M",
+            "--innodb-lock-wait-timeout=900",
+            "--innodb-flush-log-at-trx-commit=2",
+            "--innodb-use-native-aio=0",
+            "--max-allowed-packet=64M",
+        ]
 
     def init_mariadb(self) -> None:
         """A fresh datadir, once: `.initialized` is only written when mariadb-install-db succeeded."""
@@ -217,9 +270,21 @@ class Cluster:
         shutil.rmtree(db / "data", ignore_errors=True)
         (db / "data").mkdir()
         with open(self.layout.outfile("mariadb-install-db"), "w") as out:
-            rc = subprocess.run(["mariadb-install-db", *self.mariadb_opts(), "--user=root", "--skip-test-db",
-                                 "--auth-root-authentication-method=socket", "--skip-name-resolve"],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=self.env, check=False).returncode
+            rc = subprocess.run(
+                [
+                    "mariadb-install-db",
+                    *self.mariadb_opts(),
+                    "--user=root",
+                    "--skip-test-db",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-name-resolve",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=self.env,
+                check=False,
+            ).returncode
         if rc != 0:
             raise DaemonFailed("mariadb-install-db", f"exit status {rc}")
         (db / ".initialized").touch()
@@ -231,10 +296,20 @@ class Cluster:
                 self.init_mariadb()
             self.check_port_free("mariadb")
             lay.db_socket.unlink(missing_ok=True)
-            self.sup.start("mariadb", [
-                "mariadbd", *self.mariadb_opts(), "--user=root", f"--socket={lay.db_socket}",
-                f"--port={lay.db_port}", "--bind-address=127.0.0.1", "--skip-name-resolve",
-                f"--pid-file={lay.pidfile('mariadb')}", f"--log-error={lay.logfile('mariadb')}"])
+            self.sup.start(
+                "mariadb",
+                [
+                    "mariadbd",
+                    *self.mariadb_opts(),
+                    "--user=root",
+                    f"--socket={lay.db_socket}",
+                    f"--port={lay.db_port}",
+                    "--bind-address=127.0.0.1",
+                    "--skip-name-resolve",
+                    f"--pid-file={lay.pidfile('mariadb')}",
+                    f"--log-error={lay.logfile('mariadb')}",
+                ],
+            )
         self.sup.wait_until("mariadb", 60, f"MariaDB to answer on {lay.db_socket}", lambda: self.db_sql("SELECT 1"))
         pw = (lay.db_dir / "slurm.pass").read_text().strip()
         hosts = ("127.0.0.1", "localhost")
@@ -248,8 +323,9 @@ class Cluster:
     def up_slurmdbd(self) -> None:
         self.ensure("slurmdbd", ["slurmdbd", "-D"])
         # The first start creates the tables; that can take a while on a slow machine.
-        self.sup.wait_until("slurmdbd", 60, f"slurmdbd to answer sacctmgr on port {self.layout.dbd_port}",
-                            self.sacctmgr_ok)
+        self.sup.wait_until(
+            "slurmdbd", 60, f"slurmdbd to answer sacctmgr on port {self.layout.dbd_port}", self.sacctmgr_ok
+        )
 
     def sacctmgr_has(self, value: str, *query: str) -> bool:
         return value in self.lines("sacctmgr", "-n", "-P", "list", *query)
@@ -269,19 +345,35 @@ class Cluster:
         cluster, account = self.layout.cluster, self.layout.account
         user = pwd.getpwuid(os.geteuid()).pw_name
         if not self.sacctmgr_has(account, "account", account, "format=account"):
-            self.sacctmgr_do(f"add account {account}", "add", "account", account, f"cluster={cluster}",
-                             "description=hpcrl dev", "organization=hpcrl")
-        if not self.sacctmgr_has(user, "assoc", f"cluster={cluster}", f"account={account}", f"user={user}",
-                                 "format=user"):
+            self.sacctmgr_do(
+                f"add account {account}",
+                "add",
+                "account",
+                account,
+                f"cluster={cluster}",
+                "description=hpcrl dev",
+                "organization=hpcrl",
+            )
+        if not self.sacctmgr_has(
+            user, "assoc", f"cluster={cluster}", f"account={account}", f"user={user}", "format=user"
+        ):
             self.sacctmgr_do(f"add user {user}", "add", "user", user, f"account={account}", f"cluster={cluster}")
         if not self.sacctmgr_has(account, "user", user, "format=defaultaccount"):
-            self.sacctmgr_do(f"modify user {user} defaultaccount", "modify", "user", "where", f"name={user}",
-                             "set", f"defaultaccount={account}")
+            self.sacctmgr_do(
+                f"modify user {user} defaultaccount",
+                "modify",
+                "user",
+                "where",
+                f"name={user}",
+                "set",
+                f"defaultaccount={account}",
+            )
 
     def up_slurmctld(self) -> None:
         self.ensure("slurmctld", ["slurmctld", "-D", "-f", str(self.layout.slurm_conf)])
-        self.sup.wait_until("slurmctld", 30, f"slurmctld to answer sinfo on port {self.layout.ctld_port}",
-                            self.sinfo_ok)
+        self.sup.wait_until(
+            "slurmctld", 30, f"slurmctld to answer sinfo on port {self.layout.ctld_port}", self.sinfo_ok
+        )
 
     def resume_bad_nodes(self) -> None:
         """A node drained once stays drained across restarts (Slurm's state files): resume it."""
@@ -301,8 +393,11 @@ class Cluster:
             for role in roles:
                 procs[role] = self.sup.still_running(role, procs[role])
                 if procs[role] is None:
-                    raise DaemonFailed(role, f"process exited{self.sup.exit_note(role)} "
-                                             f"while waiting for node {role.split('.')[1]} to become idle")
+                    raise DaemonFailed(
+                        role,
+                        f"process exited{self.sup.exit_note(role)} "
+                        f"while waiting for node {role.split('.')[1]} to become idle",
+                    )
             if time.monotonic() - last_resume >= 3:
                 self.resume_bad_nodes()
                 last_resume = time.monotonic()
@@ -322,8 +417,12 @@ class Cluster:
         tail_logs(self.layout, "slurmctld")
 
     def fully_up(self) -> bool:
-        return (all(self.sup.running(r.name) for r in self.layout.roles) and self.sinfo_ok()
-                and not self.unhealthy_nodes() and self.sacctmgr_ok())
+        return (
+            all(self.sup.running(r.name) for r in self.layout.roles)
+            and self.sinfo_ok()
+            and not self.unhealthy_nodes()
+            and self.sacctmgr_ok()
+        )
 
     def cancel_all_jobs(self) -> None:
         """`scontrol shutdown` and stopping slurmd leave jobs running: cancel them first."""
@@ -350,20 +449,25 @@ class Cluster:
         path = self.env["PATH"]
         missing = [b for b in BINARIES if shutil.which(b, path=path) is None]
         if missing:
-            raise Failed(f"missing programs: {' '.join(missing)} "
-                         "(apt-get install slurm-wlm slurmdbd mariadb-server munge)")
+            raise Failed(
+                f"missing programs: {' '.join(missing)} (apt-get install slurm-wlm slurmdbd mariadb-server munge)"
+            )
         for sock in (self.layout.munge_socket, self.layout.db_socket):
             if len(str(sock)) > MAX_SOCKET_PATH:
-                raise Failed(f"socket path too long ({len(str(sock))} chars, max {MAX_SOCKET_PATH}): {sock}; "
-                             "set HPCRL_DEVCLUSTER_DIR to a shorter folder")
+                raise Failed(
+                    f"socket path too long ({len(str(sock))} chars, max {MAX_SOCKET_PATH}): {sock}; "
+                    "set HPCRL_DEVCLUSTER_DIR to a shorter folder"
+                )
         self.layout.state.mkdir(parents=True, exist_ok=True)
         with state_lock(self.layout):
             self.sup.locked = True
             self.prepare()
             if self.fully_up():
                 self.register_account_user()
-                log(f"already up ({time.monotonic() - t0:.1f}s): cluster {self.layout.cluster}, "
-                    f"SLURM_CONF={self.layout.slurm_conf}")
+                log(
+                    f"already up ({time.monotonic() - t0:.1f}s): cluster {self.layout.cluster}, "
+                    f"SLURM_CONF={self.layout.slurm_conf}"
+                )
                 return 0
             for role in self.layout.roles:  # every daemon that is not running yet needs a free port
                 if not self.sup.running(role.name):
@@ -410,8 +514,10 @@ class Cluster:
     def status(self) -> int:
         lay, ok = self.layout, True
         print(f"state folder: {lay.state}")
-        print(f"cluster: {lay.cluster}  ports: mariadb={lay.db_port} slurmctld={lay.ctld_port} "
-              f"slurmdbd={lay.dbd_port} slurmd n1={lay.node_ports['n1']} n2={lay.node_ports['n2']}")
+        print(
+            f"cluster: {lay.cluster}  ports: mariadb={lay.db_port} slurmctld={lay.ctld_port} "
+            f"slurmdbd={lay.dbd_port} slurmd n1={lay.node_ports['n1']} n2={lay.node_ports['n2']}"
+        )
         for role in lay.roles:
             p = self.sup.find(role.name)
             print(f"  {role.name:<10} running (pid {p.pid})" if p else f"  {role.name:<10} STOPPED")

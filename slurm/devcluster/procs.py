@@ -159,8 +159,9 @@ class Supervisor:
         with open(self.layout.outfile(role), "ab") as out:
             out.write(f"===== {stamp} start {role}: {shlex.join(argv)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True
+            )
         self.started[role] = proc
         with contextlib.suppress(psutil.Error):  # already gone: wait_until reports it, with its exit status
             self._write_record(role, psutil.Process(proc.pid))
@@ -228,7 +229,7 @@ def tail_logs(layout: Layout, role: str) -> None:
     if _size(outfile):
         lines = outfile.read_text(errors="replace").splitlines()
         starts = [i for i, line in enumerate(lines) if line.startswith("===== ") and " start " in line]
-        last_start = lines[starts[-1]:] if starts else lines
+        last_start = lines[starts[-1] :] if starts else lines
         _print_block(f"----- tail of {outfile} (last start) -----", last_start[-15:])
 
 

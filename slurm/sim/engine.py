@@ -18,8 +18,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from hpcrl.slurm.sim.trace import EpisodeSpec
 
@@ -126,12 +126,20 @@ def check_conservation(ledger: GpuLedger, tally: dict[str, list[float]], makespa
         owner, packed, lost = tally[role]
         idle = led[0]
         tol = 1e-6 * max(cap, 1.0)
-        for name, from_tasks, from_ledger in (("owner", owner, led[1]), ("packed", packed, led[2]), ("lost", lost, led[3])):
+        for name, from_tasks, from_ledger in (
+            ("owner", owner, led[1]),
+            ("packed", packed, led[2]),
+            ("lost", lost, led[3]),
+        ):
             if abs(from_tasks - from_ledger) > tol:
-                raise SimInvariantError(f"{role}: {name} time {from_tasks:.6f} s from tasks != {from_ledger:.6f} s on the GPUs")
+                raise SimInvariantError(
+                    f"{role}: {name} time {from_tasks:.6f} s from tasks != {from_ledger:.6f} s on the GPUs"
+                )
         if idle < -tol or abs(owner + packed + lost + idle - cap) > tol:
             raise SimInvariantError(
-                f"{role}: GPU-time not conserved: busy {owner + packed:.3f} + lost {lost:.3f} + idle {idle:.3f} != capacity {cap:.3f}")
+                f"{role}: GPU-time not conserved: busy {owner + packed:.3f} + lost {lost:.3f} + idle {idle:.3f} "
+                f"!= capacity {cap:.3f}"
+            )
         usage[role] = RoleUsage(role, len(members), cap, owner, packed, lost, idle)
     return usage
 

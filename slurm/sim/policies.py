@@ -23,8 +23,16 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from hpcrl.slurm.sim.engine import (BORROW, OWNER, Episode, EventLoop, GpuLedger, SandboxPool,
-                                    SimInvariantError, TrainingLedger)
+from hpcrl.slurm.sim.engine import (
+    BORROW,
+    OWNER,
+    Episode,
+    EventLoop,
+    GpuLedger,
+    SandboxPool,
+    SimInvariantError,
+    TrainingLedger,
+)
 from hpcrl.slurm.sim.trace import Trace, World
 
 WAIT, TRAIN, SYNC = "wait", "train", "sync"
@@ -63,7 +71,7 @@ class SimBase:
         return self.trace.training.max_staleness
 
     # ---------------------------------------------------------------- lifecycle
-    def run(self) -> "SimBase":
+    def run(self) -> SimBase:
         self.start()
         self.loop.run(lambda: self.end_time is not None)
         return self
@@ -74,7 +82,7 @@ class SimBase:
     def finish(self, now: float) -> None:
         for g, run in enumerate(self._run):
             if run is not None:  # work cut off by the end of the run still occupied the GPU
-                ep, start, kind, _ = run
+                _ep, start, kind, _ = run
                 self.tally[self.roles[g]][0 if kind == OWNER else 1] += now - start
         if any(self.ledger.state[g] == OWNER for g in self.learner_gpus):
             raise SimInvariantError("the run ended while the learner was training")

@@ -58,10 +58,13 @@ class SimResult:
         return sum(i * c for i, c in enumerate(self.staleness)) / n if n else 0.0
 
     def summary_line(self) -> str:
-        return (f"{self.policy}: busy {self.busy_fraction:.1%} useful {self.useful_fraction:.1%} (learner {self.learner.busy_fraction:.1%}, "
-                f"generators {self.generator.busy_fraction:.1%}), {self.throughput_per_gpu_hour:.2f} traj/GPU-h, "
-                f"makespan {self.makespan_s / 3600:.2f} h, staleness mean {self.mean_staleness:.2f} "
-                f"max {max((i for i, c in enumerate(self.staleness) if c), default=0)} (bound {self.max_staleness})")
+        return (
+            f"{self.policy}: busy {self.busy_fraction:.1%} useful {self.useful_fraction:.1%} "
+            f"(learner {self.learner.busy_fraction:.1%}, generators {self.generator.busy_fraction:.1%}), "
+            f"{self.throughput_per_gpu_hour:.2f} traj/GPU-h, "
+            f"makespan {self.makespan_s / 3600:.2f} h, staleness mean {self.mean_staleness:.2f} "
+            f"max {max((i for i, c in enumerate(self.staleness) if c), default=0)} (bound {self.max_staleness})"
+        )
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -135,8 +138,10 @@ def _bin_timeline(sim: SimBase, makespan: float, bins: int) -> dict:
 def format_table(results: list[SimResult]) -> str:
     """The policies side by side, with throughput relative to the first result (sync)."""
     base = results[0].throughput_per_gpu_hour
-    head = (f"{'policy':<9} {'busy':>6} {'learner':>8} {'gens':>6} {'lost':>5} {'traj/GPU-h':>11} {'vs ' + results[0].policy:>8} "
-            f"{'makespan h':>10} {'staleness mean/max':>18} {'dropped':>7} {'preempt':>7}")
+    head = (
+        f"{'policy':<9} {'busy':>6} {'learner':>8} {'gens':>6} {'lost':>5} {'traj/GPU-h':>11} "
+        f"{'vs ' + results[0].policy:>8} {'makespan h':>10} {'staleness mean/max':>18} {'dropped':>7} {'preempt':>7}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         lost = (r.learner.lost_s + r.generator.lost_s) / (r.learner.capacity_s + r.generator.capacity_s)
@@ -145,7 +150,8 @@ def format_table(results: list[SimResult]) -> str:
             f"{r.policy:<9} {r.busy_fraction:>6.1%} {r.learner.busy_fraction:>8.1%} {r.generator.busy_fraction:>6.1%} "
             f"{lost:>5.1%} {r.throughput_per_gpu_hour:>11.2f} {r.throughput_per_gpu_hour / base:>7.2f}x "
             f"{r.makespan_s / 3600:>10.2f} {f'{r.mean_staleness:.2f}/{smax} (<={r.max_staleness})':>18} "
-            f"{r.dropped:>7} {r.preemptions:>7}")
+            f"{r.dropped:>7} {r.preemptions:>7}"
+        )
     return "\n".join(lines)
 
 
@@ -163,17 +169,29 @@ def plot_timeline(result: SimResult, path: str) -> None:
     colors = {"owner": "#2b6cb0", "packed": "#38a169", "lost": "#e53e3e", "idle": "#e2e8f0"}
     fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
     n_l, n_g = result.learner_gpus, result.generator_gpus
-    overall = [(n_l * (tl["learner.owner"][i] + tl["learner.packed"][i]) + n_g * (tl["generator.owner"][i] + tl["generator.packed"][i]))
-               / (n_l + n_g) for i in range(len(hours))]
+    overall = [
+        (
+            n_l * (tl["learner.owner"][i] + tl["learner.packed"][i])
+            + n_g * (tl["generator.owner"][i] + tl["generator.packed"][i])
+        )
+        / (n_l + n_g)
+        for i in range(len(hours))
+    ]
     axes[0].plot(hours, overall, color="black")
     axes[0].set_ylim(0, 1.02)
     axes[0].set_ylabel("busy, all GPUs")
-    axes[0].set_title(f"{result.trace}: policy {result.policy}, busy {result.busy_fraction:.1%}, "
-                      f"{result.throughput_per_gpu_hour:.2f} trajectories/GPU-h")
+    axes[0].set_title(
+        f"{result.trace}: policy {result.policy}, busy {result.busy_fraction:.1%}, "
+        f"{result.throughput_per_gpu_hour:.2f} trajectories/GPU-h"
+    )
     for ax, role, n in ((axes[1], "learner", n_l), (axes[2], "generator", n_g)):
         stack = [tl[f"{role}.{k}"] for k in ("owner", "packed", "lost", "idle")]
-        ax.stackplot(hours, *stack, labels=["own work", "packed (borrowed)", "lost (preempted)", "idle"],
-                     colors=[colors[k] for k in ("owner", "packed", "lost", "idle")])
+        ax.stackplot(
+            hours,
+            *stack,
+            labels=["own work", "packed (borrowed)", "lost (preempted)", "idle"],
+            colors=[colors[k] for k in ("owner", "packed", "lost", "idle")],
+        )
         ax.set_ylim(0, 1.0)
         ax.set_ylabel(f"{role} GPUs ({n})")
     axes[1].legend(loc="lower right", fontsize=8, ncol=4)

@@ -56,7 +56,9 @@ class TrainingSpec:
     train_per_traj_s: float = spec(help="learner time per trajectory in the batch, seconds", ge=0)
     weight_sync_s: float = spec(help="learner broadcasts new weights after each step, seconds", ge=0)
     reload_s: float = spec(help="a generator pauses this long to load new weights, seconds", ge=0)
-    resume_s: float = spec(1.0, help="GPU time to re-prefill a generation turn that resumes on another GPU, seconds", ge=0)
+    resume_s: float = spec(
+        1.0, help="GPU time to re-prefill a generation turn that resumes on another GPU, seconds", ge=0
+    )
     episodes_in_flight: int = spec(8, help="episodes each generator keeps open (async and backfill)", ge=1)
 
     def validate(self):
@@ -116,7 +118,9 @@ class Trace:
     cluster: ClusterSpec = spec(help="GPUs and sandbox slots")
     training: TrainingSpec = spec(help="the RL loop")
     families: tuple[FamilySpec, ...] = spec(help="domain families", min_len=1)
-    scheduler: SchedulerConfig = spec(factory=SchedulerConfig, help="packer settings, as in config.yaml's scheduler section")
+    scheduler: SchedulerConfig = spec(
+        factory=SchedulerConfig, help="packer settings, as in config.yaml's scheduler section"
+    )
 
     def validate(self):
         seen = set()
@@ -197,14 +201,22 @@ class World:
             fam_w = [rng.lognormvariate(0.0, 1.0) for _ in range(fam.count)]
             total = sum(fam_w)
             for i in range(fam.count):
-                domains.append(Domain(
-                    name=f"{fam.name}-{i}", family=fam.name,
-                    gen_dist=fam.gen.dist, gen_median_s=_loguniform(rng, fam.gen.median_s),
-                    gen_shape=rng.uniform(*fam.gen.shape), gen_cap_s=fam.gen.cap_s,
-                    sbx_dist=fam.sandbox.dist, sbx_median_s=_loguniform(rng, fam.sandbox.median_s),
-                    sbx_shape=rng.uniform(*fam.sandbox.shape), sbx_cap_s=fam.sandbox.cap_s,
-                    mean_turns=rng.uniform(*fam.turns.mean), turn_cap=fam.turns.cap,
-                ))
+                domains.append(
+                    Domain(
+                        name=f"{fam.name}-{i}",
+                        family=fam.name,
+                        gen_dist=fam.gen.dist,
+                        gen_median_s=_loguniform(rng, fam.gen.median_s),
+                        gen_shape=rng.uniform(*fam.gen.shape),
+                        gen_cap_s=fam.gen.cap_s,
+                        sbx_dist=fam.sandbox.dist,
+                        sbx_median_s=_loguniform(rng, fam.sandbox.median_s),
+                        sbx_shape=rng.uniform(*fam.sandbox.shape),
+                        sbx_cap_s=fam.sandbox.cap_s,
+                        mean_turns=rng.uniform(*fam.turns.mean),
+                        turn_cap=fam.turns.cap,
+                    )
+                )
                 weights.append(fam.weight * fam_w[i] / total)
         self.domains = tuple(domains)
         acc, cum = 0.0, []

@@ -12,7 +12,7 @@ DEVCLUSTER := $(PY) -m hpcrl.slurm.devcluster
 APT_PACKAGES := slurm-wlm slurmdbd mariadb-server munge bubblewrap openmpi-bin libopenmpi-dev \
                 g++ gcc make nodejs procps util-linux
 
-.PHONY: help run test test-fast venv sysdeps devcluster devcluster-down devcluster-status devcluster-env bench clean
+.PHONY: help run test test-fast lint fmt venv sysdeps devcluster devcluster-down devcluster-status devcluster-env bench clean
 
 help:
 	@echo "make run              venv + install + the default experiment (config.yaml) on this machine"
@@ -58,8 +58,17 @@ devcluster-env:
 run: venv
 	$(VENV)/bin/hpcrl run config.yaml
 
-test: sysdeps venv devcluster
+test: sysdeps venv devcluster lint
 	HPCRL_REQUIRE_SLURM=1 HPCRL_REQUIRE_SANDBOX=1 $(PY) -m pytest -q
+
+# ruff's lint and format checks (config in pyproject.toml); `make fmt` applies them.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 # Everything but the real-cluster tests, for a quick loop while editing.
 test-fast: venv

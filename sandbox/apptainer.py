@@ -132,6 +132,17 @@ class ProcessSession(SupervisedSession):
         except (ProcessLookupError, PermissionError):
             pass
 
+    def _reap_group(self) -> None:
+        """Reap members of the killed group that were orphaned to this process: it is a child
+        subreaper once a bwrap backend exists here, and nobody else would wait for them."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-self._proc.pid, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
     def _remove(self) -> None:
         for d in self._cleanup:
             shutil.rmtree(d, ignore_errors=True)
@@ -143,6 +154,7 @@ class ProcessSession(SupervisedSession):
             raw = self._proc.wait()
         finally:
             self._remove()
+            self._reap_group()
         ru = raw.rusage
         # Apptainer exits 255 with FATAL: on stderr when the container never started.
         started = not (raw.exit_code == 255 and b"FATAL:" in raw.stderr)

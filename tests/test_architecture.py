@@ -7,7 +7,7 @@
 
 Every import counts, including the ones inside functions (kept there for start-up speed): a
 lazy import is still a dependency. The root package (`hpcrl`, its version) sits below core.
-`python tests/test_architecture.py --dot` prints the package graph for Graphviz.
+`python tests/test_architecture.py --dot | dot -Tpng -o docs/imports.png` draws the floors.
 """
 
 from __future__ import annotations
@@ -156,33 +156,34 @@ def test_the_checker_sees_an_upward_import_and_a_circle():
     assert cycles(graph) == [["hpcrl.core.a", "hpcrl.rl.b"]]
 
 
-def package_dot(graph: dict[str, set[str]]) -> str:
-    """The graph between sub-packages (e.g. rl.store -> core), for `dot -Tpng`."""
-
-    def group(mod: str) -> str:
-        parts = mod.split(".")[1:]
-        path = ROOT.joinpath(*parts)
-        return ".".join(parts if path.is_dir() else parts[:-1]) or "hpcrl"
-
-    edges: dict[str, set[str]] = defaultdict(set)
+def floors_dot(graph: dict[str, set[str]]) -> str:
+    """The floors and the imports between them (edge label: how many module-to-module imports),
+    each floor listing its sub-packages, for `dot -Tpng` (docs/imports.png)."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
     for mod, deps in graph.items():
         for dep in deps:
-            a, b = group(mod), group(dep)
-            if a != b:
-                edges[a].add(b)
-    lines = ["digraph hpcrl {", "  rankdir=BT; node [shape=box];"]
+            a, b = _floor(mod), _floor(dep)
+            if a != b and b != "hpcrl":
+                counts[a, b] += 1
+    lines = ["digraph floors {", "  rankdir=BT; node [shape=box, fontname=Helvetica]; edge [fontname=Helvetica];"]
     for floor in PACKAGES:
-        members = sorted({group(m) for m in graph if _floor(m) == floor})
-        lines.append(
-            f'  subgraph "cluster_{floor}" {{ label="{floor}/"; ' + " ".join(f'"{m}";' for m in members) + " }"
+        subs = sorted(
+            {
+                ".".join(m.split(".")[2:3])
+                for m in graph
+                if _floor(m) == floor and len(m.split(".")) > 3 and (ROOT / floor / m.split(".")[2]).is_dir()
+            }
         )
-    lines += [f'  "{a}" -> "{b}";' for a in sorted(edges) for b in sorted(edges[a])]
+        label = f"{floor}/" + (f"\\n{', '.join(s + '/' for s in subs)}" if subs else "")
+        lines.append(f'  "{floor}" [label="{label}"];')
+    lines.append('  { rank=same; "sandbox"; "slurm"; }')
+    lines += [f'  "{a}" -> "{b}" [label="{n}"];' for (a, b), n in sorted(counts.items())]
     return "\n".join(lines + ["}"])
 
 
 if __name__ == "__main__":
     if "--dot" in sys.argv:
-        print(package_dot(import_graph()))
+        print(floors_dot(import_graph()))
     else:
         g = import_graph()
         print("\n".join(upward_imports(g)) or "floors: ok")

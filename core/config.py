@@ -364,6 +364,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
             text = p.read_text()
         except FileNotFoundError:
             raise ConfigError("", f"{p}: no such config file") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError("", f"{p}: byte {exc.start} is not UTF-8 text; save the file as UTF-8") from None
         except OSError as exc:
             raise ConfigError("", f"{p}: cannot read: {exc.strerror}") from None
         raw = load_yaml_text(text, source=str(p))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -95,14 +96,29 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_dupl
 
 
 def load_yaml_text(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text; syntax errors become ConfigError naming file, line and column."""
+    """Parse YAML text; syntax errors become ConfigError naming file, line and column, and so
+    does input no config has any business holding (a number of thousands of digits, thousands
+    of nested brackets): one line, never a traceback."""
     try:
         return yaml.load(text, Loader=_Loader)  # SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError("", f"{where}: invalid YAML: {problem}") from None
+        raise ConfigError("", f"{where}: invalid YAML: {_clip(problem, 200)}") from None
+    except RecursionError:
+        raise ConfigError("", f"{source}: nested too deeply to be a config; flatten it") from None
+    except ValueError as exc:  # int(): more digits than Python converts (sys.int_info.str_digits_check_threshold)
+        raise ConfigError("", f"{source}: a value is out of range: {_clip(str(exc).split(';')[0], 200)}") from None
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """Text as it goes into a one-line error: cut short if it is long."""
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    return _clip(repr(value), limit)
 
 
 def _type_name(tp: Any) -> str:
@@ -127,7 +143,7 @@ def _got(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return "a list"
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {_short(value)}"
 
 
 def _join(path: str, key: str | int) -> str:
@@ -135,7 +151,9 @@ def _join(path: str, key: str | int) -> str:
 
 
 def _check_bounds(path: str, value: Any, meta: typing.Mapping[str, Any], shown: Any = None) -> None:
-    shown = value if shown is None else shown
+    shown = _short(value if shown is None else shown)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path, f"must be a finite number (got {shown})")
     for op, test, word in (
         ("gt", lambda v, b: v > b, ">"),
         ("ge", lambda v, b: v >= b, ">="),
@@ -143,11 +161,11 @@ def _check_bounds(path: str, value: Any, meta: typing.Mapping[str, Any], shown: 
         ("le", lambda v, b: v <= b, "<="),
     ):
         if op in meta and value is not None and not test(value, meta[op]):
-            raise ConfigError(path, f"must be {word} {meta[op]} (got {shown!r})")
+            raise ConfigError(path, f"must be {word} {meta[op]} (got {shown})")
     if "min_len" in meta and value is not None and len(value) < meta["min_len"]:
-        raise ConfigError(path, f"must have at least {meta['min_len']} item(s)/character(s) (got {value!r})")
+        raise ConfigError(path, f"must have at least {meta['min_len']} item(s)/character(s) (got {_short(value)})")
     if "pattern" in meta and value is not None and not re.fullmatch(meta["pattern"], value):
-        raise ConfigError(path, f"must match {meta['pattern']} (got {value!r})")
+        raise ConfigError(path, f"must match {meta['pattern']} (got {_short(value)})")
 
 
 def check_bounds(obj: Any, where: str) -> None:
@@ -211,11 +229,19 @@ def _convert(tp: Any, value: Any, path: str, base: Any = None) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"expected int (got {_got(value)})")
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(path, f"must fit in 64 bits (got an int of {len(str(abs(value)))} digits)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected float (got {_got(value)})")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ConfigError(path, f"must be a finite number (got an int of {len(str(abs(value)))} digits)") from None
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite number (got {value})")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected str (got {_got(value)}); quote it in YAML")
@@ -302,7 +328,7 @@ def apply_overrides(data: dict, overrides: typing.Sequence[str]) -> tuple[dict, 
         key = key.strip()
         if not sep or not key or any(part == "" for part in key.split(".")):
             raise ConfigError("", f"override {item!r}: expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4")
-        value = load_yaml_text(raw, source=f"override {item!r}") if raw.strip() else ""
+        value = load_yaml_text(raw, source=f"override {_clip(item, 60)!r}") if raw.strip() else ""
         parts = key.split(".")
         node: Any = data
         for depth, part in enumerate(parts[:-1]):

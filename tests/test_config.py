@@ -262,3 +262,46 @@ def test_partial_section_keeps_the_fields_own_defaults(tmp_path):
     cfg = load_config(write(tmp_path, "slurm:\n  learner:\n    time_min: 5\n    signal_delay_s: 30\n"))
     assert (cfg.slurm.learner.partition, cfg.slurm.learner.gpus_per_node, cfg.slurm.learner.time_min) == ("gpu", 1, 5)
     assert load_config(None, ["slurm.generator.mem_gb=8"]).slurm.generator.partition == "gpu"
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"learner:\n  lr: " + b"1" * 5000 + b"\n", "a value is out of range"),
+        (b"learner: " + b"[" * 5000 + b"\n", "nested too deeply"),
+        (b"experiment:\n  name: \xff\xfe\n", "is not UTF-8 text"),
+        (b"learner:\n  lr: .inf\n", "learner.lr: must be a finite number"),
+        (b"learner:\n  max_steps: " + b"9" * 30 + b"\n", "learner.max_steps: must fit in 64 bits"),
+        (b"learner:\n  lr: " + b"9" * 400 + b"\n", "learner.lr: must be a finite number"),
+        (b"experiment:\n  name: " + b"x" * 5000 + b"\n", "characters)"),
+    ],
+    ids=["5000-digit int", "5000 nested [", "not UTF-8", "inf", "huge int", "huge float", "long string"],
+)
+def test_hostile_config_files_fail_with_one_short_line_exit_2(tmp_path, content, fragment):
+    path = tmp_path / "hostile.yaml"
+    path.write_bytes(content)
+    r = hpcrl("validate", str(path))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and len(r.stderr) < 400 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert fragment in r.stderr
+
+
+def test_hostile_overrides_fail_with_one_short_line_exit_2():
+    r = hpcrl("validate", "config.yaml", "learner.lr=" + "1" * 5000)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and len(r.stderr) < 400, r.stderr[-2000:]
+    r = hpcrl("validate", "config.yaml", "learner.lr=.nan")
+    assert r.returncode == 2 and "must be a finite number" in r.stderr
+
+
+def test_limits_built_in_code_refuse_infinite_values():
+    from hpcrl.core.config import Limits
+
+    with pytest.raises(ConfigError, match="Limits.wall_s: must be a finite number"):
+        Limits(wall_s=float("inf"))
+
+
+def test_sandbox_exec_refuses_an_infinite_timeout_with_one_line(tmp_path):
+    prog = tmp_path / "p.py"
+    prog.write_text("pass\n")
+    r = hpcrl("sandbox", "exec", "--lang", "python", str(prog), "--timeout-s", "inf")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "must be a finite number" in r.stderr, r.stderr

@@ -322,31 +322,47 @@ class RunKeys:
 class _AllowList:
     """ZAP credentials provider: admits the run's public keys, re-reading keys/ for newcomers.
 
-    An unknown key triggers a re-read of keys/ (a component writes its key before it
-    connects, so a legitimate newcomer is always found); a key found unknown is not looked
-    up again for `negative_ttl_s`, so one rejected peer cannot make us rescan in a loop.
+    A component writes its key before it connects, which changes the folder's mtime; so an
+    unknown key makes us re-read keys/ only when the folder changed since the last read (one
+    stat), or when the last read is `rescan_s` old (filesystems with coarse mtimes). Many
+    unknown keys (a scan, a misconfigured client) therefore cost stats, not directory reads
+    of the shared filesystem, and a rejection is logged once per key per `negative_ttl_s`.
     """
 
-    def __init__(self, keys: RunKeys, negative_ttl_s: float = 1.0):
+    def __init__(self, keys: RunKeys, negative_ttl_s: float = 1.0, rescan_s: float = 5.0):
         self.keys = keys
-        self.negative_ttl_s = negative_ttl_s
+        self.negative_ttl_s, self.rescan_s = negative_ttl_s, rescan_s
+        self._stamp, self._scanned_at = self._dir_stamp(), time.monotonic()
         self._allowed = keys.allowed()
         self._rejected: dict[bytes, float] = {}
         self._lock = threading.Lock()
+        self.scans = 1
+
+    def _dir_stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.keys.dir.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_ctime_ns
 
     def callback(self, domain: str, key: bytes) -> bool:
         with self._lock:
             if key in self._allowed:
                 return True
             now = time.monotonic()
-            if now - self._rejected.get(key, float("-inf")) >= self.negative_ttl_s:
+            stamp = self._dir_stamp()
+            if stamp != self._stamp or now - self._scanned_at >= self.rescan_s:
+                self._stamp, self._scanned_at = stamp, now
                 self._allowed = self.keys.allowed()
+                self.scans += 1
                 if key in self._allowed:
                     self._rejected.pop(key, None)
                     return True
-                if len(self._rejected) > 10_000:
-                    self._rejected.clear()
-                self._rejected[key] = now
+            if now - self._rejected.get(key, float("-inf")) < self.negative_ttl_s:
+                return False  # logged a moment ago
+            if len(self._rejected) > 10_000:
+                self._rejected.clear()
+            self._rejected[key] = now
         log.warning(
             "rejected CURVE client key %s...: not in the run's allow-list (%s)", key[:8].decode(), self.keys.dir
         )

@@ -27,6 +27,7 @@ from pathlib import Path
 import submitit
 
 from hpcrl.core.files import atomic_write_json
+from hpcrl.jobs.rundir import private_umask
 
 __all__ = [
     "StoreComponent",
@@ -51,6 +52,7 @@ class _Stop(threading.Event):
 def start_component(run_dir: Path, name: str, role: str) -> _Stop:
     """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs file."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
+    private_umask()  # nothing this job writes into the run directory is group- or world-writable
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
     stop = _Stop()
     if threading.current_thread() is threading.main_thread():

@@ -2,16 +2,36 @@
 
 Components find each other, their keys and the trajectory shards through this folder, so on
 a cluster it must sit on the parallel filesystem. The resolved config is written first.
+
+Nobody but the run's owner may write into it: endpoint files say where to connect and the
+supervisor unpickles job results, so a planted file is an attack. The folder is 0750, and
+`private_umask()` (called by the CLI and by every component at start) keeps group and others
+from writing anything created under it, whatever the user's umask (002 on many sites).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import time
 from pathlib import Path
 
 from hpcrl.core.config import Config, write_resolved
+
+__all__ = ["RunDirError", "RUN_ID_RE", "new_run_id", "create_run_dir", "private_umask"]
+
+# The run id is a folder name and the `run` of every trajectory id: no '/', no leading '.', short.
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be created as asked; the message says what to do instead."""
+
+
+def private_umask() -> None:
+    """Files and folders this process creates are never group- or world-writable."""
+    os.umask(os.umask(0) | 0o022)
 
 
 def new_run_id(cfg: Config) -> str:
@@ -22,13 +42,19 @@ def new_run_id(cfg: Config) -> str:
 
 def create_run_dir(cfg: Config, run_id: str | None = None) -> Path:
     """Create `<run_root>/<run_id>/` with the resolved config in it; refuse to reuse one."""
+    if run_id is not None and not RUN_ID_RE.fullmatch(run_id):
+        raise RunDirError(
+            f"--run-id {run_id[:80]!r}: use 1-64 letters, digits, '_', '.', '-', starting with a letter "
+            "or digit (it names a folder under experiment.run_root)"
+        )
+    private_umask()
     root = Path(cfg.experiment.run_root)
     root.mkdir(parents=True, exist_ok=True)
     run_dir = root / (run_id or new_run_id(cfg))
     try:
-        run_dir.mkdir()
+        run_dir.mkdir(mode=0o750)
     except FileExistsError:
-        raise FileExistsError(f"run directory {run_dir} already exists; pick another run id or remove it") from None
+        raise RunDirError(f"run directory {run_dir} already exists; pick another --run-id or remove it") from None
     os.chmod(run_dir, 0o750)
     write_resolved(cfg, run_dir)
     return run_dir

@@ -165,13 +165,13 @@ class Coordinator:
         gen = self.generators.setdefault(name, {"first_seen": time.time()})
         gen.update(last_seen=time.time(), stats=body.get("stats", {}), lost=False)
         for ep in body.get("done", []):
-            lease = self.leases.pop(int(ep), None)
+            lease = self._settle(name, ep, "done")
             if lease is not None:
                 self.counts["completed"] += 1
                 self.done_by_domain[lease.ticket.domain] += 1
                 self._done_times.append(now)
         for ep, reason in body.get("failed", []):
-            lease = self.leases.pop(int(ep), None)
+            lease = self._settle(name, ep, "failed")
             if lease is None:
                 continue
             self.counts["failed"] += 1
@@ -191,7 +191,7 @@ class Coordinator:
                 self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
                 self.counts["reissued"] += 1
         for ep in body.get("released", []):
-            lease = self.leases.pop(int(ep), None)
+            lease = self._settle(name, ep, "released")
             if lease is not None:
                 self.queue.appendleft(lease.ticket)
                 self.counts["released"] += 1
@@ -204,6 +204,22 @@ class Coordinator:
             "stop": self.stopping,
             "version": self.learner.get("version"),
         }
+
+    def _settle(self, generator: str, episode: Any, what: str) -> _Lease | None:
+        """End the lease of `episode` if `generator` holds it. A report for a lease held by
+        another generator is ignored: the episode was re-issued after this one went silent (its
+        late result is a trajectory of its own, which the learner drops as a duplicate), or the
+        report is not genuine; either way it must not end the other generator's lease."""
+        lease = self.leases.get(int(episode))
+        if lease is None:
+            return None
+        if lease.generator != generator:
+            self.counts["foreign_reports"] += 1
+            log.warning(
+                "%s reported episode %s %s, but %s holds its lease; ignored", generator, episode, what, lease.generator
+            )
+            return None
+        return self.leases.pop(int(episode))
 
     def _issue(self, generator: str, want: int, now: float) -> list[EpisodeTicket]:
         consumed = (

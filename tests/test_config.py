@@ -305,3 +305,23 @@ def test_sandbox_exec_refuses_an_infinite_timeout_with_one_line(tmp_path):
     prog.write_text("pass\n")
     r = hpcrl("sandbox", "exec", "--lang", "python", str(prog), "--timeout-s", "inf")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "must be a finite number" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "run_id", ["../../../../tmp/escaped", "a/b", ".hidden", "line\nbreak", "x" * 200, ""], ids=repr
+)
+@pytest.mark.parametrize("verb", ["run", "submit", "sbatch"])
+def test_bad_run_ids_are_refused_before_anything_is_created(tmp_path, verb, run_id):
+    root = tmp_path / "runs"
+    extra = ["executor=slurm"] if verb != "run" else []
+    out = ["-o", str(tmp_path / "scripts")] if verb == "sbatch" else []
+    r = hpcrl(verb, "config.yaml", f"experiment.run_root={root}", *extra, "--run-id", run_id, *out)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--run-id" in r.stderr, r.stderr[-2000:]
+    assert not root.exists() or not any(root.iterdir())
+    assert not (tmp_path.parent / "escaped").exists() and not Path("/tmp/escaped").exists()
+
+
+def test_a_reused_run_id_is_one_line_exit_2(tmp_path):
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    r = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path / 'runs'}", "--run-id", "taken")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "already exists" in r.stderr, r.stderr[-2000:]

@@ -142,3 +142,15 @@ def test_unknown_request_kind():
     c._lock = threading.Lock()
     with pytest.raises(ValueError, match="unknown request 'hello'; known: sync, learner, progress, stop"):
         c.handle("hello", {})
+
+
+def test_reports_for_a_lease_another_generator_holds_are_ignored(tmp_path):
+    c = make(tmp_path)
+    mine, _ = sync(c, "g0", want=4)
+    eps = [t.episode for t in mine]
+    # g1 (a stale copy, or a holder of the run's keys pretending) reports g0's episodes.
+    sync(c, "g1", done=eps[:1], failed=[(eps[1], "boom")], released=eps[2:3])
+    assert set(c.leases) == set(eps) and all(c.leases[e].generator == "g0" for e in eps)
+    assert c.counts["completed"] == 0 and c.counts["foreign_reports"] == 3 and not c.queue
+    sync(c, "g0", done=eps)
+    assert c.counts["completed"] == 4 and not c.leases

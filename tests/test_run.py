@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def hpcrl(*args: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    # A site umask of 002 (group-writable) must not make the run directory writable by others.
+    kw.setdefault("preexec_fn", lambda: os.umask(0o002))
     return subprocess.Popen(
         [sys.executable, "-m", "hpcrl.jobs.cli", *args],
         stdout=subprocess.PIPE,
@@ -73,6 +75,8 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
     assert status["state"] == "finished"  # not "stopping": the coordinator wrote its last word on exit
     assert set(status["busy"]) == {"generator", "learner", "sandbox"}
     assert all(r["traj_per_s"] > 0 for r in rows[10:])
+    writable = [str(p) for p in [run_dir, *run_dir.rglob("*")] if not p.is_symlink() and p.stat().st_mode & 0o022]
+    assert not writable, f"group/world-writable under the run directory: {writable[:5]}"
     stat = hpcrl("status", str(run_dir))
     text = finish(stat, 60)
     assert stat.returncode == 0, text

@@ -451,3 +451,22 @@ def test_invalid_trajectory_is_rejected_and_receiver_keeps_serving(tmp_path, cap
             assert sender.wait_acked(10)
         assert receiver.dropped == 2 and receiver.received == 1
     assert any("unexpected kind 'traj'" in r.message for r in caplog.records)
+
+
+def test_unknown_keys_cost_a_stat_not_a_rescan_and_newcomers_are_admitted(tmp_path):
+    from hpcrl.core.transport import _AllowList
+
+    keys = RunKeys(tmp_path)
+    keys.ensure("coordinator")
+    allow = _AllowList(keys, rescan_s=3600)
+    strangers = [zmq.curve_keypair()[0] for _ in range(200)]
+    assert not any(allow.callback("hpcrl", k) for k in strangers)
+    assert allow.scans == 1  # keys/ did not change: 200 unknown keys, no directory read
+    newcomer = keys.ensure("gen-7")  # written before it connects, as every component does
+    # Directory mtimes tick coarsely (ext4: a few ms): on a fast machine the key may land in the
+    # tick of the last scan. Touch the folder until its stamp moves, as later writes would.
+    while allow._dir_stamp() == allow._stamp:
+        (keys.dir / ".tick").touch()
+        (keys.dir / ".tick").unlink()
+    assert allow.callback("hpcrl", newcomer.public) and allow.scans == 2
+    assert not allow.callback("hpcrl", strangers[0]) and allow.scans == 2

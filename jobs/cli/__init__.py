@@ -16,6 +16,7 @@ import sys
 
 from hpcrl import __version__
 from hpcrl.core.schema import ConfigError
+from hpcrl.jobs.rundir import RunDirError
 
 # Verb modules in the order `--help` lists them.
 VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim")
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except UsageError as exc:
+    except (UsageError, RunDirError) as exc:
         print(f"hpcrl {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

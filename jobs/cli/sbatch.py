@@ -42,10 +42,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"-o {out}: exists and is not a folder")
-    try:
-        run_dir = create_run_dir(cfg, args.run_id)
-    except FileExistsError as exc:
-        raise UsageError(str(exc)) from None
+    run_dir = create_run_dir(cfg, args.run_id)
     try:
         paths = write_scripts(
             cfg,

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from hpcrl.jobs.cli import UsageError, load_experiment
+    from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
     from hpcrl.jobs.rundir import create_run_dir
     from hpcrl.jobs.supervise import submit_run
@@ -48,10 +48,7 @@ def run(args: argparse.Namespace) -> int:
         for name, text in dry_run_scripts(cfg, run_dir, plan(cfg, run_dir, domains, search)).items():
             print(f"# ===== {name} =====\n{text}")
         return 0
-    try:
-        run_dir = create_run_dir(cfg, args.run_id)
-    except FileExistsError as exc:
-        raise UsageError(str(exc)) from None
+    run_dir = create_run_dir(cfg, args.run_id)
     for warning in preflight(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     record = submit_run(cfg, run_dir, plan(cfg, run_dir, domains, search), search, max_restarts=args.max_restarts)

@@ -143,6 +143,7 @@ def main() -> int:
     from hpcrl.slurm.sim.run import format_table, simulate
     from hpcrl.slurm.sim.trace import World, load_trace
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the oracle lives with the tests
     from packer_ref import ReferencePacker
 
     t_all = time.monotonic()

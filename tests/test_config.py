@@ -15,7 +15,7 @@ import yaml
 
 from hpcrl.core.config import RESOLVED_NAME, Config, load_config
 from hpcrl.core.schema import ConfigError, leaf_paths
-from hpcrl.jobs.rundir import create_run_dir
+from hpcrl.jobs.rundir import RunDirError, create_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "config.yaml"
@@ -188,7 +188,7 @@ def test_resolved_config_is_written_and_round_trips(tmp_path):
     resolved = run_dir / RESOLVED_NAME
     assert yaml.safe_load(resolved.read_text())["learner"]["lr"] == pytest.approx(2e-3)
     assert load_config(resolved) == cfg
-    with pytest.raises(FileExistsError, match="already exists"):
+    with pytest.raises(RunDirError, match="already exists"):
         create_run_dir(cfg, run_id=run_dir.name)
 
 

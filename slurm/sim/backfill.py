@@ -205,8 +205,9 @@ class BackfillPolicy(AsyncPolicy):
 
     def train_done(self, now: float) -> None:
         # Pending turns of episodes that can no longer be trained on are withdrawn, not run.
-        for task in self.packer.withdraw_older_than(self.train.version - self.train.max_staleness):
-            self.abort(self.floating[task.episode])
+        if self.train.drop:
+            for task in self.packer.withdraw_older_than(self.train.version - self.train.max_staleness):
+                self.abort(self.floating[task.episode])
         self._sync_end = now + self.trace.training.weight_sync_s
         super().train_done(now)
 

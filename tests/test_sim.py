@@ -1,9 +1,14 @@
 """The simulator (slurm/sim*.py) and `hpcrl sim`.
 
-GPU-time is conserved in every policy (and the check is not vacuous); sync keeps its phases
-apart; async packs nothing; backfill never lets a borrowed task stand in the way of an
-owner; trained trajectories respect the staleness bound; runs are deterministic; the
-shipped traces load; bad traces and arguments fail with one line and exit code 2.
+GPU-time is conserved in every policy (and the check is not vacuous), and so is the split of
+busy time into useful, dropped and open work; fair sync lets every GPU generate and train and
+beats sync-split on every shipped trace; async packs nothing; backfill never lets a borrowed
+task stand in the way of an owner; trained trajectories respect the staleness bound, and with
+drop_stale off every started episode is trained (the same episodes under every policy);
+trained vs started lengths show a policy that drops long episodes; the simulator takes its
+lending decisions from slurm/backfill/estimates.py; runs are deterministic; a run directory
+replays its measured episodes; the shipped traces load; bad traces, run directories and
+arguments fail with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -19,10 +24,22 @@ from pathlib import Path
 import pytest
 
 from hpcrl.core.schema import ConfigError
+from hpcrl.slurm.backfill.estimates import DurationEstimator, arrival_eta
 from hpcrl.slurm.sim.backfill import BackfillPolicy
-from hpcrl.slurm.sim.engine import BORROW, OWNER, GpuLedger, SimInvariantError, check_conservation
+from hpcrl.slurm.sim.engine import (
+    BORROW,
+    DROPPED,
+    OWNER,
+    TRAINED,
+    Episode,
+    GpuLedger,
+    Lengths,
+    SimInvariantError,
+    check_conservation,
+    check_work,
+)
 from hpcrl.slurm.sim.run import POLICIES, format_table, simulate
-from hpcrl.slurm.sim.trace import World, load_trace, parse_trace
+from hpcrl.slurm.sim.trace import EpisodeSpec, MeasuredEpisode, World, load_trace, parse_trace, replay_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "slurm" / "sim" / "traces"
@@ -39,6 +56,24 @@ def small_results(small):
     return {p: simulate(small, p, world=world, timeline_bins=50) for p in POLICIES}
 
 
+def no_drop(trace):
+    return dataclasses.replace(trace, training=dataclasses.replace(trace.training, drop_stale=False))
+
+
+@pytest.fixture(scope="module")
+def small_no_drop(small):
+    trace = no_drop(small)
+    world = World(trace)
+    return {p: simulate(trace, p, world=world) for p in POLICIES}
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    trace = load_trace(TRACES / "heavy-tail-300.yaml")
+    world = World(trace)
+    return trace, {p: simulate(trace, p, world=world) for p in ("sync", "sync-split", "backfill")}
+
+
 # ------------------------------------------------------------------------------ accounting
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_gpu_time_is_conserved(small_results, policy):
@@ -48,6 +83,12 @@ def test_gpu_time_is_conserved(small_results, policy):
         assert u.owner_s + u.packed_s + u.lost_s + u.idle_s == pytest.approx(u.capacity_s, rel=1e-9)
         assert min(u.owner_s, u.packed_s, u.lost_s, u.idle_s) >= 0
     assert 0 < r.useful_fraction <= r.busy_fraction <= 1
+    # Busy time is exactly training + trained + dropped + open work, each episode counted once.
+    w = r.work
+    assert w.useful_s + w.dropped_s + w.open_s == pytest.approx(r.busy_fraction * r.capacity_s, rel=1e-9)
+    assert r.useful_fraction + r.dropped_fraction + r.open_fraction == pytest.approx(r.busy_fraction, rel=1e-9)
+    assert w.trained + w.dropped + w.open == r.episodes_started
+    assert w.trained == r.trajectories and w.dropped == r.dropped_episodes
     # The binned timeline tells the same story as the totals.
     tl = r.timeline
     for role, u in (("learner", r.learner), ("generator", r.generator)):
@@ -73,36 +114,147 @@ def test_the_conservation_check_catches_bad_books():
         check_conservation(ledger, good, 12.0)  # capacity that the GPUs never accounted for
 
 
+def test_the_work_check_catches_bad_books():
+    spec = EpisodeSpec(0, "d", (3.0,), (1.0,))
+    trained, dropped, open_ = Episode(spec, 0), Episode(dataclasses.replace(spec, index=1), 0), Episode(spec, 0)
+    for ep, gpu_s in ((trained, 3.0), (dropped, 3.0), (open_, 1.0)):
+        ep.gpu_s = gpu_s
+    trained.advance()
+    trained.fate, dropped.fate = TRAINED, DROPPED
+    eps = [trained, dropped, open_]
+    w = check_work(eps, busy_s=17.0, training_s=10.0, open_expected=1)
+    assert (w.useful_s, w.dropped_s, w.open_s, w.trained, w.dropped, w.open) == (13.0, 3.0, 1.0, 1, 1, 1)
+    with pytest.raises(SimInvariantError, match="busy GPU time"):
+        check_work(eps, busy_s=18.0, training_s=10.0, open_expected=1)  # a GPU-second nobody did
+    with pytest.raises(SimInvariantError, match="neither trained nor dropped"):
+        check_work(eps, busy_s=17.0, training_s=10.0, open_expected=0)  # an episode lost from the books
+    open_.fate = TRAINED
+    with pytest.raises(SimInvariantError, match="before its last turn"):
+        check_work(eps, busy_s=17.0, training_s=10.0, open_expected=0)
+
+
+def test_lengths_summary():
+    xs = [float(i) for i in range(1, 201)]
+    assert Lengths.of(xs) == Lengths(200, 100.5, 198.0, 200.0)
+    assert Lengths.of([]).to_json() == {"n": 0, "mean": 0.0, "p99": 0.0, "max": 0.0}
+    assert EpisodeSpec(0, "d", (1.0, 2.0), (0.5, 0.25)).length_s == 3.75
+
+
 # ------------------------------------------------------------------------------ policies
 def test_every_policy_trains_every_step_within_the_staleness_bound(small, small_results):
     t = small.training
     for policy, r in small_results.items():
         assert r.steps == t.steps and r.trajectories == t.steps * t.batch_size
         assert sum(r.staleness) == r.trajectories
-        bound = 0 if policy == "sync" else t.max_staleness
+        bound = 0 if policy.startswith("sync") else t.max_staleness
         assert r.max_staleness == bound and len(r.staleness) == bound + 1
-    assert small_results["sync"].staleness == (t.steps * t.batch_size,)
+    for policy in ("sync", "sync-split"):
+        r = small_results[policy]
+        assert r.staleness == (t.steps * t.batch_size,)
+        assert (
+            r.episodes_started == r.trajectories
+            and r.dropped_episodes == 0
+            and r.useful_fraction == pytest.approx(r.busy_fraction)
+        )
 
 
-def test_sync_runs_generate_execute_train_one_after_another(small):
-    sim = POLICIES["sync"](small, keep_intervals=True).run()
+def _phases(sim):
     iv = sim.ledger.intervals
-    train = [(s, e) for g, k, s, e in iv if g < sim.L and k == 1]
-    gen = [(s, e) for g, k, s, e in iv if g >= sim.L and k == 1]
+    gen = [(g, s, e) for g, k, s, e in iv if k == 1 and not _is_training(sim, s, e)]
+    train = [(g, s, e) for g, k, s, e in iv if k == 1 and _is_training(sim, s, e)]
+    return gen, train
+
+
+def _is_training(sim, s, e):
+    return any(abs(s - ts) < 1e-9 and abs(e - te) < 1e-9 for ts, te in sim.train_spans)
+
+
+class _Spans:
+    """Records the training steps' spans."""
+
+    def begin_train(self, now, gpus=None, duration=None):
+        self.train_spans.append((now, now + (self.trace.training.train_s if duration is None else duration)))
+        super().begin_train(now, gpus, duration)
+
+
+def _run_recording(policy: str, trace):
+    cls = type(f"Spans{policy}", (_Spans, POLICIES[policy]), {})
+    sim = cls.__new__(cls)
+    sim.train_spans = []
+    cls.__init__(sim, trace, keep_intervals=True)
+    return sim.run()
+
+
+def test_sync_split_keeps_learner_and_generators_apart(small):
+    sim = _run_recording("sync-split", small)
+    gen, train = _phases(sim)
     assert train and gen
-    assert not any(k in (2, 3) for _, k, _, _ in iv), "sync never lends a GPU"
+    assert not any(k in (2, 3) for _, k, _, _ in sim.ledger.intervals), "sync never lends a GPU"
+    assert all(g >= sim.L for g, _, _ in gen), "learner GPUs never generate in sync-split"
+    assert all(g < sim.L for g, _, _ in train), "generators never train in sync-split"
     # Generation never overlaps training: the learner's GPUs idle while the batch is made.
-    for ts, te in train:
-        assert not any(gs < te and ge > ts for gs, ge in gen)
+    for _, ts, te in train:
+        assert not any(gs < te and ge > ts for _, gs, ge in gen)
     learner = sim.ledger.totals[0]
     assert learner[1] == pytest.approx(small.training.steps * small.training.train_s)
+
+
+def test_fair_sync_generates_on_every_gpu_then_trains_on_every_gpu(small):
+    sim = _run_recording("sync", small)
+    gen, train = _phases(sim)
+    n = sim.L + sim.G
+    assert {g for g, _, _ in gen} == set(range(n)), "every GPU generates"
+    assert not any(k in (2, 3) for _, k, _, _ in sim.ledger.intervals)
+    t = small.training
+    step_s = t.train_base_s + t.train_per_traj_s * t.batch_size * sim.L / n
+    assert len(train) == t.steps * n and all(e - s == pytest.approx(step_s) for _, s, e in train)
+    for _, ts, te in train:  # a barrier: no GPU generates while the batch trains
+        assert not any(gs < te and ge > ts for _, gs, ge in gen)
+    assert sim.train_gpu_s == pytest.approx(t.steps * n * step_s)
+
+
+def test_fair_sync_is_work_conserving(small):
+    """No GPU idles while a turn of the batch is ready to run, and long domains start first."""
+    from hpcrl.slurm.sim.policies import SyncPolicy
+
+    class Watched(SyncPolicy):
+        checks = 0
+
+        def _dispatch(self, now):
+            super()._dispatch(now)
+            assert not (self.idle and (self.back or self.pool)), "a free GPU left a ready turn waiting"
+            Watched.checks += 1
+
+        def start_order(self, batch):
+            out = super().start_order(batch)
+            q = self.trace.scheduler.fit_quantile
+            keys = [self.length_est.quantile(ep.spec.domain, q) for ep in out]
+            assert keys == sorted(keys, reverse=True)
+            Watched.distinct = max(Watched.distinct, len(set(keys)))
+            return out
+
+    Watched.distinct = 0
+    sim = Watched(small).run()
+    assert Watched.checks > 1000 and sim.steps_done == small.training.steps
+    assert Watched.distinct > 10  # the estimates learned from earlier steps do reorder the batch
+
+
+@pytest.mark.parametrize("path", sorted(TRACES.glob("*.yaml")), ids=lambda p: p.name)
+def test_fair_sync_beats_sync_split_on_the_shipped_traces(path):
+    trace = load_trace(path)
+    world = World(trace)
+    fair, split = simulate(trace, "sync", world=world), simulate(trace, "sync-split", world=world)
+    assert fair.trajectories == split.trajectories == trace.training.steps * trace.training.batch_size
+    assert fair.trained_len == split.trained_len  # the same episodes, on-policy
+    assert fair.makespan_s < split.makespan_s
+    assert fair.throughput_per_gpu_hour > split.throughput_per_gpu_hour
 
 
 def test_async_decouples_but_packs_nothing(small_results):
     r = small_results["async"]
     assert r.learner.packed_s == r.generator.packed_s == r.learner.lost_s == r.generator.lost_s == 0
     assert r.preemptions == 0 and r.packed_tasks == 0
-    assert r.makespan_s < small_results["sync"].makespan_s
+    assert r.makespan_s < small_results["sync"].makespan_s < small_results["sync-split"].makespan_s
 
 
 class _Watched(BackfillPolicy):
@@ -152,17 +304,166 @@ def test_runs_are_deterministic_and_policies_see_the_same_episodes(small):
     assert ep.turns == len(ep.sandbox_s) >= 1 and all(x > 0 for x in ep.gen_s + ep.sandbox_s)
 
 
-def test_heavy_tail_trace_meets_the_targets():
-    """The issue's targets on the shipped heavy-tail trace (deterministic, simulated time)."""
-    trace = load_trace(TRACES / "heavy-tail-300.yaml")
-    world = World(trace)
-    assert len(world.domains) == 300
-    sync, backfill = simulate(trace, "sync", world=world), simulate(trace, "backfill", world=world)
+def test_heavy_tail_trace_meets_the_targets(heavy):
+    """The issue's targets on the shipped heavy-tail trace (deterministic, simulated time),
+    against the fair sync baseline."""
+    trace, r = heavy
+    assert len(World(trace).domains) == 300
+    sync, backfill = r["sync"], r["backfill"]
     assert backfill.busy_fraction >= 0.95
     assert backfill.throughput_per_gpu_hour >= 2.5 * sync.throughput_per_gpu_hour
     assert max(i for i, c in enumerate(backfill.staleness) if c) <= trace.training.max_staleness
-    table = format_table([sync, backfill])
+    table = format_table([r["sync"], r["sync-split"], backfill])
     assert "backfill" in table and "x" in table.splitlines()[-1]
+    assert "trained len s" in table and "useful" in table
+
+
+def test_dropping_long_episodes_shows_in_the_lengths(heavy):
+    """Backfill wins partly by dropping stale episodes, and the stale ones are the long ones:
+    the trained length distribution says so; sync trains what it starts."""
+    _, r = heavy
+    b, s = r["backfill"], r["sync"]
+    assert b.dropped_episodes > 0 and b.dropped_fraction > 0
+    assert b.trained_len.max < b.started_len.max and b.trained_len.mean < b.started_len.mean
+    assert b.dropped_len.mean > b.started_len.mean
+    assert s.trained_len == s.started_len and s.dropped_fraction == 0
+
+
+# ------------------------------------------------------------------------------ no drops
+def test_no_drop_trains_every_started_episode_the_same_under_every_policy(small, small_no_drop):
+    t = small.training
+    n = t.steps * t.batch_size
+    base = small_no_drop["sync"]
+    for policy, r in small_no_drop.items():
+        assert not r.drop_stale
+        assert r.episodes_started == r.trajectories == n, policy
+        assert r.dropped_episodes == 0 and r.dropped_fraction == 0 and r.work.open == 0
+        assert r.trained_len == r.started_len == base.started_len, policy  # episodes 0..n-1, every one
+        assert sum(r.staleness) == n
+    # Trained at whatever staleness it took: the bound is not enforced, and here it is exceeded.
+    assert max(r.max_trained_staleness for r in small_no_drop.values()) > t.max_staleness
+    assert small_no_drop["backfill"].throughput_per_gpu_hour > small_no_drop["sync"].throughput_per_gpu_hour
+
+
+def test_no_drop_is_a_trace_key_too():
+    trace = parse_trace(GOOD.replace("reload_s: 0}", "reload_s: 0, drop_stale: false}"))
+    assert trace.training.drop_stale is False
+    for p in POLICIES:
+        r = simulate(trace, p)
+        assert r.episodes_started == r.trajectories == 4
+
+
+# ------------------------------------------------------------------------------ shared decisions
+def test_lending_decisions_come_from_the_shared_estimator():
+    est = DurationEstimator(history=50, min_samples=3, prior_s=30.0)
+    assert est.task_estimate("code", 0.9) == 30.0  # the prior, before any history
+    for x in (10.0, 20.0, 30.0, 40.0):
+        est.record("code", x)
+    assert est.task_estimate("code", 0.9) == est.quantile("code", 0.9) == 40.0
+    assert est.task_estimate("code", 0.9, done_s=25.0, resume_s=1.0) == 16.0
+    assert est.task_estimate("code", 0.9, done_s=39.0, resume_s=1.0) == pytest.approx(5.0)  # at least a tenth
+    now = 100.0
+    assert est.next_return(now, [], 0.5) == math.inf
+    assert est.next_return(now, [("code", None)], 0.5) == now + est.quantile("code", 0.5)
+    assert est.next_return(now, [("code", None), ("code", 85.0)], 0.5) == now + est.remaining_quantile(
+        "code", 15.0, 0.5
+    )
+    assert arrival_eta(now, [1.0], 4, 0.25) == math.inf  # no rate yet
+    eta = arrival_eta(now, [0.0, 10.0, 20.0], 10, 0.5)  # one every 10 s: ten more in about 100 s
+    assert 90.0 < eta - now < 100.0 and arrival_eta(now, [0.0, 10.0, 20.0], 10, 0.1) < eta
+
+
+def test_the_simulated_lender_asks_the_shared_estimator(small):
+    sim = BackfillPolicy(small)
+    for x in (5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0):
+        sim.gen_est.record("code-0", x)
+    ep = Episode(EpisodeSpec(0, "code-0", (30.0,), (1.0,)), 0)
+    assert sim.task_of(ep).est_s == sim.gen_est.task_estimate("code-0", small.scheduler.fit_quantile)
+    ep.gen_left, ep.resumed = 18.0, True
+    assert sim.task_of(ep).est_s == sim.gen_est.task_estimate(
+        "code-0", small.scheduler.fit_quantile, done_s=12.0, resume_s=small.training.resume_s
+    )
+
+
+# ------------------------------------------------------------------------------ replay
+def _measured(n=40):
+    return [
+        MeasuredEpisode(f"d{i % 3}", tuple(1.0 + (i * k) % 7 for k in range(1, 2 + i % 3)), (0.5,) * (1 + i % 3))
+        for i in range(n)
+    ]
+
+
+def test_replay_world_replays_every_measured_episode_once_per_pass(small):
+    trace = replay_trace("/some/run", TRACES / "small.yaml")
+    assert trace.replay and not trace.families and trace.cluster == small.cluster
+    measured = _measured()
+    world = World(trace, measured)
+    assert world.domain_names == ("d0", "d1", "d2") and world.domains == ()
+    first = [world.episode(i) for i in range(40)]
+    second = [world.episode(i) for i in range(40, 80)]
+    key = lambda e: (e.domain, e.gen_s, e.sandbox_s)
+    want = sorted((m.domain, m.gen_s, m.sandbox_s) for m in measured)
+    assert sorted(map(key, first)) == want == sorted(map(key, second))
+    assert list(map(key, first)) != list(map(key, second))  # a fresh order each pass
+    assert World(trace, measured).episode(57) == world.episode(57)  # deterministic
+    with pytest.raises(ValueError, match="pass its measured episodes"):
+        World(trace)
+    r = simulate(trace, "backfill", world=world)
+    assert r.trajectories == small.training.steps * small.training.batch_size
+
+
+def test_replay_trace_names_what_is_missing():
+    with pytest.raises(ConfigError) as info:
+        replay_trace("/some/run")
+    assert info.value.path == "cluster" and "required key is missing" in info.value.message
+    trace = replay_trace("/some/run", TRACES / "small.yaml", {"cluster": {"learner_gpus": 2}, "training": {"steps": 3}})
+    assert trace.cluster.learner_gpus == 2 and trace.training.steps == 3 and trace.name == "small"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory with stored trajectories, written by the real shard writer (no training run)."""
+    import numpy as np
+
+    from hpcrl.rl.store.writer import ShardWriter
+    from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
+
+    run = tmp_path_factory.mktemp("run")
+    rng = np.random.default_rng(4)
+    with ShardWriter(run / "trajectories", "gen-0", dedup=False) as w:
+        for i in range(120):
+            w.append(synth_trajectory(rng, "r", "gen-0", i, TINY_SHAPE))
+    return run
+
+
+def test_cli_replays_a_run_directory(run_dir):
+    from hpcrl.jobs.cli.sim import read_measured
+
+    measured, bad = read_measured(run_dir)
+    assert len(measured) == 120 and not bad
+    longest = max(sum(m.gen_s) + sum(m.sandbox_s) for m in measured)
+    proc = hpcrl(str(run_dir), "--setup", str(TRACES / "small.yaml"), "--policy", "all", "--json", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)
+    assert [d["policy"] for d in docs] == ["sync", "sync-split", "async", "backfill"]
+    for d in docs:
+        assert d["replay"]["episodes"] == 120 and d["steps"] == 2
+        assert 0 < d["started_len_s"]["max"] <= longest * (1 + 1e-9)
+        assert d["useful"] <= d["busy"]
+    table = hpcrl(str(run_dir), "--setup", str(TRACES / "small.yaml"), "--policy", "all", "--steps", "2")
+    assert table.returncode == 0 and "120 measured episodes" in table.stdout and "sync-split" in table.stdout
+
+
+def test_a_trace_file_may_name_a_run_to_replay(run_dir, tmp_path):
+    trace = tmp_path / "replay.yaml"
+    text = textwrap.dedent(GOOD)
+    text = text[: text.index("families:")] + f"replay: {run_dir.name}\n"
+    (tmp_path / run_dir.name).symlink_to(run_dir)
+    trace.write_text(text)
+    assert load_trace(trace).replay == str(tmp_path / run_dir.name)
+    proc = hpcrl(str(trace), "--policy", "sync", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["replay"]["episodes"] == 120
 
 
 # ------------------------------------------------------------------------------ traces
@@ -227,6 +528,16 @@ def test_good_minimal_trace_runs_every_policy():
         assert simulate(trace, p).trajectories == 4
 
 
+def test_a_trace_draws_from_families_or_replays_a_run():
+    no_families = GOOD[: GOOD.index("families:")]
+    with pytest.raises(ConfigError) as info:
+        parse_trace(no_families)
+    assert info.value.path == "families" and "replay" in info.value.message
+    with pytest.raises(ConfigError) as info:
+        parse_trace(GOOD + "replay: runs/x\n")
+    assert info.value.path == "replay" and "not both" in info.value.message
+
+
 # ------------------------------------------------------------------------------ CLI
 def hpcrl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -240,15 +551,49 @@ def test_cli_json_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["policy"] == "backfill" and doc["trace"] == "small"
-    assert 0 < doc["busy_fraction"] <= 1 and doc["learner"]["busy_fraction"] > 0
+    assert 0 < doc["useful"] <= doc["busy"] <= 1 and doc["learner"]["busy_fraction"] > 0
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    proc = hpcrl(str(TRACES / "small.yaml"), "--policy", "sync", "--plot", str(plot))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_cli_json_of_all_policies_keeps_its_contract():
+    """`--policy all --json`: a list, one object per policy, with the documented keys."""
+    proc = hpcrl(str(TRACES / "small.yaml"), "--policy", "all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)
+    assert isinstance(docs, list) and [d["policy"] for d in docs] == ["sync", "sync-split", "async", "backfill"]
+    for d in docs:
+        for key in ("busy", "useful", "dropped"):
+            assert isinstance(d[key], float) and 0 <= d[key] <= 1, (d["policy"], key)
+        assert d["useful"] <= d["busy"] and d["useful"] + d["dropped"] + d["open"] == pytest.approx(d["busy"])
+        for key in ("trained_len_s", "started_len_s"):
+            assert {"mean", "p99", "max"} <= set(d[key])
+            assert 0 < d[key]["mean"] <= d[key]["p99"] <= d[key]["max"]
+        assert d["episodes"]["started"] == d["episodes"]["trained"] + d["episodes"]["dropped"] + d["episodes"]["open"]
+    by = {d["policy"]: d for d in docs}
+    assert by["sync"]["dropped"] == 0 and by["backfill"]["dropped"] > 0
+    assert by["sync"]["traj_per_gpu_hour"] > by["sync-split"]["traj_per_gpu_hour"]
+
+
+def test_cli_no_drop():
+    proc = hpcrl(str(TRACES / "small.yaml"), "--policy", "all", "--no-drop", "--json")
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)
+    assert {d["episodes"]["trained"] for d in docs} == {d["episodes"]["started"] for d in docs} == {384}
+    assert all(d["dropped"] == 0 and not d["staleness"]["enforced"] for d in docs)
+    table = hpcrl(str(TRACES / "small.yaml"), "--policy", "all", "--no-drop")
+    assert table.returncode == 0 and "no drops" in table.stdout and "(no drop)" in table.stdout
 
 
 def test_cli_table_of_policies():
     proc = hpcrl(str(TRACES / "small.yaml"), "--policy", "all")
     assert proc.returncode == 0, proc.stderr
-    rows = [line.split()[0] for line in proc.stdout.splitlines()]
-    assert {"sync", "async", "backfill"} <= set(rows)
+    rows = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    assert {"sync", "sync-split", "async", "backfill"} <= set(rows)
+    head = proc.stdout.splitlines()[1]
+    for column in ("busy", "useful", "dropped", "trained len s", "started len s", "vs sync"):
+        assert column in head
 
 
 @pytest.mark.parametrize(
@@ -257,12 +602,21 @@ def test_cli_table_of_policies():
         (["nope.yaml"], "nope.yaml: no such trace file"),
         (["{small}", "--plot", "x.txt"], "--plot x.txt: the file name must end in .png, .pdf, .svg"),
         (["{small}", "--plot", "/no/such/dir/u.png"], "folder /no/such/dir does not exist"),
-        (["{small}", "--policy", "all", "--plot", "{tmp}/u.png"], "pick --policy sync, async or backfill"),
+        (["{small}", "--policy", "all", "--plot", "{tmp}/u.png"], "pick --policy sync, sync-split, async, backfill"),
         (["{small}", "--bins", "3"], "--bins must be at least 10"),
+        (["{tmp}"], "no trajectories to replay"),
+        (["{tmp}", "--setup", "{small}"], "no trajectories to replay"),
+        (["{run}"], "a run directory takes its cluster and training from --setup"),
+        (["{run}", "--setup", "{tmp}/nope.yaml"], "nope.yaml: no such trace file"),
+        (["{small}", "--setup", "{small}"], "--setup is for replaying a run directory"),
+        (["{bad}"], "invalid YAML"),
+        (["{small}", "--learner-gpus", "0"], "cluster.learner_gpus: must be >= 1"),
     ],
 )
-def test_cli_errors_are_one_line_exit_2(tmp_path, args, fragment):
-    args = [a.format(small=TRACES / "small.yaml", tmp=tmp_path) for a in args]
+def test_cli_errors_are_one_line_exit_2(tmp_path, run_dir, args, fragment):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ncluster: {learner_gpus: 1\n")
+    args = [a.format(small=TRACES / "small.yaml", tmp=tmp_path, run=run_dir, bad=bad) for a in args]
     proc = hpcrl(*args)
     assert proc.returncode == 2
     assert fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -5,7 +5,11 @@
     result = simulate(load_trace("slurm/sim/traces/heavy-tail-300.yaml"), "backfill")
 
 `trace` reads a cluster, a training loop and hundreds of task domains from YAML (examples in
-`traces/`); `engine` is the discrete-event machinery and GPU-time accounting; `policies` the
-baselines (`sync`, `async`), `backfill` ours, which lends idle windows through the real
-`slurm.backfill` packer; `run` runs a policy and formats, plots and checks the result.
+`traces/`), or replays the measured episodes of a run; `engine` is the discrete-event
+machinery and the books (GPU time per role; busy time split into useful, dropped and open
+work); `policies` the baselines (`sync`: every GPU generates, then every GPU trains;
+`sync-split`: the weaker split-cluster one; `async`), `backfill` ours, which lends idle
+windows through the real `slurm.backfill` packer and takes its estimates and lending
+decisions from `slurm.backfill.estimates`; `run` runs a policy and formats, plots and checks
+the result.
 """

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from statistics import NormalDist
 
-from hpcrl.slurm.backfill.estimates import DurationEstimator
+from hpcrl.slurm.backfill.estimates import DurationEstimator, arrival_eta
 from hpcrl.slurm.backfill.packer import GapPacker, Placement, RolloutTask
 from hpcrl.slurm.sim.engine import BORROW, OWNER, Episode
 from hpcrl.slurm.sim.policies import SYNC, AsyncPolicy
@@ -53,17 +52,19 @@ class BackfillPolicy(AsyncPolicy):
         self._recent: deque[float] = deque(maxlen=64)  # completion times, for the batch-ready estimate
         self._serial = [0] * (self.L + self.G)
         self._sync_end = 0.0
-        self._z_reclaim = NormalDist().inv_cdf(min(max(self.reclaim_q, 1e-6), 1 - 1e-6))
 
     # ---------------------------------------------------------------- packer plumbing
     def task_of(self, ep: Episode) -> RolloutTask:
-        """The packer's view of ep's next generation: an estimate, never the true duration.
-        A turn already cut once is estimated by what is left of the domain's quantile."""
-        est = self.gen_est.quantile(ep.spec.domain, self.fit_q)
-        if ep.resumed:
+        """The packer's view of ep's next generation: an estimate, never the true duration
+        (slurm/backfill/estimates.py decides it, as for the live components)."""
+        if ep.resumed:  # a turn already cut once: what is left of the domain's quantile
             done = ep.spec.gen_s[ep.turn] - ep.gen_left  # known: the chunks that ran
-            est = max(est - done, est * 0.1) + self.trace.training.resume_s
-        return RolloutTask(ep.index, ep.spec.domain, max(est, 1e-3), ep.version, ep.index, self.min_chunk)
+            est = self.gen_est.task_estimate(
+                ep.spec.domain, self.fit_q, done_s=done, resume_s=self.trace.training.resume_s
+            )
+        else:
+            est = self.gen_est.task_estimate(ep.spec.domain, self.fit_q)
+        return RolloutTask(ep.index, ep.spec.domain, est, ep.version, ep.index, self.min_chunk)
 
     def place(self, p: Placement | None, now: float) -> None:
         if p is not None:
@@ -112,30 +113,14 @@ class BackfillPolicy(AsyncPolicy):
 
     def owner_back(self, g: int, now: float) -> float:
         """When the first of g's own episodes is expected back from its sandbox."""
-        back = math.inf
-        for ep in self.own[g]:
-            if math.isnan(ep.sbx_start):  # queued for a sandbox slot: the whole run is ahead
-                t = now + self.sbx_est.quantile(ep.spec.domain, self.reclaim_q)
-            else:
-                elapsed = now - ep.sbx_start
-                t = now + self.sbx_est.remaining_quantile(ep.spec.domain, elapsed, self.reclaim_q)
-            back = min(back, t)
-        return max(back, now)
+        waits = ((ep.spec.domain, None if math.isnan(ep.sbx_start) else ep.sbx_start) for ep in self.own[g])
+        return self.sbx_est.next_return(now, waits, self.reclaim_q)
 
     def learner_eta(self, now: float) -> float:
+        """When the learner's batch is expected full (exact while it broadcasts weights)."""
         if self.state == SYNC:
             return self._sync_end
-        missing = self.trace.training.batch_size - self.train.ready
-        times = self._recent
-        if len(times) < 2 or times[-1] <= times[0]:
-            return math.inf  # no rate yet: the learner has no idea when its batch fills
-        rate = (len(times) - 1) / (times[-1] - times[0])
-        # Completions as a Poisson stream: the wait for `missing` more is Gamma(missing, 1/rate);
-        # like a generator's sandbox wait, it is predicted at reclaim_quantile (early, so that
-        # fewer borrowed tasks are cut off when the batch fills). Wilson-Hilferty approximation.
-        k = max(missing, 1)
-        cube = 1.0 - 1.0 / (9.0 * k) + self._z_reclaim / (3.0 * math.sqrt(k))
-        return now + k / rate * max(cube, 0.0) ** 3
+        return arrival_eta(now, self._recent, self.trace.training.batch_size - self.train.ready, self.reclaim_q)
 
     # ---------------------------------------------------------------- generators
     def acquire(self, g: int, now: float) -> Episode | None:
@@ -220,8 +205,9 @@ class BackfillPolicy(AsyncPolicy):
 
     def train_done(self, now: float) -> None:
         # Pending turns of episodes that can no longer be trained on are withdrawn, not run.
-        for task in self.packer.withdraw_older_than(self.train.version - self.train.max_staleness):
-            self.abort(self.floating[task.episode])
+        if self.train.drop:
+            for task in self.packer.withdraw_older_than(self.train.version - self.train.max_staleness):
+                self.abort(self.floating[task.episode])
         self._sync_end = now + self.trace.training.weight_sync_s
         super().train_done(now)
 

@@ -11,6 +11,11 @@ knows nothing about scheduling. Its job is to keep the books honest:
   `check_conservation` demands, per role, owner + packed + lost (from the tallies) + idle
   (from the ledger) = GPUs x makespan. A double-booked GPU, a task counted twice or an
   interval never closed makes the run fail instead of reporting a flattering number.
+* Every started episode ends the run in exactly one state (`Episode.fate`): trained, dropped
+  (too stale to train on), or open (in flight, or complete and waiting for a batch).
+  `check_work` demands that the busy GPU time is exactly training plus the generation time
+  of the episodes, split by fate: busy = training + trained + dropped + open, so `useful`
+  (training + trained) can never exceed busy and no GPU-second is claimed twice.
 """
 
 from __future__ import annotations
@@ -144,19 +149,23 @@ def check_conservation(ledger: GpuLedger, tally: dict[str, list[float]], makespa
     return usage
 
 
+OPEN, TRAINED, DROPPED = "open", "trained", "dropped"  # an episode's fate at the end of the run
+
+
 class Episode:
     """One episode in flight: which turn it is at, which policy version started it, who owns it."""
 
-    __slots__ = ("spec", "version", "turn", "owner", "alive", "sbx_start", "gpu_s", "gen_left", "resumed")
+    __slots__ = ("spec", "version", "turn", "owner", "alive", "sbx_start", "gpu_s", "gen_left", "resumed", "fate")
 
     def __init__(self, spec: EpisodeSpec, version: int):
         self.spec = spec
+        self.fate = OPEN
         self.version = version
         self.turn = 0
         self.owner = -1  # generator GPU index, or -1 for a floating (packed) episode
         self.alive = True
         self.sbx_start = math.nan
-        self.gpu_s = 0.0  # GPU time of its completed generation turns (not preempted attempts)
+        self.gpu_s = 0.0  # GPU time of its generation runs (not preempted attempts; a cut-off one at the end)
         self.gen_left = spec.gen_s[0]  # generation still to do in the current turn
         self.resumed = False  # the current turn was cut at a budget: the next chunk re-prefills
 
@@ -210,15 +219,20 @@ class SandboxPool:
 
 
 class TrainingLedger:
-    """Completed trajectories waiting for the learner; staleness is checked when a batch is taken."""
+    """Completed trajectories waiting for the learner; staleness is checked when a batch is taken.
 
-    def __init__(self, batch_size: int, max_staleness: int):
+    drop=True: a trajectory older than `max_staleness` versions is dropped (AReaL's bound).
+    drop=False: none is ever dropped; every one is trained whatever its staleness (off-policy
+    correction only), and the staleness counts grow as far as they need to.
+    """
+
+    def __init__(self, batch_size: int, max_staleness: int, drop: bool = True):
         self.batch_size = batch_size
         self.max_staleness = max_staleness
+        self.drop = drop
         self.version = 0
         self._ready: list[tuple[int, int, Episode]] = []
         self.consumed = 0
-        self.useful_gen_s = 0.0  # GPU time of the generation turns of trained trajectories
         self.dropped = 0
         self.staleness = [0] * (max_staleness + 1)
 
@@ -230,23 +244,98 @@ class TrainingLedger:
         heapq.heappush(self._ready, (ep.version, ep.index, ep))
 
     def doomed(self, ep: Episode) -> bool:
-        """Started so long ago that no future batch may contain it."""
-        return ep.version < self.version - self.max_staleness
+        """Started so long ago that no future batch may contain it (never, with drop=False)."""
+        return self.drop and ep.version < self.version - self.max_staleness
 
     def take_batch(self) -> list[Episode] | None:
         """The oldest `batch_size` usable trajectories, dropping those too stale to train on."""
         ready = self._ready
         while ready and self.doomed(ready[0][2]):
-            heapq.heappop(ready)
+            heapq.heappop(ready)[2].fate = DROPPED
             self.dropped += 1
         if len(ready) < self.batch_size:
             return None
         batch = [heapq.heappop(ready)[2] for _ in range(self.batch_size)]
         for ep in batch:
             age = self.version - ep.version
-            if not 0 <= age <= self.max_staleness:
+            if age < 0 or (self.drop and age > self.max_staleness):
                 raise SimInvariantError(f"episode {ep.index} trained at staleness {age} (bound {self.max_staleness})")
+            if ep.fate != OPEN or not ep.done:
+                raise SimInvariantError(f"episode {ep.index} trained while {ep.fate}, at turn {ep.turn}")
+            while age >= len(self.staleness):
+                self.staleness.append(0)
             self.staleness[age] += 1
-            self.useful_gen_s += ep.gpu_s
+            ep.fate = TRAINED
         self.consumed += len(batch)
         return batch
+
+
+@dataclass(frozen=True)
+class WorkSplit:
+    """Busy GPU time by what it went into, seconds (busy = training + trained + dropped + open)."""
+
+    training_s: float  # learner steps (on every GPU that trains)
+    trained_s: float  # generation of the trajectories that were trained on
+    dropped_s: float  # generation of episodes dropped as too stale
+    open_s: float  # generation of episodes in flight or waiting for a batch when the run ended
+    trained: int
+    dropped: int
+    open: int
+
+    @property
+    def useful_s(self) -> float:
+        return self.training_s + self.trained_s
+
+
+def check_work(episodes: list[Episode], busy_s: float, training_s: float, open_expected: int) -> WorkSplit:
+    """Every started episode is trained, dropped or open, and their GPU time plus training is
+    the busy time of the ledger (to rounding): no work is counted twice or lost from the books."""
+    split = {OPEN: [0.0, 0], TRAINED: [0.0, 0], DROPPED: [0.0, 0]}
+    for ep in episodes:
+        entry = split.get(ep.fate)
+        if entry is None:
+            raise SimInvariantError(f"episode {ep.index} ended the run as {ep.fate!r}")
+        if ep.fate == TRAINED and not ep.done:
+            raise SimInvariantError(f"episode {ep.index} trained before its last turn")
+        entry[0] += ep.gpu_s
+        entry[1] += 1
+    if split[OPEN][1] != open_expected:
+        raise SimInvariantError(
+            f"{split[OPEN][1]} episodes neither trained nor dropped, but {open_expected} in flight or waiting"
+        )
+    total = training_s + split[OPEN][0] + split[TRAINED][0] + split[DROPPED][0]
+    if abs(total - busy_s) > 1e-6 * max(busy_s, 1.0):
+        raise SimInvariantError(
+            f"busy GPU time {busy_s:.3f} s != training {training_s:.3f} + episodes' generation "
+            f"{total - training_s:.3f} s"
+        )
+    return WorkSplit(
+        training_s,
+        split[TRAINED][0],
+        split[DROPPED][0],
+        split[OPEN][0],
+        split[TRAINED][1],
+        split[DROPPED][1],
+        split[OPEN][1],
+    )
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """An episode-length distribution, seconds: count, mean, p99 (nearest rank), max."""
+
+    n: int
+    mean: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Lengths:
+        if not values:
+            return cls(0, 0.0, 0.0, 0.0)
+        xs = sorted(values)
+        n = len(xs)
+        return cls(n, math.fsum(xs) / n, xs[min(n - 1, max(0, math.ceil(0.99 * n) - 1))], xs[-1])
+
+    def to_json(self) -> dict:
+        return {"n": self.n, "mean": self.mean, "p99": self.p99, "max": self.max}

@@ -1,30 +1,56 @@
-"""The baseline policies of the simulator: `sync` and `async` (ours, `backfill`, is in backfill.py).
+"""The baseline policies of the simulator: `sync`, `sync-split` and `async` (ours, `backfill`, is in backfill.py).
 
 GPUs 0..L-1 are the learner's, L..L+G-1 one generator each. A generation turn runs on one
-GPU at a time for the episode's drawn duration; a sandbox execution holds one CPU slot.
+GPU at a time for the episode's drawn duration; a sandbox execution holds one CPU slot and
+leaves the GPU free (the engine's model: an episode waiting on its sandbox occupies no GPU,
+and its next turn may run on any GPU at no extra cost; only a turn cut mid-generation pays
+resume_s, which no baseline does).
 
-sync  -- on-policy, one phase after another: the batch's episodes are sharded over the
-         generators, each episode runs the article's loop (generate, execute in a sandbox,
-         generate again...) on its generator, which serves whichever of its episodes has a
-         turn ready; when the whole batch is done (barrier) the learner trains on it
-         (generators idle), broadcasts the weights (everyone idle) and the generators reload
-         them. Learner GPUs idle throughout generation; a generator idles while all its
-         episodes run in sandboxes, after its shard is done, and during training and sync.
-async -- generation decoupled from training: each generator keeps `episodes_in_flight`
-         episodes of its own going and runs their turns as they come back from the sandboxes;
-         the learner trains whenever a batch of fresh-enough trajectories is ready. New
-         episodes start only while in-flight + ready < (max_staleness + 1) x batch (AReaL's
-         bound), trajectories older than the bound are dropped. No packing: a generator whose
-         episodes all wait on sandboxes idles, and so does a learner waiting for data.
+sync       -- the strongest synchronous design, on-policy, one phase after another. Every
+              GPU (learner and generators alike) generates: the step's batch is one shared
+              pool, and a GPU that frees up takes the oldest turn back from a sandbox, else the
+              next new episode of the pool, so no GPU idles while any turn of the batch is
+              ready to run (work-conserving list scheduling; episodes run to completion). New
+              episodes start longest-expected first (the fit_quantile of their domain's past
+              episode lengths, slurm/backfill/estimates.py), so the long ones that make the
+              barrier wait start early; turns back from a sandbox come before new episodes. When
+              the whole batch is done (barrier) all L+G GPUs train it, data-parallel:
+              train_base_s + train_per_traj_s x batch x L / (L+G) seconds (per-trajectory work
+              scales perfectly with the GPUs, the fixed part does not). Every rank then holds
+              the new weights: no broadcast, only the reload into the inference engine
+              (reload_s) before the next step's generation; the run ends when the last step
+              has trained. It is non-clairvoyant like the others: it never sees a duration
+              before the task ends.
+sync-split -- the weaker synchronous baseline of a disaggregated cluster: the batch's episodes
+              are sharded statically over the generators (episode i on generator i mod G), each
+              generator serves whichever of its episodes has a turn ready; learner GPUs never
+              generate and generators never train. When the whole batch is done the learner
+              trains on it (generators idle), broadcasts the weights (everyone idle) and the
+              generators reload them. A generator idles while all its episodes run in
+              sandboxes, after its shard is done, and during training and sync.
+async      -- generation decoupled from training: each generator keeps `episodes_in_flight`
+              episodes of its own going and runs their turns as they come back from the
+              sandboxes; the learner trains whenever a batch of fresh-enough trajectories is
+              ready. New episodes start only while in-flight + ready < (max_staleness + 1) x
+              batch (AReaL's bound), trajectories older than the bound are dropped. No packing:
+              a generator whose episodes all wait on sandboxes idles, and so does a learner
+              waiting for data.
+
+With training.drop_stale false (`hpcrl sim --no-drop`), async and backfill drop nothing: every
+episode is trained whatever its staleness (off-policy correction only), and every policy starts
+exactly steps x batch_size episodes, so all of them train the same episodes 0..N-1.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 
+from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.sim.engine import (
     BORROW,
+    DROPPED,
     OWNER,
     Episode,
     EventLoop,
@@ -56,11 +82,18 @@ class SimBase:
         # [owner, packed, lost] seconds per role, summed from task records, not from the ledger.
         self.tally = {"learner": [0.0, 0.0, 0.0], "generator": [0.0, 0.0, 0.0]}
         self.sandbox = SandboxPool(c.sandbox_slots, self.loop, self._sandbox_done)
-        self.train = TrainingLedger(t.batch_size, self._staleness_bound())
+        self.train = TrainingLedger(t.batch_size, self._staleness_bound(), drop=t.drop_stale)
         self.steps_done = 0
         self.end_time: float | None = None
-        self.episodes_started = 0
+        self.episodes: list[Episode] = []  # every episode started, in start order
         self.aborted = 0
+        self.in_flight = 0  # started, neither complete nor dropped (async and backfill count them)
+        # At most this many episodes are ever started (None: no cap): with drop_stale off,
+        # exactly the steps' trajectories, so that every policy trains the same episodes.
+        self.episode_cap = None if t.drop_stale else t.steps * t.batch_size
+        self.train_gpu_s = 0.0  # GPU time of training steps, every training GPU counted
+        self._train_gpus: range | list[int] = self.learner_gpus
+        self._training = False
         n = self.L + self.G
         # (episode, start, OWNER/BORROW, generation progress the run makes when it completes)
         self._run: list[tuple[Episode, float, int, float] | None] = [None] * n
@@ -80,19 +113,33 @@ class SimBase:
         raise NotImplementedError
 
     def finish(self, now: float) -> None:
+        if self._training:
+            raise SimInvariantError("the run ended while the learner was training")
         for g, run in enumerate(self._run):
             if run is not None:  # work cut off by the end of the run still occupied the GPU
-                _ep, start, kind, _ = run
+                ep, start, kind, _ = run
                 self.tally[self.roles[g]][0 if kind == OWNER else 1] += now - start
-        if any(self.ledger.state[g] == OWNER for g in self.learner_gpus):
-            raise SimInvariantError("the run ended while the learner was training")
+                ep.gpu_s += now - start  # busy time of an open episode
         self.ledger.finish(now)
         self.end_time = now
 
+    @property
+    def episodes_started(self) -> int:
+        return len(self.episodes)
+
+    def may_start_episode(self) -> bool:
+        return self.episode_cap is None or len(self.episodes) < self.episode_cap
+
     def new_episode(self, version: int) -> Episode:
-        ep = Episode(self.world.episode(self.episodes_started), version)
-        self.episodes_started += 1
+        if not self.may_start_episode():
+            raise SimInvariantError(f"episode {len(self.episodes)} started beyond the cap of {self.episode_cap}")
+        ep = Episode(self.world.episode(len(self.episodes)), version)
+        self.episodes.append(ep)
         return ep
+
+    def open_episodes(self) -> int:
+        """Episodes that are neither trained nor dropped now: in flight, or waiting for a batch."""
+        return self.in_flight + self.train.ready
 
     # ---------------------------------------------------------------- generation tasks
     def start_gen(self, g: int, ep: Episode, kind: int, now: float, budget: float = math.inf) -> None:
@@ -136,16 +183,21 @@ class SimBase:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- training
-    def begin_train(self, now: float) -> None:
-        for g in self.learner_gpus:
+    def begin_train(self, now: float, gpus: range | list[int] | None = None, duration: float | None = None) -> None:
+        """A training step on `gpus` (default: the learner's) for `duration` (default train_s)."""
+        self._train_gpus = self.learner_gpus if gpus is None else gpus
+        self._training = True
+        for g in self._train_gpus:
             self.ledger.begin(g, OWNER, now)
         self._train_start = now
-        self.loop.at(now + self.trace.training.train_s, self._train_event)
+        self.loop.at(now + (self.trace.training.train_s if duration is None else duration), self._train_event)
 
     def _train_event(self, _: object, now: float) -> None:
-        for g in self.learner_gpus:
+        for g in self._train_gpus:
             self.ledger.end(g, now)
-        self.tally["learner"][0] += (now - self._train_start) * self.L
+            self.tally[self.roles[g]][0] += now - self._train_start
+        self.train_gpu_s += (now - self._train_start) * len(self._train_gpus)
+        self._training = False
         self.train.version += 1
         self.steps_done += 1
         self.train_done(now)
@@ -154,10 +206,11 @@ class SimBase:
         raise NotImplementedError
 
 
-class SyncPolicy(SimBase):
-    """Generate -> execute -> train, one after another (see the module docstring)."""
+class SyncSplitPolicy(SimBase):
+    """Generate on the generators only -> train on the learner only, statically sharded (the
+    weaker baseline; see the module docstring)."""
 
-    name = "sync"
+    name = "sync-split"
 
     def _staleness_bound(self) -> int:
         return 0  # every batch is generated by the weights it trains
@@ -195,7 +248,7 @@ class SyncPolicy(SimBase):
         if self.remaining:
             return  # the batch is not complete: finished generators wait (barrier)
         if self.train.take_batch() is None:
-            raise SimInvariantError("sync: a finished batch is not a full batch")
+            raise SimInvariantError("sync-split: a finished batch is not a full batch")
         self.begin_train(now)
 
     def train_done(self, now: float) -> None:
@@ -204,6 +257,72 @@ class SyncPolicy(SimBase):
             self.loop.at(now + t.weight_sync_s, lambda _, when: self.finish(when))
         else:
             self.loop.at(now + t.weight_sync_s + t.reload_s, self._begin_step)
+
+
+class SyncPolicy(SimBase):
+    """Every GPU generates from one shared pool, then every GPU trains (see the module docstring)."""
+
+    name = "sync"
+
+    def _staleness_bound(self) -> int:
+        return 0  # every batch is generated by the weights it trains
+
+    def train_seconds(self) -> float:
+        """One data-parallel step on all L+G GPUs: the per-trajectory part scales with them."""
+        t = self.trace.training
+        return t.train_base_s + t.train_per_traj_s * t.batch_size * self.L / (self.L + self.G)
+
+    def start(self) -> None:
+        s = self.trace.scheduler
+        self.length_est = DurationEstimator(s.history, s.min_samples, s.prior_s)  # whole episodes, per domain
+        self.idle = list(range(self.L + self.G))  # a heap: the lowest free GPU takes the next turn
+        self.all_gpus = range(self.L + self.G)
+        self._begin_step(None, 0.0)
+
+    def _begin_step(self, _: object, now: float) -> None:
+        batch = [self.new_episode(self.train.version) for _ in range(self.trace.training.batch_size)]
+        self.pool = deque(self.start_order(batch))
+        self.back: deque[Episode] = deque()  # turns back from their sandbox, oldest first
+        self.remaining = len(self.pool)
+        self._dispatch(now)
+
+    def start_order(self, batch: list[Episode]) -> list[Episode]:
+        """Longest expected first: the fit_quantile of the domain's past episode lengths."""
+        q = self.trace.scheduler.fit_quantile
+        return sorted(batch, key=lambda ep: (-self.length_est.quantile(ep.spec.domain, q), ep.index))
+
+    def _dispatch(self, now: float) -> None:
+        """Every free GPU takes a turn: one back from a sandbox first, else a new episode."""
+        while self.idle and (self.back or self.pool):
+            ep = self.back.popleft() if self.back else self.pool.popleft()
+            self.start_gen(heapq.heappop(self.idle), ep, OWNER, now)
+
+    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+        heapq.heappush(self.idle, g)
+        self.sandbox.submit(ep, now)  # the GPU is free for another episode's turn meanwhile
+        self._dispatch(now)
+
+    def _sandbox_done(self, ep: Episode, now: float) -> None:
+        ep.advance()
+        if not ep.done:
+            self.back.append(ep)
+            self._dispatch(now)
+            return
+        self.length_est.record(ep.spec.domain, ep.spec.length_s)  # known now that it has ended
+        self.train.add(ep)
+        self.remaining -= 1
+        if self.remaining:
+            return  # the batch is not complete: free GPUs wait (barrier)
+        if self.train.take_batch() is None or len(self.idle) != self.L + self.G:
+            raise SimInvariantError("sync: a finished batch is not a full batch, or a GPU is still generating")
+        self.begin_train(now, self.all_gpus, self.train_seconds())
+
+    def train_done(self, now: float) -> None:
+        t = self.trace.training
+        if self.steps_done == t.steps:
+            self.finish(now)  # every rank holds the final weights
+        else:
+            self.loop.at(now + t.reload_s, self._begin_step)  # weights into the inference engine
 
 
 class AsyncPolicy(SimBase):
@@ -221,7 +340,6 @@ class AsyncPolicy(SimBase):
         self.fresh: dict[int, deque[Episode]] = {g: deque() for g in self.generator_gpus}
         self.reloading = {g: False for g in self.generator_gpus}
         self.reload_due = {g: False for g in self.generator_gpus}
-        self.in_flight = 0
         self.published = 0  # the weights version generators start new episodes with
         self.state = WAIT
         b = trace.training
@@ -229,7 +347,7 @@ class AsyncPolicy(SimBase):
 
     # ---------------------------------------------------------------- episodes
     def admission_ok(self) -> bool:
-        return self.in_flight + self.train.ready < self.admit_limit
+        return self.in_flight + self.train.ready < self.admit_limit and self.may_start_episode()
 
     def start(self) -> None:
         for g in self.generator_gpus:
@@ -259,6 +377,7 @@ class AsyncPolicy(SimBase):
     def abort(self, ep: Episode) -> None:
         """Too stale to ever be trained on: stop spending resources on it."""
         ep.alive = False
+        ep.fate = DROPPED
         self.in_flight -= 1
         self.aborted += 1
         if ep.owner >= 0:

@@ -1,14 +1,18 @@
-"""Trace-driven simulator of GPU utilization under the three rollout policies.
+"""Trace-driven simulator of GPU utilization under the rollout policies.
 
     hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy backfill --plot util.png
     python -c "from hpcrl.slurm.sim.run import simulate; from hpcrl.slurm.sim.trace import load_trace; \
                print(simulate(load_trace('slurm/sim/traces/small.yaml'), 'sync').summary_line())"
 
 `simulate(trace, policy)` runs one policy on a simulated clock (slurm/sim/policies.py,
-slurm/sim/backfill.py) and returns a `SimResult`: GPU busy fraction per role and overall,
-trajectories trained on per GPU-hour, the staleness of every trained trajectory, and the
-packer's counters. GPU-time conservation is checked on every run (engine.py): a result
-exists only if busy + lost + idle = capacity for every role.
+slurm/sim/backfill.py) and returns a `SimResult`: GPU busy fraction per role and overall, and
+what the busy time went into (useful: training and the trajectories trained on; dropped:
+episodes given up as too stale; open: episodes still in flight or waiting when the run ended),
+trajectories trained on per GPU-hour, the length distribution of trained, started and dropped
+episodes (a policy that wins by dropping long episodes shows it), the staleness of every
+trained trajectory, and the packer's counters. Two sets of books are checked on every run
+(engine.py): busy + lost + idle = capacity for every role, and busy = training + the
+generation time of every started episode, each counted once as trained, dropped or open.
 """
 
 from __future__ import annotations
@@ -17,11 +21,26 @@ import time
 from dataclasses import asdict, dataclass
 
 from hpcrl.slurm.sim.backfill import BackfillPolicy
-from hpcrl.slurm.sim.engine import KINDS, RoleUsage, check_conservation
-from hpcrl.slurm.sim.policies import AsyncPolicy, SimBase, SyncPolicy
+from hpcrl.slurm.sim.engine import (
+    DROPPED,
+    KINDS,
+    TRAINED,
+    Lengths,
+    RoleUsage,
+    SimInvariantError,
+    WorkSplit,
+    check_conservation,
+    check_work,
+)
+from hpcrl.slurm.sim.policies import AsyncPolicy, SimBase, SyncPolicy, SyncSplitPolicy
 from hpcrl.slurm.sim.trace import Trace, World
 
-POLICIES: dict[str, type[SimBase]] = {"sync": SyncPolicy, "async": AsyncPolicy, "backfill": BackfillPolicy}
+POLICIES: dict[str, type[SimBase]] = {
+    "sync": SyncPolicy,
+    "sync-split": SyncSplitPolicy,
+    "async": AsyncPolicy,
+    "backfill": BackfillPolicy,
+}
 
 __all__ = ["POLICIES", "SimResult", "simulate", "format_table", "plot_timeline"]
 
@@ -32,18 +51,27 @@ class SimResult:
     policy: str
     learner_gpus: int
     generator_gpus: int
+    drop_stale: bool  # False: nothing dropped, every policy trains episodes 0..steps x batch - 1
     makespan_s: float
     steps: int
     trajectories: int  # trained on
     throughput_per_gpu_hour: float
+    capacity_s: float  # GPUs x makespan
     busy_fraction: float  # (owner + packed) / capacity over all GPUs
     useful_fraction: float  # training + generation of trajectories that were trained on, / capacity
+    dropped_fraction: float  # generation of episodes dropped as too stale, / capacity
+    open_fraction: float  # generation of episodes in flight or untrained when the run ended, / capacity
+    lost_fraction: float  # borrowed work preempted by its owner (not busy), / capacity
+    work: WorkSplit  # the busy time split by what it went into, seconds
     learner: RoleUsage
     generator: RoleUsage
-    max_staleness: int
-    staleness: tuple[int, ...]  # trained trajectories by staleness 0..max_staleness
+    max_staleness: int  # the bound (enforced only with drop_stale)
+    staleness: tuple[int, ...]  # trained trajectories by staleness 0, 1, ...
     episodes_started: int
-    dropped: int  # episodes given up because they were too stale to train on
+    dropped_episodes: int  # episodes given up because they were too stale to train on
+    trained_len: Lengths  # episode lengths (generation + sandbox seconds of all turns)
+    started_len: Lengths
+    dropped_len: Lengths
     preemptions: int
     packed_tasks: int
     decisions: int
@@ -57,53 +85,124 @@ class SimResult:
         n = sum(self.staleness)
         return sum(i * c for i, c in enumerate(self.staleness)) / n if n else 0.0
 
+    @property
+    def max_trained_staleness(self) -> int:
+        return max((i for i, c in enumerate(self.staleness) if c), default=0)
+
     def summary_line(self) -> str:
+        bound = f"bound {self.max_staleness}" if self.drop_stale else "no drops"
         return (
             f"{self.policy}: busy {self.busy_fraction:.1%} useful {self.useful_fraction:.1%} "
+            f"dropped {self.dropped_fraction:.1%} "
             f"(learner {self.learner.busy_fraction:.1%}, generators {self.generator.busy_fraction:.1%}), "
             f"{self.throughput_per_gpu_hour:.2f} traj/GPU-h, "
             f"makespan {self.makespan_s / 3600:.2f} h, staleness mean {self.mean_staleness:.2f} "
-            f"max {max((i for i, c in enumerate(self.staleness) if c), default=0)} (bound {self.max_staleness})"
+            f"max {self.max_trained_staleness} ({bound})"
         )
 
     def to_json(self) -> dict:
-        out = asdict(self)
+        """One policy's result; busy, useful, dropped, open and lost are fractions of GPU capacity."""
+        h = 1 / 3600.0
+        w = self.work
+        roles = {}
         for role in ("learner", "generator"):
-            out[role]["busy_fraction"] = getattr(self, role).busy_fraction
-        out["mean_staleness"] = self.mean_staleness
-        return out
+            u = getattr(self, role)
+            roles[role] = {**asdict(u), "busy_fraction": u.busy_fraction}
+        return {
+            "policy": self.policy,
+            "trace": self.trace,
+            "drop_stale": self.drop_stale,
+            "busy": self.busy_fraction,
+            "useful": self.useful_fraction,
+            "dropped": self.dropped_fraction,
+            "open": self.open_fraction,
+            "lost": self.lost_fraction,
+            "trained_len_s": self.trained_len.to_json(),
+            "started_len_s": self.started_len.to_json(),
+            "dropped_len_s": self.dropped_len.to_json(),
+            "traj_per_gpu_hour": self.throughput_per_gpu_hour,
+            "trajectories": self.trajectories,
+            "steps": self.steps,
+            "makespan_s": self.makespan_s,
+            "gpu_h": {
+                "capacity": self.capacity_s * h,
+                "busy": self.busy_fraction * self.capacity_s * h,
+                "useful": w.useful_s * h,
+                "training": w.training_s * h,
+                "trained_generation": w.trained_s * h,
+                "dropped": w.dropped_s * h,
+                "open": w.open_s * h,
+                "lost": self.lost_fraction * self.capacity_s * h,
+            },
+            "episodes": {
+                "started": self.episodes_started,
+                "trained": w.trained,
+                "dropped": w.dropped,
+                "open": w.open,
+            },
+            "staleness": {
+                "bound": self.max_staleness,
+                "enforced": self.drop_stale,
+                "mean": self.mean_staleness,
+                "max": self.max_trained_staleness,
+                "counts": list(self.staleness),
+            },
+            "learner_gpus": self.learner_gpus,
+            "generator_gpus": self.generator_gpus,
+            **roles,
+            "packer": {"placements": self.packed_tasks, "preemptions": self.preemptions, "decisions": self.decisions},
+            "sandbox_busy": self.sandbox_busy_fraction,
+            "events": self.events,
+            "wall_s": self.wall_s,
+        }
 
 
 def simulate(trace: Trace, policy: str, *, timeline_bins: int = 0, world: World | None = None) -> SimResult:
-    """Run `policy` ('sync', 'async', 'backfill') on `trace`; timeline_bins > 0 keeps a binned
-    utilization timeline for plotting."""
+    """Run `policy` (one of POLICIES) on `trace`; timeline_bins > 0 keeps a binned utilization
+    timeline for plotting."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     t0 = time.perf_counter()
     sim = POLICIES[policy](trace, world, keep_intervals=timeline_bins > 0).run()
     makespan = sim.end_time
     usage = check_conservation(sim.ledger, sim.tally, makespan)
+    busy_s = sum(u.busy_s for u in usage.values())
+    work = check_work(sim.episodes, busy_s, sim.train_gpu_s, sim.open_episodes())
+    if work.trained != sim.train.consumed or work.dropped != sim.train.dropped + sim.aborted:
+        raise SimInvariantError(
+            f"{work.trained} episodes trained and {work.dropped} dropped by their fate, but the learner took "
+            f"{sim.train.consumed} and {sim.train.dropped + sim.aborted} were dropped"
+        )
     wall = time.perf_counter() - t0
     n_gpus = sim.L + sim.G
-    busy = sum(u.busy_s for u in usage.values()) / (n_gpus * makespan)
+    cap = n_gpus * makespan
     packer = getattr(sim, "packer", None)
     return SimResult(
         trace=trace.name,
         policy=policy,
         learner_gpus=sim.L,
         generator_gpus=sim.G,
+        drop_stale=trace.training.drop_stale,
         makespan_s=makespan,
         steps=sim.steps_done,
         trajectories=sim.train.consumed,
-        throughput_per_gpu_hour=sim.train.consumed / (n_gpus * makespan / 3600.0),
-        busy_fraction=busy,
-        useful_fraction=(usage["learner"].owner_s + sim.train.useful_gen_s) / (n_gpus * makespan),
+        throughput_per_gpu_hour=sim.train.consumed / (cap / 3600.0),
+        capacity_s=cap,
+        busy_fraction=busy_s / cap,
+        useful_fraction=work.useful_s / cap,
+        dropped_fraction=work.dropped_s / cap,
+        open_fraction=work.open_s / cap,
+        lost_fraction=sum(u.lost_s for u in usage.values()) / cap,
+        work=work,
         learner=usage["learner"],
         generator=usage["generator"],
         max_staleness=sim.train.max_staleness,
         staleness=tuple(sim.train.staleness),
         episodes_started=sim.episodes_started,
-        dropped=sim.train.dropped + sim.aborted,
+        dropped_episodes=work.dropped,
+        trained_len=Lengths.of([ep.spec.length_s for ep in sim.episodes if ep.fate == TRAINED]),
+        started_len=Lengths.of([ep.spec.length_s for ep in sim.episodes]),
+        dropped_len=Lengths.of([ep.spec.length_s for ep in sim.episodes if ep.fate == DROPPED]),
         preemptions=packer.preemptions if packer else 0,
         packed_tasks=packer.placements if packer else 0,
         decisions=packer.decisions if packer else 0,
@@ -135,22 +234,37 @@ def _bin_timeline(sim: SimBase, makespan: float, bins: int) -> dict:
     return out
 
 
+def _lens(x: Lengths) -> str:
+    return f"{x.mean:.0f}/{x.p99:.0f}/{x.max:.0f}"
+
+
 def format_table(results: list[SimResult]) -> str:
-    """The policies side by side, with throughput relative to the first result (sync)."""
-    base = results[0].throughput_per_gpu_hour
+    """The policies side by side, with throughput relative to sync (fair) when it is there.
+
+    busy, useful and dropped are shares of GPU capacity (useful: training and the trajectories
+    trained on; dropped: episodes given up as too stale); lengths are the episodes' own
+    generation + sandbox seconds, mean/p99/max, of the trajectories trained on and of every
+    episode started."""
+    base = next((r for r in results if r.policy == "sync"), results[0])
     head = (
-        f"{'policy':<9} {'busy':>6} {'learner':>8} {'gens':>6} {'lost':>5} {'traj/GPU-h':>11} "
-        f"{'vs ' + results[0].policy:>8} {'makespan h':>10} {'staleness mean/max':>18} {'dropped':>7} {'preempt':>7}"
+        f"{'policy':<10} {'busy':>6} {'useful':>6} {'dropped':>7} {'lost':>5} {'learner':>7} {'gens':>6} "
+        f"{'traj/GPU-h':>10} {'vs ' + base.policy:>8} {'makespan h':>10} "
+        f"{'trained len s':>15} {'started len s':>15} {'staleness':>17} {'eps dropped':>11} {'preempt':>7}"
     )
-    lines = [head, "-" * len(head)]
+    sub = (
+        f"{'':<10} {'':>6} {'':>6} {'':>7} {'':>5} {'':>7} {'':>6} {'':>10} {'':>8} {'':>10} "
+        f"{'mean/p99/max':>15} {'mean/p99/max':>15} {'mean/max':>17} {'':>11} {'':>7}"
+    )
+    lines = [head, sub, "-" * len(head)]
     for r in results:
-        lost = (r.learner.lost_s + r.generator.lost_s) / (r.learner.capacity_s + r.generator.capacity_s)
-        smax = max((i for i, c in enumerate(r.staleness) if c), default=0)
+        bound = f"(<={r.max_staleness})" if r.drop_stale else "(no drop)"
         lines.append(
-            f"{r.policy:<9} {r.busy_fraction:>6.1%} {r.learner.busy_fraction:>8.1%} {r.generator.busy_fraction:>6.1%} "
-            f"{lost:>5.1%} {r.throughput_per_gpu_hour:>11.2f} {r.throughput_per_gpu_hour / base:>7.2f}x "
-            f"{r.makespan_s / 3600:>10.2f} {f'{r.mean_staleness:.2f}/{smax} (<={r.max_staleness})':>18} "
-            f"{r.dropped:>7} {r.preemptions:>7}"
+            f"{r.policy:<10} {r.busy_fraction:>6.1%} {r.useful_fraction:>6.1%} {r.dropped_fraction:>7.1%} "
+            f"{r.lost_fraction:>5.1%} {r.learner.busy_fraction:>7.1%} {r.generator.busy_fraction:>6.1%} "
+            f"{r.throughput_per_gpu_hour:>10.2f} {r.throughput_per_gpu_hour / base.throughput_per_gpu_hour:>7.2f}x "
+            f"{r.makespan_s / 3600:>10.2f} {_lens(r.trained_len):>15} {_lens(r.started_len):>15} "
+            f"{f'{r.mean_staleness:.2f}/{r.max_trained_staleness} {bound}':>17} "
+            f"{r.dropped_episodes:>11} {r.preemptions:>7}"
         )
     return "\n".join(lines)
 

@@ -12,13 +12,22 @@ dotted path).
 
 Episode i is a pure function of (seed, i): every policy sees the same domains, turn counts,
 generation and sandbox times in the same order, so policies differ only in scheduling.
+
+Instead of families, a trace may *replay* what a real run measured (`replay:` names the run
+directory; `hpcrl sim RUN_DIR` builds such a trace): the jobs layer reads every stored
+trajectory's per-turn generate_s and env_s (jobs/cli/sim.py, since slurm/ may not import
+rl/) and hands them to `World(trace, measured=...)` as `MeasuredEpisode`s. Episode i is then
+measured episode perm_k[i mod n] for pass k = i // n over the n measured ones, perm_k a
+permutation drawn from (seed, k): each pass replays every measured episode once.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,7 +35,7 @@ from typing import Literal
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.core.schema import ConfigError, from_dict, load_yaml_text, spec
 
-__all__ = ["Trace", "load_trace", "parse_trace", "World", "Domain", "EpisodeSpec"]
+__all__ = ["Trace", "load_trace", "replay_trace", "parse_trace", "World", "Domain", "EpisodeSpec", "MeasuredEpisode"]
 
 _NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
 
@@ -60,6 +69,11 @@ class TrainingSpec:
         1.0, help="GPU time to re-prefill a generation turn that resumes on another GPU, seconds", ge=0
     )
     episodes_in_flight: int = spec(8, help="episodes each generator keeps open (async and backfill)", ge=1)
+    drop_stale: bool = spec(
+        True,
+        help="drop episodes older than max_staleness (false: train every one, off-policy correction only, "
+        "and start exactly steps x batch_size episodes, so every policy trains the same episodes)",
+    )
 
     def validate(self):
         if self.train_base_s + self.train_per_traj_s <= 0:
@@ -117,12 +131,21 @@ class Trace:
     seed: int = spec(0, help="seed for domains and episodes", ge=0)
     cluster: ClusterSpec = spec(help="GPUs and sandbox slots")
     training: TrainingSpec = spec(help="the RL loop")
-    families: tuple[FamilySpec, ...] = spec(help="domain families", min_len=1)
+    families: tuple[FamilySpec, ...] = spec((), help="domain families (or replay)")
+    replay: str = spec(
+        "",
+        help="a run directory (or trajectory store) whose measured episodes are replayed instead of families; "
+        "relative to the trace file",
+    )
     scheduler: SchedulerConfig = spec(
         factory=SchedulerConfig, help="packer settings, as in config.yaml's scheduler section"
     )
 
     def validate(self):
+        if not self.families and not self.replay:
+            yield "families", "required key is missing: a trace needs families of domains, or replay: RUN_DIR"
+        if self.families and self.replay:
+            yield "replay", "a trace replays a run or draws from families, not both; remove one of the two"
         seen = set()
         for i, fam in enumerate(self.families):
             if fam.name in seen:
@@ -134,22 +157,76 @@ def parse_trace(text: str, source: str = "<trace>") -> Trace:
     raw = load_yaml_text(text, source=source)
     if not isinstance(raw, dict):
         raise ConfigError("", f"{source}: a trace is a mapping with keys name, cluster, training, families")
-    try:
-        return from_dict(Trace, raw)
-    except ConfigError as exc:
-        raise ConfigError(exc.path, f"{exc.message}", origin=source) from None
+    return trace_from_mapping(raw, source)
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read and validate a trace file; every problem is a one-line ConfigError."""
+def read_trace_mapping(path: str | Path) -> dict:
+    """A trace file's YAML mapping, unvalidated (`hpcrl sim RUN_DIR --setup FILE` takes its
+    cluster and training from it); ConfigError when it cannot be read or is no mapping."""
     p = Path(path)
     try:
         text = p.read_text()
     except FileNotFoundError:
         raise ConfigError("", f"{p}: no such trace file (examples: {Path(__file__).parent / 'traces'})") from None
+    except IsADirectoryError:
+        raise ConfigError("", f"{p}: is a directory, not a trace file") from None
     except OSError as exc:
         raise ConfigError("", f"{p}: cannot read: {exc.strerror}") from None
-    return parse_trace(text, source=str(p))
+    except UnicodeDecodeError:
+        raise ConfigError("", f"{p}: not a text file (a trace is YAML)") from None
+    raw = load_yaml_text(text, source=str(p))
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"{p}: a trace is a mapping with keys name, cluster, training, families")
+    return raw
+
+
+def load_trace(path: str | Path, overrides: dict | None = None) -> Trace:
+    """Read and validate a trace file; every problem is a one-line ConfigError. `overrides`
+    ({"cluster": {"learner_gpus": 8}, ...}) replace keys before validation. A relative
+    `replay:` path is taken relative to the trace file's folder."""
+    p = Path(path)
+    raw = _merge(read_trace_mapping(p), overrides)
+    trace = trace_from_mapping(raw, str(p))
+    if trace.replay and not Path(trace.replay).is_absolute():
+        trace = dataclasses.replace(trace, replay=str(p.parent / trace.replay))
+    return trace
+
+
+def replay_trace(run_dir: str | Path, setup: str | Path | None = None, overrides: dict | None = None) -> Trace:
+    """A trace that replays `run_dir`'s measured episodes, with the cluster, training and
+    scheduler of the `setup` trace file (its families, if any, are not used) and `overrides`.
+    Keys neither gives are missing: a one-line ConfigError names the first."""
+    run = Path(run_dir)
+    raw = read_trace_mapping(setup) if setup is not None else {}
+    raw.pop("families", None)
+    raw["replay"] = str(run.resolve())
+    if "name" not in raw:
+        raw["name"] = ("replay-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", run.resolve().name))[:64].rstrip("-.")
+    source = f"{setup} + {run}" if setup is not None else str(run)
+    return trace_from_mapping(_merge(raw, overrides), source)
+
+
+def _merge(raw: dict, overrides: dict | None) -> dict:
+    """raw with overrides' keys replaced, one level of sections deep (a section that is not a
+    mapping is left for validation to report)."""
+    out = dict(raw)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict):
+            section = out.get(key)
+            if section is None:
+                out[key] = dict(value)
+            elif isinstance(section, dict):
+                out[key] = {**section, **value}
+        else:
+            out[key] = value
+    return out
+
+
+def trace_from_mapping(raw: dict, source: str) -> Trace:
+    try:
+        return from_dict(Trace, raw)
+    except ConfigError as exc:
+        raise ConfigError(exc.path, f"{exc.message}", origin=source) from None
 
 
 @dataclass(frozen=True)
@@ -179,6 +256,28 @@ class EpisodeSpec:
     def turns(self) -> int:
         return len(self.gen_s)
 
+    @property
+    def length_s(self) -> float:
+        """The episode's own work: every turn's generation plus its sandbox run, seconds (no
+        queueing: the same number under every policy)."""
+        return math.fsum(self.gen_s) + math.fsum(self.sandbox_s)
+
+
+@dataclass(frozen=True)
+class MeasuredEpisode:
+    """What a real run recorded for one episode: its domain and, per turn, the generation and
+    environment (sandbox) seconds."""
+
+    domain: str
+    gen_s: tuple[float, ...]
+    sandbox_s: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.gen_s or len(self.gen_s) != len(self.sandbox_s):
+            raise ValueError(f"MeasuredEpisode: {len(self.gen_s)} generation and {len(self.sandbox_s)} sandbox times")
+        if not all(x >= 0 and math.isfinite(x) for x in self.gen_s + self.sandbox_s):
+            raise ValueError("MeasuredEpisode: durations must be finite and >= 0")
+
 
 def _draw(rng: random.Random, dist: str, median: float, shape: float, cap: float) -> float:
     if dist == "lognormal":
@@ -189,10 +288,23 @@ def _draw(rng: random.Random, dist: str, median: float, shape: float, cap: float
 
 
 class World:
-    """The trace's domains (drawn once from the families) and its deterministic episodes."""
+    """The trace's domains (drawn once from the families) and its deterministic episodes, or,
+    for a replay trace, the measured episodes of a run (`measured`, read by the jobs layer)."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, measured: list[MeasuredEpisode] | tuple[MeasuredEpisode, ...] | None = None):
         self.trace = trace
+        self.measured: tuple[MeasuredEpisode, ...] = ()
+        self._perms: dict[int, list[int]] = {}
+        if trace.replay or measured is not None:
+            if not measured:
+                raise ValueError(
+                    f"trace {trace.name} replays {trace.replay or 'a run'}: pass its measured episodes, "
+                    "World(trace, measured=hpcrl.jobs.cli.sim.read_measured(run_dir))"
+                )
+            self.measured = tuple(measured)
+            self.domains: tuple[Domain, ...] = ()
+            self.domain_names = tuple(sorted({m.domain for m in self.measured}))
+            return
         rng = random.Random(trace.seed)
         domains: list[Domain] = []
         weights: list[float] = []
@@ -219,6 +331,7 @@ class World:
                 )
                 weights.append(fam.weight * fam_w[i] / total)
         self.domains = tuple(domains)
+        self.domain_names = tuple(d.name for d in domains)
         acc, cum = 0.0, []
         for w in weights:
             acc += w
@@ -226,6 +339,15 @@ class World:
         self._cum = [c / acc for c in cum]
 
     def episode(self, index: int) -> EpisodeSpec:
+        if self.measured:
+            n = len(self.measured)
+            k, i = divmod(index, n)
+            perm = self._perms.get(k)
+            if perm is None:
+                perm = self._perms[k] = list(range(n))
+                random.Random(self.trace.seed * 1_000_003 - k - 1).shuffle(perm)
+            m = self.measured[perm[i]]
+            return EpisodeSpec(index, m.domain, m.gen_s, m.sandbox_s)
         rng = random.Random(self.trace.seed * 1_000_003 + index + 1)
         d = self.domains[min(bisect.bisect_left(self._cum, rng.random()), len(self.domains) - 1)]
         # Geometric number of turns with the domain's mean, at least 1, capped.

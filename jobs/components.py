@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import submitit
 
 from hpcrl.core.files import atomic_write_json
@@ -49,6 +50,33 @@ class _Stop(threading.Event):
     requeue = False
 
 
+LAUNCHER_ENV = "HPCRL_LAUNCHER"  # "pid:create_time" of the `hpcrl run` that owns these local jobs
+
+
+def _watch_launcher(stop: _Stop, name: str) -> None:
+    """Local jobs only: when the `hpcrl run` that started them is gone (kill -9, a crash), drain
+    and stop as on SIGTERM instead of training on as orphans. On Slurm the scheduler owns jobs."""
+    spec = os.environ.get(LAUNCHER_ENV)
+    if not spec or os.environ.get("SLURM_JOB_ID"):
+        return
+    pid, started = spec.split(":")
+
+    def alive() -> bool:
+        try:
+            return abs(psutil.Process(int(pid)).create_time() - float(started)) < 1.0
+        except psutil.Error:
+            return False
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            if not alive():
+                log.warning("%s: the hpcrl run that launched this job (pid %s) is gone; stopping", name, pid)
+                stop.set()
+                return
+
+    threading.Thread(target=watch, name="hpcrl-launcher-watch", daemon=True).start()
+
+
 def start_component(run_dir: Path, name: str, role: str) -> _Stop:
     """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs file."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
@@ -68,6 +96,7 @@ def start_component(run_dir: Path, name: str, role: str) -> _Stop:
             stop.set()
 
         signal.signal(signal.SIGUSR2, time_limit)
+    _watch_launcher(stop, name)
     procs = run_dir / "procs"
     procs.mkdir(exist_ok=True)
     atomic_write_json(

@@ -43,7 +43,7 @@ import submitit
 from hpcrl.core.config import Config
 from hpcrl.core.rpc import RequestClient
 from hpcrl.core.transport import Node
-from hpcrl.jobs.components import finish_job, start_component
+from hpcrl.jobs.components import LAUNCHER_ENV, finish_job, start_component
 from hpcrl.jobs.launch import SUPERVISOR, Role, check_slurm, make_executor, plan, read_jobs, slurm_executor, write_jobs
 from hpcrl.rl.coordinator import read_status
 from hpcrl.slurm import parse, queries
@@ -132,6 +132,9 @@ class LocalRun:
         log.info("submitted %s as job %s", role.name, role.job.job_id)
 
     def start(self) -> None:
+        # Jobs inherit this: they stop by themselves if this process is killed (components.py).
+        me = psutil.Process()
+        os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
         for role in self.roles:
             self._submit(role)
 
@@ -199,6 +202,7 @@ class LocalRun:
             [r for r in self.roles if r.slurm_role == "sandbox"],
             [self.role("coordinator"), self.role("store")],
         ]
+        order = [[r for r in group if r.job is not None] for group in order]  # interrupted while submitting
         for group in order:
             for r in group:
                 self.stop_role(r)  # generators also hear it from the coordinator; the learner checkpoints

@@ -20,6 +20,7 @@ from hpcrl.rl.coordinator import read_status
 from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
 
 from audit import lineage
+from conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,6 +139,43 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
     )
     assert len(stored) > 40 * 256
     no_processes_left(run_dir)
+
+
+def _start_long_run(tmp_path, run_id: str):
+    proc = hpcrl(
+        "run", "config.yaml", f"experiment.run_root={tmp_path}", "learner.max_steps=100000", "--run-id", run_id
+    )
+    run_dir = tmp_path / run_id
+
+    def training() -> bool:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        return ((read_status(run_dir) or {}).get("learner") or {}).get("step", 0) >= 2
+
+    wait_for(training, 180, interval_s=0.2, what="the learner's second step")
+    return proc, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_of_hpcrl_run_stops_every_component_cleanly(tmp_path, sig):
+    proc, run_dir = _start_long_run(tmp_path, "term")
+    proc.send_signal(sig)
+    proc.send_signal(sig)  # a second one must not cut the shutdown short
+    out = finish(proc, 180)
+    assert proc.returncode == 1 and "interrupted: stopping the run" in out and "Traceback" not in out, out[-3000:]
+    assert "reward curve:" in out and (run_dir / "reward.png").exists()
+    no_processes_left(run_dir)
+
+
+@pytest.mark.slow
+def test_kill_9_of_hpcrl_run_leaves_no_orphans(tmp_path):
+    proc, run_dir = _start_long_run(tmp_path, "kill9")
+    proc.kill()
+    proc.wait(timeout=30)  # not communicate(): the orphans still hold its stdout until they stop
+    roles = ("coordinator", "store", "learner", "gen")
+    wait_for(lambda: not any(pids(run_dir, r) for r in roles), 120, what="the orphaned components to stop")
+    # They drained as on SIGTERM: the learner checkpointed what it had trained.
+    assert (run_dir / CURSOR_NAME).exists()
 
 
 @pytest.mark.slow

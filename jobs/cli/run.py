@@ -13,6 +13,7 @@ learner keeps its last checkpoint). Exit code 0 when the learner reached learner
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -58,6 +59,18 @@ def run(args: argparse.Namespace) -> int:
             print(line, flush=True)
             last_print[0] = time.monotonic()
 
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt  # SIGTERM (a batch system, a closed terminal's SIGHUP) stops the run as Ctrl-C does
+
+    def already_stopping(signum, frame):
+        print(
+            f"\n{signal.Signals(signum).name}: already stopping the run; it is waiting for the components "
+            "to checkpoint and flush (kill -9 leaves them to stop by themselves)",
+            file=sys.stderr,
+        )
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
     t0 = time.monotonic()
     ok = False
     try:
@@ -68,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the run", file=sys.stderr)
     finally:
+        # A second signal must not cut the shutdown short and leave components running.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, already_stopping)
         if tty and not args.quiet:
             print()
         jobs.shutdown()

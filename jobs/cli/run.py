@@ -6,8 +6,9 @@
 Creates the run directory, submits the store writer, coordinator, sandbox servers (when a
 domain executes code), the learner and the generators, shows one progress line (step, reward,
 trajectories/s, busy fraction per role), restarts components that die, and at the end stops
-everything cleanly and writes reward.png into the run directory. Ctrl-C stops the run (the
-learner keeps its last checkpoint). Exit code 0 when the learner reached learner.max_steps.
+everything cleanly and writes reward.png into the run directory. Ctrl-C, SIGTERM or SIGHUP
+stop the run the same way (the learner checkpoints); if this process is killed outright, its
+jobs notice and stop by themselves. Exit code 0 when the learner reached learner.max_steps.
 """
 
 from __future__ import annotations

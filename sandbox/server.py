@@ -59,6 +59,27 @@ def _limits(d: Any) -> Limits | None:
     return Limits.from_wire(d) if d else None
 
 
+def _blob(value: Any, where: str) -> bytes:
+    """`value` as bytes if it is bytes or str. Never bytes(value) of anything else: bytes(n) of an
+    int is n zero bytes (a request could make this process allocate, or raise OverflowError)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    raise ValueError(f"{where} must be bytes or str (got {type(value).__name__})")
+
+
+def _io_cases(raw: Any) -> list:
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"cases must be a list of [stdin, expected] pairs (got {type(raw).__name__})")
+    cases = []
+    for k, case in enumerate(raw):
+        if not isinstance(case, (list, tuple)) or len(case) != 2:
+            raise ValueError(f"case {k} must be a [stdin, expected] pair")
+        cases.append(judge.IOCase(_blob(case[0], f"case {k} stdin"), _blob(case[1], f"case {k} expected")))
+    return cases
+
+
 def _job(
     kind: str,
     body: Any,
@@ -83,7 +104,7 @@ def _job(
     if kind == "judge_io":
         try:
             files = tuple(SourceFile(str(p), d, bool(x)) for p, d, x in body["files"])
-            cases = [judge.IOCase(bytes(i), bytes(o)) for i, o in body["cases"]]
+            cases = _io_cases(body["cases"])
             language, stop = str(body["language"]), bool(body.get("stop_on_fail", True))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"judge_io: {exc}") from None

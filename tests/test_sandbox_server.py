@@ -97,6 +97,24 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(bwrap_ok, r
         assert srv.dropped == 2
 
 
+def test_judge_io_cases_must_be_bytes_and_a_huge_integer_does_not_take_the_server_down(bwrap_ok, run_dir):
+    # bytes(n) of an int n is n zero bytes: 2**64-1 raised OverflowError in the handler, and
+    # 10**8 made the server allocate 100 MB for one case. Cases are bytes or str, nothing else.
+    with server(run_dir) as srv, Node(run_dir, "gen-0") as node:
+        raw = RequestClient(node, "sandbox-0", timeout_s=5, retries=0)
+        good = {"language": "python", "files": [["main.py", b"print(input())", False]]}
+        for cases in ([[2**64 - 1, b"x"]], [[10**8, b""]], [[b"1", -1]], [[b"1"]], "ab", [[b"1", b"1", b"1"]]):
+            env = raw.request("judge_io", {**good, "cases": cases})
+            assert env.kind == "bad_request", (cases, env.kind, env.body)
+            assert "judge_io" in env.body["message"] and "case" in env.body["message"], env.body
+        env = raw.request("judge_io", {**good, "cases": [["7", "7\n"], [b"8", b"8"]]})
+        assert env.kind == "verdict" and env.body["passed"], env.body
+        env = raw.request("exec", {**good, "stdin": 2**64 - 1})
+        assert env.kind == "bad_request" and "stdin" in env.body["message"], env.body
+        assert SandboxClient(node).run(ExecSpec.single("python", "print('still here')")).stdout == b"still here\n"
+        assert srv.served >= 2
+
+
 def test_requests_over_the_ceiling_are_refused_whoever_sends_them(bwrap_ok, run_dir):
     with (
         server(run_dir, 2, 8, "sandbox.ceiling.memory_mb=256", "sandbox.ceiling.wall_s=5") as srv,

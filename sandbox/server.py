@@ -13,7 +13,11 @@ Requests (envelopes with an id; body -> reply kind and body):
     judge_function  {program, entry_point, test, trusted_prelude, name, limits} -> verdict
     info            {}                                            -> info {backend, languages, slots, queue, ...}
 
-and the replies that are not answers: `busy` (queue full: nothing ran; send again, under a new
+Bytes of 4 KiB or more in a reply (a program's stdout, up to `output_kb`) travel as frames
+after the header, not in it (`result.lift_bytes`; the client puts them back): the wire caps a
+header at 1 MiB, and a bigger one was dropped by the client, which then timed out.
+
+The replies that are not answers: `busy` (queue full: nothing ran; send again, under a new
 id, later), `bad_request` (malformed, or limits over `sandbox.ceiling`: sending again will not
 help), `sandbox_failed` (the sandbox infrastructure failed; the message says how).
 
@@ -46,7 +50,7 @@ from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 from hpcrl.core.transport import Node
 from hpcrl.sandbox import judge
 from hpcrl.sandbox.pool import SlotPool
-from hpcrl.sandbox.result import SandboxError
+from hpcrl.sandbox.result import SandboxError, lift_bytes
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from hpcrl.sandbox.warm import WarmHarness
 
@@ -234,7 +238,8 @@ class SandboxServer:
         else:
             log.error("%s: request %s failed", self.service, rid, exc_info=exc)
             kind, body = "sandbox_failed", {"message": f"{type(exc).__name__}: {exc}"}
-        self._done.put((rid, Reply(kind, body)))
+        body, frames = lift_bytes(body)
+        self._done.put((rid, Reply(kind, body, frames)))
         with self._close_lock:  # never write to a closed (or reused) descriptor
             if self._closed:
                 return

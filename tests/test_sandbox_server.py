@@ -40,7 +40,7 @@ def bwrap_ok():
 
 
 @contextlib.contextmanager
-def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str):
+def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str, **server_kw):
     """A SandboxServer in a thread of this process, on 127.0.0.1, as `serve` configures it."""
     cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.queue={queue}", *overrides]).sandbox
     pool = SlotPool.from_config(cfg, slots=slots)
@@ -51,7 +51,10 @@ def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str):
 
     try:
         with server_thread(
-            run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling), close=close
+            run_dir,
+            "sandbox-0",
+            lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling, **server_kw),
+            close=close,
         ) as srv:
             yield srv
     finally:
@@ -113,6 +116,20 @@ def test_judge_io_cases_must_be_bytes_and_a_huge_integer_does_not_take_the_serve
         assert env.kind == "bad_request" and "stdin" in env.body["message"], env.body
         assert SandboxClient(node).run(ExecSpec.single("python", "print('still here')")).stdout == b"still here\n"
         assert srv.served >= 2
+
+
+def test_large_outputs_cannot_grow_the_reply_cache_past_its_byte_bound(bwrap_ok, run_dir):
+    bound = 2 << 20
+    with server(run_dir, replay_cache_bytes=bound) as srv, Node(run_dir, "gen-0") as node:
+        c = SandboxClient(node)
+        flood = ExecSpec.single("python", "import sys; sys.stdout.write('y' * (900 << 10))")
+        for _ in range(6):  # 6 x 900 KiB answers: more than twice the bound
+            assert len(c.run(flood).stdout) == 900 << 10
+            assert srv.server._replies_bytes <= bound
+        assert 0 < len(srv.server._replies) < 6  # the oldest answers were let go
+        huge = ExecSpec.single("python", "import sys; sys.stdout.write('z' * (3 << 20))", limits=Limits(output_kb=4096))
+        assert len(c.run(huge).stdout) == 3 << 20  # answered, but too big to remember
+        assert srv.server._replies_bytes <= bound
 
 
 def test_requests_over_the_ceiling_are_refused_whoever_sends_them(bwrap_ok, run_dir):

@@ -241,7 +241,9 @@ class SandboxConfig:
     slots: int = spec(2, help="concurrent executions per sandbox server", ge=1)
     servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
     uid_base: int = spec(
-        61000, help="bwrap runs slot k as host uid uid_base+k; pick a range no real user owns", ge=1000
+        61000,
+        help="bwrap as root runs slot k as host uid uid_base+k: no account's or group's id, nor another server's",
+        ge=1000,
     )
     queue: int = spec(
         64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0

@@ -188,6 +188,9 @@ class Backend(abc.ABC):
         """One line: what this backend enforces on this machine."""
         return self.name
 
+    def close(self) -> None:  # noqa: B027 (most backends hold nothing)
+        """Give up what the backend holds for its life (bwrap as root: its slot uid). Idempotent."""
+
     def check(self) -> None:
         """Run a trivial program once; raise SandboxUnavailable with the reason if it fails."""
         from hpcrl.sandbox.result import SandboxUnavailable

@@ -42,12 +42,14 @@ import select
 import shutil
 import threading
 import time
+import weakref
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
 from hpcrl.sandbox.process import Supervised
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
 from hpcrl.sandbox.spec import Limits, SourceFile
+from hpcrl.sandbox.uids import claim_slot_uid
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +240,10 @@ class BwrapBackend(Backend):
         if self._root and uid <= 0:
             raise SandboxUnavailable(f"bwrap backend: slot uid must be an unprivileged uid > 0 (got {uid})")
         self.uid = uid if self._root else os.geteuid()
+        # As root each slot is its own host uid: nobody's account, and no other server's slot.
+        self._claim = claim_slot_uid(uid) if self._root else None
+        if self._claim is not None:
+            weakref.finalize(self, self._claim.release)
         self.bwrap = shutil.which(bwrap)
         self.cgroups: CgroupSupport = probe() if (use_cgroups and self._root) else CgroupSupport()
         _become_subreaper()
@@ -250,6 +256,11 @@ class BwrapBackend(Backend):
                 self.cgroups.describe(),
                 "" if self._root else "; not root: no per-slot uids, no cgroups",
             )
+
+    def close(self) -> None:
+        """Give up this backend's slot uid (another process may then use it); idempotent."""
+        if self._claim is not None:
+            self._claim.release()
 
     def describe(self) -> str:
         who = f"uid {self.uid}" + ("" if self._root else " (not root: no per-slot uid)")
@@ -406,9 +417,15 @@ def _bwrap_children(ppid: str, uid: int) -> list[tuple[int, str]]:
 def unavailable_reason(uid: int = 61000) -> str | None:
     """Why the bwrap backend cannot run here (None: it can): missing tools, or a trivial run fails."""
     try:
-        BwrapBackend(uid=uid).check()
+        backend = BwrapBackend(uid=uid)
     except SandboxUnavailable as exc:
         return str(exc)
+    try:
+        backend.check()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    finally:
+        backend.close()
     return None
 
 

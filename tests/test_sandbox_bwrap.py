@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 from conftest import require_bwrap
@@ -188,6 +191,52 @@ def test_the_sandbox_runs_as_the_slot_uid_on_the_host(backend):
         assert seen.get("uids") == {UID}, seen
     else:
         assert seen.get("uids") == {os.geteuid()}
+
+
+@pytest.fixture
+def as_root():
+    if os.geteuid() != 0:
+        pytest.skip("slot uids exist only when the sandbox is started as root")
+
+
+def test_a_slot_uid_that_is_a_real_account_or_group_is_refused(as_root):
+    import grp
+    import pwd
+
+    account = next(p for p in pwd.getpwall() if p.pw_uid > 0)  # nobody (65534) at least
+    with pytest.raises(SandboxUnavailable, match=rf"slot uid {account.pw_uid} is the account '{account.pw_name}'"):
+        BwrapBackend(uid=account.pw_uid)
+    users = {p.pw_uid for p in pwd.getpwall()}
+    group = next((g for g in grp.getgrall() if g.gr_gid > 0 and g.gr_gid not in users), None)
+    if group is not None:  # the slot also runs with gid = uid
+        with pytest.raises(SandboxUnavailable, match=rf"slot uid {group.gr_gid} is the group '{group.gr_name}'"):
+            BwrapBackend(uid=group.gr_gid)
+    with pytest.raises(SandboxUnavailable, match=r"sandbox.uid_base"):
+        BwrapBackend(uid=account.pw_uid)
+
+
+def test_two_processes_cannot_share_a_slot_uid(as_root):
+    uid = UID + 7
+    src = (
+        "import sys\nfrom hpcrl.sandbox.bwrap import BwrapBackend\n"
+        f"b = BwrapBackend(uid={uid})\nprint('holding', flush=True)\nsys.stdin.read()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", src], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"holding\n"
+        with pytest.raises(
+            SandboxUnavailable,
+            match=rf"slot uid {uid} is in use by another sandbox process on this host \(pid {holder.pid}, .*"
+            r"give each server its own range with sandbox.uid_base",
+        ):
+            BwrapBackend(uid=uid)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    # Free again once the holder is gone; one process may hold a uid twice (a check and its backend).
+    a, b = BwrapBackend(uid=uid), BwrapBackend(uid=uid)
+    a.close()
+    b.close()
 
 
 def test_a_session_talks_to_a_live_program(backend):

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
-from hpcrl.sandbox.process import Supervised
+from hpcrl.sandbox.process import Supervised, guard_args, reap_group, setpriv_pdeathsig
 from hpcrl.sandbox.result import ExecResult, SandboxUnavailable
 from hpcrl.sandbox.spec import Limits, SourceFile
 
@@ -111,12 +111,20 @@ class ProcessSession(SupervisedSession):
     come from wait4's rusage of the reaped child."""
 
     def __init__(self, argv: Sequence[str], limits: Limits, *, env: dict[str, str], cleanup: Sequence[str] = ()):
+        # Dies with this process (its starting thread), SIGKILL included: `setpriv --pdeathsig`
+        # and a check that we are still its parent, or the same from a preexec_fn where setpriv
+        # is too old. That kills apptainer's starter; the container's processes live in its pid
+        # namespace (--containall), whose fate when the starter dies is apptainer's.
+        armed = setpriv_pdeathsig()
         proc = Supervised(
-            argv,
+            [shutil.which("setpriv") or "setpriv", "--pdeathsig", "KILL", "--", *guard_args(), *argv]
+            if armed
+            else list(argv),
             env=env,
             output_cap=limits.output_kb * 1024,
             deadline=time.monotonic() + limits.wall_s,
             on_kill=self._kill_group,
+            die_with_parent=not armed,
         )
         super().__init__(proc, limits)
         self._cleanup = list(cleanup)
@@ -132,17 +140,6 @@ class ProcessSession(SupervisedSession):
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _reap_group(self) -> None:
-        """Reap members of the killed group that were orphaned to this process: it is a child
-        subreaper once a bwrap backend exists here, and nobody else would wait for them."""
-        while True:
-            try:
-                pid, _ = os.waitpid(-self._proc.pid, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-
     def _remove(self) -> None:
         for d in self._cleanup:
             shutil.rmtree(d, ignore_errors=True)
@@ -154,7 +151,7 @@ class ProcessSession(SupervisedSession):
             raw = self._proc.wait()
         finally:
             self._remove()
-            self._reap_group()
+            reap_group(self._proc.pid, timeout_s=0.0)  # members orphaned to us, if we are a subreaper
         ru = raw.rusage
         # Apptainer exits 255 with FATAL: on stderr when the container never started.
         started = not (raw.exit_code == 255 and b"FATAL:" in raw.stderr)

@@ -6,8 +6,10 @@ What it isolates (each checked by tests/test_sandbox_adversarial.py):
   own processes, is uid 65534 inside and an unprivileged per-slot uid outside (`setpriv` drops
   to it, all capabilities and groups gone, no_new_privs), never root. `--new-session` (no
   TIOCSTI into our terminal), `--disable-userns` (no nested user namespace to remount from),
-  `--die-with-parent`. SIGKILL of the outer bwrap ends the PID namespace, setsid daemons
-  included; where cgroups exist, what is left in the run's cgroup is killed as well.
+  `--die-with-parent`. Every process of a run lives in a pid namespace of the launcher's
+  (`hpcrl.sandbox.launcher`), armed to die with the server even under SIGKILL: killing the
+  launcher ends it, setsid daemons included; where cgroups exist, what is left in the run's
+  cgroup is killed as well.
 * Files: read-only /usr (+ the /bin, /lib symlinks, /etc/alternatives, /etc/ld.so.cache),
   a read-only root, nothing else of the host: no /home, /root, run directories or sockets.
   /work (the program, copied in through memfds), /tmp and /dev/shm are size-capped tmpfs that
@@ -27,26 +29,22 @@ What it does not isolate:
 * /usr of the host is visible read-only: installed software and its versions can be read.
 * A program that exits with status 128+N by itself is reported as killed by signal N.
 
-Side effect on the calling process: it becomes a child subreaper (prctl), so that bwrap's
-pid-1, which outlives the outer bwrap by a moment, is reaped here and not left as a zombie
-for the host's init.
+Side effect on the calling process: it becomes a child subreaper (prctl), so that the pid 1
+of a launcher it killed is reaped here and not left as a zombie for the host's init.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import re
-import select
 import shutil
-import threading
 import time
 import weakref
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
-from hpcrl.sandbox.process import Supervised
+from hpcrl.sandbox.launcher import join_cgroups_args, launcher_args
+from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group, setpriv_pdeathsig
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
 from hpcrl.sandbox.spec import Limits, SourceFile
 from hpcrl.sandbox.uids import claim_slot_uid
@@ -63,11 +61,7 @@ SANDBOX_ENV = {
 }
 # Only this reaches the launcher (and so /proc/1/environ inside): never the server's own environment.
 _LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-# Writes the launcher's pid into each cgroup, then becomes setpriv -> bwrap (same pid), so every
-# sandbox process is born inside the cgroups. Exit 125 means the cgroup refused us.
-_JOIN_SH = 'for f; do shift; [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; done; exec "$@"'
 _INNER_UID = 65534
-_PR_SET_CHILD_SUBREAPER = 36
 _MIB = 1024 * 1024
 
 
@@ -152,19 +146,6 @@ def bwrap_args(
     return args
 
 
-def _privdrop_args(uid: int) -> list[str]:
-    return [
-        "setpriv",
-        f"--reuid={uid}",
-        f"--regid={uid}",
-        "--clear-groups",
-        "--inh-caps=-all",
-        "--bounding-set=-all",
-        "--no-new-privs",
-        "--",
-    ]
-
-
 class BwrapSession(SupervisedSession):
     def __init__(self, proc: Supervised, cg: RunCgroups | None, limits: Limits, status_r: int, uid: int):
         super().__init__(proc, limits)
@@ -177,9 +158,10 @@ class BwrapSession(SupervisedSession):
             return self._result
         try:
             raw = self._proc.wait()
+            # The launcher was killed (or died) before the pid 1 of its namespace: that process,
+            # killed with it, is orphaned to us (subreaper); reap it, and so the namespace.
+            reap_group(self._proc.pid, timeout_s=5.0)
         finally:
-            with _launch_lock:
-                _unreaped.discard(self._proc.pid)
             os.close(self._status_r)
             cg_stats = self._close_cgroups()
         oom, cpu_cg, peak_cg = cg_stats
@@ -189,9 +171,6 @@ class BwrapSession(SupervisedSession):
         # bwrap reports the exit code only of a program it started; a run we killed never gets
         # that far, but the caller's kill of a live session is no setup failure either.
         started = b'"exit-code"' in raw.side or (self._proc.killed and b'"child-pid"' in raw.side)
-        if not _reap_init(raw.side):
-            # Killed before bwrap told us its init's pid, or the init outlived the wait: find it.
-            _reap_lost_inits(self._uid, wait_s=2.0 if self._proc.killed else 0.0)
         if raw.exit_code == 125 and not started and raw.stderr.startswith(b"sh: "):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
         ex = Exit(
@@ -228,10 +207,10 @@ class BwrapBackend(Backend):
     check_hint = "; are unprivileged user namespaces enabled (sysctl user.max_user_namespaces > 0)?"
 
     def __init__(self, uid: int = 61000, *, bwrap: str = "bwrap", use_cgroups: bool = True):
-        missing = [t for t in (bwrap, "prlimit", "sh") if shutil.which(t) is None]
+        missing = [t for t in (bwrap, "prlimit", "sh", "setpriv") if shutil.which(t) is None]
         self._root = os.geteuid() == 0
-        if self._root and shutil.which("setpriv") is None:
-            missing.append("setpriv")
+        if not missing and not setpriv_pdeathsig():
+            missing.append("setpriv --pdeathsig (util-linux 2.33 or later)")
         if missing:
             raise SandboxUnavailable(
                 f"bwrap backend: {', '.join(missing)} not found on PATH; install bubblewrap and util-linux "
@@ -246,7 +225,8 @@ class BwrapBackend(Backend):
             weakref.finalize(self, self._claim.release)
         self.bwrap = shutil.which(bwrap)
         self.cgroups: CgroupSupport = probe() if (use_cgroups and self._root) else CgroupSupport()
-        _become_subreaper()
+        if not become_subreaper():
+            log.warning("cannot become a child subreaper: killed sandboxes are left for the host's init to reap")
         self._layout = _host_layout()
         global _announced
         if not _announced:  # once per process: which limits this machine lets us enforce
@@ -288,12 +268,11 @@ class BwrapBackend(Backend):
                 bwrap=self.bwrap,
                 layout=self._layout,
             )
-            if self._root:
-                cmd = _privdrop_args(self.uid) + cmd
+            cmd = launcher_args(limits, self.uid if self._root else None) + cmd
             if any((self.cgroups.memory_dir, self.cgroups.pids_dir, self.cgroups.cpu_dir, self.cgroups.kill_dir)):
-                # The outer bwrap, its pid-1 and the launcher count towards pids.max: leave room.
+                # The launcher, the outer bwrap and bwrap's init count towards pids.max: leave room.
                 cg = RunCgroups.create(self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4)
-                cmd = ["/bin/sh", "-c", _JOIN_SH, "sh", *cg.procs_files, "--", *cmd]
+                cmd = join_cgroups_args(cg.procs_files) + cmd
             proc = Supervised(
                 cmd,
                 env=dict(_LAUNCH_ENV),
@@ -303,9 +282,7 @@ class BwrapBackend(Backend):
                 side_fd=status_r,
                 on_kill=cg.kill if cg else None,
             )
-            with _launch_lock:  # a sweep must never take a launched outer bwrap for a lost init
-                proc.start()
-                _unreaped.add(proc.pid)
+            proc.start()
         except BaseException:
             os.close(status_r)
             if cg is not None:
@@ -318,100 +295,7 @@ class BwrapBackend(Backend):
         return BwrapSession(proc, cg, limits, status_r, self.uid)
 
 
-_subreaper = False
 _announced = False
-# Pids of outer bwraps (our own children, run as the slot uid) not yet reaped by their session.
-_unreaped: set[int] = set()
-_launch_lock = threading.Lock()
-
-
-def _become_subreaper() -> bool:
-    """Adopt orphans, so the sandbox's pid-1 can be reaped here (see `_reap_init`)."""
-    global _subreaper
-    if not _subreaper:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            _subreaper = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except OSError:
-            _subreaper = False
-        if not _subreaper:
-            log.warning("cannot become a child subreaper: sandbox pid-1 processes are left for the host's init to reap")
-    return _subreaper
-
-
-def _reap_init(side: bytes, timeout_s: float = 5.0) -> bool:
-    """Reap the sandbox's pid-1 (bwrap's init), orphaned to us when the outer bwrap exits.
-
-    The outer bwrap exits as soon as the init reports the program's status, before the init
-    itself is gone; its zombie would otherwise wait for the host's pid 1, which in a container
-    may never reap. As subreaper we own it, and nobody else can reap it, so its pid is safe.
-    Returns whether it is gone (False: its pid is unknown, or it was still alive at the timeout).
-    """
-    if not _subreaper:
-        return True  # nothing comes to us; nothing to do
-    m = re.search(rb'"child-pid": (\d+)', side)
-    if not m:
-        return False
-    pid = int(m.group(1))
-    try:
-        fd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
-        return True  # already reaped
-    try:
-        select.select([fd], [], [], timeout_s)
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:
-        return False  # not (yet) ours: leave it to the sweep
-    finally:
-        os.close(fd)
-
-
-def _reap_lost_inits(uid: int, wait_s: float) -> None:
-    """Reap every orphaned sandbox init of slot `uid` that came to us: bwrap processes that are
-    our children but none of the outer bwraps we launched (those are in `_unreaped`).
-
-    Needed when the outer bwrap was killed before it reported its init's pid: the init, killed
-    with it, still comes to us as a zombie. Live ones (dying) are waited for up to `wait_s`.
-    """
-    if not _subreaper:
-        return
-    me = str(os.getpid())
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = 0
-        with _launch_lock:
-            for pid, state in _bwrap_children(me, uid):
-                if pid in _unreaped:
-                    continue
-                if state != "Z":
-                    alive += 1
-                    continue
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        if not alive or time.monotonic() >= deadline:
-            return
-        time.sleep(0.005)
-
-
-def _bwrap_children(ppid: str, uid: int) -> list[tuple[int, str]]:
-    """(pid, state) of the bwrap processes of `uid` whose parent is `ppid` (a /proc scan)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
-            state, parent = stat[stat.rindex(b")") + 2 :].split(b" ", 2)[:2]
-            if comm != b"bwrap" or parent.decode() != ppid or os.stat(f"/proc/{name}").st_uid != uid:
-                continue
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        found.append((int(name), state.decode()))
-    return found
 
 
 def unavailable_reason(uid: int = 61000) -> str | None:

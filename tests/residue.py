@@ -104,10 +104,11 @@ def _cgroups() -> list[str]:
 
 
 def adopt_orphans() -> bool:
-    """Make this process a child subreaper (what BwrapBackend does), so orphans come here."""
-    from hpcrl.sandbox.bwrap import _become_subreaper
+    """Make this process a child subreaper, so orphans (e.g. of a killed sandbox server) come here."""
+    import ctypes
 
-    return _become_subreaper()
+    pr_set_child_subreaper = 36
+    return ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
 
 
 def reap_orphans(timeout_s: float = 2.0) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -136,6 +138,37 @@ def test_process_session_is_interactive():
         replies.append(s.read_line(timeout_s=5))
     r = s.finish()
     assert replies == [b"3\n", b"6\n"] and r.status == "ok"
+
+
+_DIES_AFTER_START = """
+import os, signal, sys, time
+from hpcrl.sandbox.apptainer import ProcessSession
+from hpcrl.sandbox.spec import Limits
+s = ProcessSession(["sleep", "{marker}"], Limits(wall_s=600), env={{"PATH": "/usr/bin:/bin"}})
+time.sleep({delay})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_process_session_dies_with_the_process_that_started_it(delay):
+    # A server SIGKILLed must not leave apptainer (here: sleep) running with no wall limit.
+    marker = f"{600 + int(delay * 1000)}.{os.getpid()}"
+    proc = subprocess.run([sys.executable, "-c", _DIES_AFTER_START.format(marker=marker, delay=delay)], timeout=60)
+    assert proc.returncode == -9
+
+    def sleepers() -> list[int]:
+        out = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            if p.info["cmdline"] == ["sleep", marker] and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        return out
+
+    try:
+        wait_for(lambda: not sleepers(), 10, 0.05, what="the session's process to die with its starter")
+    finally:
+        for pid in sleepers():
+            os.kill(pid, 9)
 
 
 # -- real Apptainer ----------------------------------------------------------------------------

@@ -271,17 +271,20 @@ def test_a_session_killed_at_any_moment_of_its_start_leaves_no_zombie(backend):
         assert host_residue([UID]) == [], f"after a kill {i * 1.5:.1f} ms into the start"
 
 
-def test_an_init_whose_pid_was_never_learned_is_found_and_reaped(backend, monkeypatch):
-    # As if bwrap had been killed before it reported its init's pid: the init still comes to us
-    # (subreaper) and only the sweep can reap it; without it, a zombie stays for the host's init.
-    import hpcrl.sandbox.bwrap as bwrap_mod
-
-    monkeypatch.setattr(bwrap_mod, "_reap_init", lambda side, timeout_s=5.0: False)
-    s = backend.start(ExecSpec.single("python", "import sys; print('up', flush=True); sys.stdin.read()"))
-    assert s.read_line(timeout_s=10) == b"up\n"  # the init and the program run
-    s.kill()
+def test_killing_the_launcher_alone_kills_every_process_of_the_sandbox():
+    # No cgroup to fall back on: the launcher's pid namespace is what holds them. Its pid 1 dies
+    # with the launcher (--kill-child), and with it the setsid daemon and the program.
+    backend = BwrapBackend(uid=UID + 9, use_cgroups=False)
+    src = (
+        "import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(60)\n    os._exit(0)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
+    s = backend.start(ExecSpec.single("python", src, limits=Limits(wall_s=60, cpu_s=60)))
+    assert s.read_line(timeout_s=10) == b"up\n"
+    os.kill(s._proc.pid, 9)  # the launcher only, as a kill of the whole server would
     assert s.finish().status != "ok"
-    assert host_residue([UID]) == []
+    assert host_residue([UID + 9], cgroups=False) == []
+    backend.close()
 
 
 def test_concurrent_runs_on_different_slots(backend):

@@ -7,6 +7,7 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -191,6 +192,51 @@ def test_retries_of_one_request_run_it_once(bwrap_ok, run_dir):
         assert env.kind == "result" and env.body["stdout"] == b"once\n"
         assert srv.served - before == 1
         assert srv.pool.busy == 0 and srv.pool.queued == 0
+
+
+_DIES_AFTER_START = """
+import os, signal, sys, time
+from hpcrl.sandbox.bwrap import BwrapBackend
+from hpcrl.sandbox.spec import ExecSpec, Limits
+backend = BwrapBackend(uid={uid})
+spec = ExecSpec.single("python", "import time; time.sleep(600)", limits=Limits(wall_s=600, cpu_s=600))
+print("ready", flush=True)
+sys.stdin.readline()
+backend.start(spec)
+time.sleep({delay})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.01, 0.03])
+def test_a_server_killed_while_it_starts_a_sandbox_leaves_none_running(bwrap_ok, delay):
+    # bwrap sets its parent-death signal only after it has made its namespaces (milliseconds):
+    # a server SIGKILLed before that left a sandbox running unsupervised, with no wall limit.
+    adopt_orphans()
+    uid = UID + 5
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DIES_AFTER_START.format(uid=uid, delay=delay)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == -signal.SIGKILL
+        left = settled([uid], timeout_s=10, cgroups=False)
+        assert left == [], f"the sandbox outlived its server: {left}"
+    finally:
+        _kill_uid(uid)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL whatever still runs as `uid` (a failed test must not leave its sandboxes behind)."""
+    for line in host_residue([uid], cgroups=False):
+        if line.startswith("process "):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[1]), signal.SIGKILL)
+    settled([uid], cgroups=False)
 
 
 def _start_server(run_dir: Path, config: Path) -> subprocess.Popen:

@@ -194,6 +194,7 @@ class Limits:
     work_mb: int = spec(64, help="tmpfs /work, MiB", gt=0)
     tmp_mb: int = spec(64, help="tmpfs /tmp, MiB", gt=0)
     shm_mb: int = spec(16, help="tmpfs /dev/shm, MiB", gt=0)
+    inodes: int = spec(4096, help="files, directories and links each of /work, /tmp and /dev/shm may hold", gt=0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -267,6 +268,7 @@ class SandboxConfig:
             work_mb=4096,
             tmp_mb=4096,
             shm_mb=1024,
+            inodes=65536,
         ),
         help="the most limits a request may ask for; more is refused",
     )

@@ -2,9 +2,10 @@
 
 What it isolates (each checked by tests/test_sandbox_adversarial.py):
 
-* Processes: new PID, IPC, UTS, network, cgroup and user namespaces; the program sees only its
-  own processes, is uid 65534 inside and an unprivileged per-slot uid outside (`setpriv` drops
-  to it, all capabilities and groups gone, no_new_privs), never root. `--new-session` (no
+* Processes: new PID (the launcher's), IPC, UTS, network, cgroup and user namespaces; the
+  program sees only bwrap (pid 1) and its own processes, is uid 65534 inside and an
+  unprivileged per-slot uid outside (`setpriv` drops to it, all capabilities and groups gone,
+  no_new_privs), never root. `--new-session` (no
   TIOCSTI into our terminal), `--disable-userns` (no nested user namespace to remount from),
   `--die-with-parent`. Every process of a run lives in a pid namespace of the launcher's
   (`hpcrl.sandbox.launcher`), armed to die with the server even under SIGKILL: killing the
@@ -12,8 +13,9 @@ What it isolates (each checked by tests/test_sandbox_adversarial.py):
   cgroup is killed as well.
 * Files: read-only /usr (+ the /bin, /lib symlinks, /etc/alternatives, /etc/ld.so.cache),
   a read-only root, nothing else of the host: no /home, /root, run directories or sockets.
-  /work (the program, copied in through memfds), /tmp and /dev/shm are size-capped tmpfs that
-  vanish with the sandbox. The environment is cleared (PATH, HOME, TMPDIR, LANG only).
+  /work (the program, copied in through memfds), /tmp and /dev/shm are tmpfs capped in bytes
+  and in inodes (`Limits.inodes`: empty files take no space) that vanish with the sandbox.
+  The environment is cleared (PATH, HOME, TMPDIR, LANG only).
 * Network: a new network namespace with loopback only; no DNS, no host TCP or unix sockets.
 * Resources: rlimits set inside (CPU, file size, processes, open files, no core dumps), a
   memory and a pids cgroup per run where this machine lets us create them (`describe()` says
@@ -43,7 +45,7 @@ import weakref
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
-from hpcrl.sandbox.launcher import join_cgroups_args, launcher_args
+from hpcrl.sandbox.launcher import TMPFS_DIR, join_cgroups_args, launcher_args
 from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group, setpriv_pdeathsig
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
 from hpcrl.sandbox.spec import Limits, SourceFile
@@ -92,8 +94,12 @@ def bwrap_args(
     """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work. Pure."""
     args = [
         bwrap,
-        "--unshare-all",
+        # Everything but the pid namespace, which is the launcher's (bwrap is its pid 1).
         "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
         "--uid",
         str(_INNER_UID),
         "--gid",
@@ -110,22 +116,18 @@ def bwrap_args(
         "/proc",
         "--dev",
         "/dev",
+        # The launcher's tmpfs, capped in bytes and inodes (bwrap's own --size caps bytes only);
         # /dev/shm would otherwise be a writable tmpfs of half the host's RAM.
-        "--size",
-        str(limits.shm_mb * _MIB),
-        "--tmpfs",
+        "--bind",
+        f"{TMPFS_DIR}/shm",
         "/dev/shm",
         "--remount-ro",
         "/dev",
-        "--size",
-        str(limits.tmp_mb * _MIB),
-        "--tmpfs",
+        "--bind",
+        f"{TMPFS_DIR}/tmp",
         "/tmp",
-        "--size",
-        str(limits.work_mb * _MIB),
-        "--perms",
-        "0755",
-        "--tmpfs",
+        "--bind",
+        f"{TMPFS_DIR}/work",
         "/work",
     ]
     made = set()

@@ -7,6 +7,7 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -143,6 +144,24 @@ def test_100000_small_files_run_out_of_work_dir_space(backend):
     r = probe(backend, src, work_mb=16, wall_s=10, cpu_s=10, memory_mb=512)
     assert r.stdout.startswith(b"stopped"), out(r)
     assert int(r.stdout.split()[1]) < 100000
+
+
+@pytest.mark.parametrize("where", ["/work", "/tmp", "/dev/shm"])
+def test_empty_files_cannot_exhaust_inodes(where):
+    # Empty files take no tmpfs space, only inodes (and kernel memory): without an inode cap a
+    # memory cgroup was all that bounded them. Here there is none, to check the cap itself.
+    backend = BwrapBackend(uid=UID + 1, use_cgroups=False)
+    src = (
+        f"import os\nos.chdir({where!r})\nn = 0\ntry:\n    for i in range(200000):\n"
+        "        os.close(os.open(f'e{i}', os.O_CREAT | os.O_WRONLY)); n += 1\n"
+        "except OSError as e:\n    print('stopped', n, e.errno)\nelse:\n    print('created', n)\n"
+    )
+    before = Snapshot.take()
+    r = backend.run(ExecSpec.single("python", src, limits=QUICK.replace(wall_s=20, cpu_s=20)))
+    assert r.stdout.startswith(b"stopped"), out(r)
+    assert int(r.stdout.split()[1]) <= Limits().inodes and int(r.stdout.split()[2]) == 28  # ENOSPC
+    assert host_residue([UID + 1], before, cgroups=False) == []
+    backend.close()
 
 
 def test_dev_shm_fill_is_capped_and_private(backend):
@@ -370,9 +389,11 @@ def test_signals_sent_from_outside_only_reach_the_sandbox(backend):
 
 
 def test_the_program_cannot_see_host_processes(backend):
-    r = probe(backend, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
-    # bwrap's init is 1, the program 2: nothing of the host, not even the server.
-    assert r.stdout == b"[1, 2]\n"
+    r = probe(backend, "import os\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    # bwrap is pid 1 of the launcher's pid namespace, the program the only other process there:
+    # nothing of the host, not even the server.
+    me, pids = r.stdout.decode().split(" ", 1)
+    assert json.loads(pids) == [1, int(me)], r.stdout
 
 
 def test_tmp_is_private_to_each_run(backend):

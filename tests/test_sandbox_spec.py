@@ -12,6 +12,7 @@ from hpcrl.sandbox.backend import Exit, classify, rlimit_args
 from hpcrl.sandbox.bwrap import bwrap_args
 from hpcrl.sandbox.harness_wire import CodecError, decode, loads, request
 from hpcrl.sandbox.languages import Language, get_language, languages, register
+from hpcrl.sandbox.launcher import fstab, launcher_args
 from hpcrl.sandbox.pyharness import dumps, encode
 from hpcrl.sandbox.result import STATUSES, ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
@@ -176,7 +177,7 @@ def test_bwrap_command_isolates_and_copies_files_in():
     )
     line = " ".join(args)
     for flag in (
-        "--unshare-all --unshare-user",
+        "--unshare-user --unshare-ipc --unshare-net --unshare-uts",
         "--die-with-parent",
         "--new-session",
         "--cap-drop ALL",
@@ -184,19 +185,27 @@ def test_bwrap_command_isolates_and_copies_files_in():
         "--clearenv",
         "--remount-ro /",
         "--json-status-fd 9",
-        f"--size {2 << 20} --tmpfs /dev/shm --remount-ro /dev",
-        f"--size {4 << 20} --tmpfs /tmp",
-        f"--size {8 << 20} --perms 0755 --tmpfs /work",
+        "--bind /tmp/shm /dev/shm --remount-ro /dev",
+        "--bind /tmp/tmp /tmp",
+        "--bind /tmp/work /work",
         "--uid 65534 --gid 65534",
     ):
         assert flag in line, flag
-    assert "--perms 0644 --file 5 /work/main.py" in line
-    assert "--dir /work/pkg" in line and "--dir /work/pkg/a" in line
-    assert line.index("--dir /work/pkg/a") < line.index("--perms 0755 --file 6 /work/pkg/a/b.py")
+    # The binds are the launcher's tmpfs, capped in bytes and inodes, in its own namespaces.
+    assert "--unshare-pid" not in line and "--unshare-all" not in line  # the launcher's pid namespace
+    lim = Limits(work_mb=8, tmp_mb=4, shm_mb=2, inodes=100)
+    launch = launcher_args(lim, uid=61000, server_pid=4242)
+    assert launch[:2] == ["setpriv", "--reuid=61000"] and "--pdeathsig" in launch
+    assert "--pid --fork --kill-child" in " ".join(launch) and "--map-root-user" in launch
+    assert launch[-6:-4] == ["sh", "4242"] and launch[-4:] == fstab(lim)
+    assert fstab(lim)[0].startswith("hpcrl-proc /proc proc ")
+    assert fstab(lim)[1] == f"hpcrl-work /tmp/work tmpfs size={8 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
+    assert fstab(lim)[3] == f"hpcrl-shm /tmp/shm tmpfs size={2 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
     # rlimits apply inside, to the program only; the program comes last.
     tail = args[args.index("--") + 1 :]
     assert tail[0] == "prlimit" and tail[-2:] == ["python3", "main.py"]
-    assert "--share-net" not in line and "--bind" not in line.replace("--ro-bind", "")
+    assert "--share-net" not in line
+    assert {a for i, a in enumerate(args) if i and args[i - 1] == "--bind"} == {"/tmp/shm", "/tmp/tmp", "/tmp/work"}
 
 
 # -- the function-harness codec ----------------------------------------------------------------

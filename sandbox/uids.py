@@ -83,6 +83,12 @@ def claim_slot_uid(uid: int) -> UidClaim:
             return UidClaim(uid)
         d = lock_dir()
         os.makedirs(d, mode=0o755, exist_ok=True)
+        st = os.lstat(d)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not os.path.isdir(d) or os.path.islink(d):
+            # /run/lock is world-writable on some systems: a directory someone else made could hold our locks.
+            raise SandboxUnavailable(
+                f"bwrap backend: {d} must be a directory of uid {os.geteuid()}, writable by it only"
+            )
         path = os.path.join(d, f"uid-{uid}.lock")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:

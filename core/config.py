@@ -195,6 +195,9 @@ class Limits:
     tmp_mb: int = spec(64, help="tmpfs /tmp, MiB", gt=0)
     shm_mb: int = spec(16, help="tmpfs /dev/shm, MiB", gt=0)
     inodes: int = spec(4096, help="files, directories and links each of /work, /tmp and /dev/shm may hold", gt=0)
+    cpus: float = spec(
+        1.0, help="CPU cores an execution may use at once, however many processes (cgroup cpu quota)", gt=0
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -269,6 +272,7 @@ class SandboxConfig:
             tmp_mb=4096,
             shm_mb=1024,
             inodes=65536,
+            cpus=16.0,
         ),
         help="the most limits a request may ask for; more is refused",
     )

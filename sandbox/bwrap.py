@@ -18,16 +18,19 @@ What it isolates (each checked by tests/test_sandbox_adversarial.py):
   The environment is cleared (PATH, HOME, TMPDIR, LANG only).
 * Network: a new network namespace with loopback only; no DNS, no host TCP or unix sockets.
 * Resources: rlimits set inside (CPU, file size, processes, open files, no core dumps), a
-  memory and a pids cgroup per run where this machine lets us create them (`describe()` says
-  which), output caps and a wall deadline enforced from outside.
+  memory, a pids and a cpu cgroup per run where this machine lets us create them
+  (`describe()` says which: runs share the CPU by equal weight, each capped at `Limits.cpus`
+  cores however many processes it starts), output caps and a wall deadline enforced outside.
 
 What it does not isolate:
 
 * The kernel: a kernel exploit escapes (gVisor `runsc` would add a user-space kernel at
   ~190 ms per run). There is no seccomp filter.
 * Without a memory cgroup, memory is capped per process (RLIMIT_DATA) only, not in total.
-* CPU time is not shared fairly between concurrent slots (no cpu controller), and disk I/O
-  bandwidth of reading /usr is not limited.
+* Without a cpu controller (not root, or none delegated) CPU is not shared per run: RLIMIT_CPU
+  bounds each process's seconds, and the kernel's autogroups share per session, which a
+  program defeats by calling setsid in each of its busy processes; other slots' programs can
+  then time out. Disk I/O bandwidth of reading /usr is not limited.
 * /usr of the host is visible read-only: installed software and its versions can be read.
 * A program that exits with status 128+N by itself is reported as killed by signal N.
 
@@ -271,9 +274,11 @@ class BwrapBackend(Backend):
                 layout=self._layout,
             )
             cmd = launcher_args(limits, self.uid if self._root else None) + cmd
-            if any((self.cgroups.memory_dir, self.cgroups.pids_dir, self.cgroups.cpu_dir, self.cgroups.kill_dir)):
-                # The launcher, the outer bwrap and bwrap's init count towards pids.max: leave room.
-                cg = RunCgroups.create(self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4)
+            if self.cgroups.dirs():
+                # The launcher, its mounts and bwrap count towards pids.max: leave room.
+                cg = RunCgroups.create(
+                    self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4, cpus=limits.cpus
+                )
                 cmd = join_cgroups_args(cg.procs_files) + cmd
             proc = Supervised(
                 cmd,

@@ -84,7 +84,7 @@ def _cgroups() -> list[str]:
 
     support = cgroups.probe()
     found = []
-    for parent in {support.memory_dir, support.pids_dir, support.cpu_dir, support.kill_dir} - {None}:
+    for parent in support.dirs():
         base = os.path.dirname(parent)
         for name in os.listdir(base):
             if name.startswith("hpcrl-sbx-") and not os.path.exists(f"/proc/{name[len('hpcrl-sbx-') :]}"):

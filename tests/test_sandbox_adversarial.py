@@ -91,6 +91,30 @@ def test_memory_bomb_across_many_processes_is_capped_in_total(backend):
     assert r.peak_memory_mb <= 160 + 8
 
 
+def test_60_busy_loops_in_one_slot_do_not_starve_another(backend):
+    # Each loop in its own session, so the scheduler's autogroups do not share the CPU out
+    # per sandbox either: only a cpu cgroup per run (weight and quota) keeps the other slot fed.
+    if not backend.cgroups.cpu_limit:
+        pytest.skip("no cpu controller here: CPU is not shared per run (documented in sandbox/bwrap.py)")
+    hog = (
+        "import os, time\nfor _ in range(60):\n    if os.fork() == 0:\n        os.setsid()\n"
+        "        while True: pass\nprint('forked', flush=True)\ntime.sleep(100)\n"
+    )
+    work = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done')\n"
+    other = BwrapBackend(uid=UID + 2)
+    before = Snapshot.take()
+    with backend.session(ExecSpec.single("python", hog, limits=QUICK.replace(wall_s=30, cpu_s=60, pids=72))) as s:
+        assert s.read_line(timeout_s=20) == b"forked\n"
+        r = other.run(ExecSpec.single("python", work, limits=QUICK.replace(wall_s=10)))
+        s.kill()
+        hogged = s.finish()
+    assert r.status == "ok" and r.stdout == b"done\n", r
+    # The quota: one core (Limits.cpus) however many processes, with a margin for accounting.
+    assert hogged.cpu_s <= hogged.wall_s * Limits().cpus * 1.25 + 0.5, hogged
+    assert host_residue([UID, UID + 2], before) == []
+    other.close()
+
+
 def test_infinite_loop_hits_the_cpu_limit(backend):
     r = probe(backend, "while True: pass", cpu_s=1, wall_s=3)
     assert r.status == "cpu_limit"

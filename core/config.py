@@ -249,6 +249,10 @@ class SandboxConfig:
         help="bwrap as root runs slot k as host uid uid_base+k: no account's or group's id, nor another server's",
         ge=1000,
     )
+    memory_fallback: Literal["address_space", "refuse", "data"] = spec(
+        "address_space",
+        help="no memory cgroup: cap each process's address space (RLIMIT_AS), refuse to run, or data (unsafe)",
+    )
     queue: int = spec(
         64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0
     )

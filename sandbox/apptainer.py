@@ -66,7 +66,14 @@ def default_def_file() -> Path:
 
 
 def apptainer_args(
-    argv: Sequence[str], limits: Limits, *, image: str, src_dir: str, cgroups: bool = False
+    argv: Sequence[str],
+    limits: Limits,
+    *,
+    image: str,
+    src_dir: str,
+    cgroups: bool = False,
+    memory_fallback: str = "address_space",
+    reserve_mb: int = 0,
 ) -> list[str]:
     """The arguments after `apptainer` for running `argv` from `src_dir` under `limits`. Pure."""
     args = [
@@ -100,7 +107,9 @@ def apptainer_args(
             "--pids-limit",
             str(limits.pids + 4),
         ]
-    args += [image, "/bin/sh", "-c", _COPY_SH, "sh", *rlimit_args(limits, memory_by_rlimit=not cgroups), "--", *argv]
+    memory = "cgroup" if cgroups else memory_fallback
+    args += [image, "/bin/sh", "-c", _COPY_SH, "sh", *rlimit_args(limits, memory=memory, reserve_mb=reserve_mb)]
+    args += ["--", *argv]
     return args
 
 
@@ -176,7 +185,14 @@ class ApptainerBackend(Backend):
     name = "apptainer"
     check_hint = "; does the image run (`apptainer exec IMAGE true`), and is --network none allowed here?"
 
-    def __init__(self, image: str = "sandbox.sif", *, apptainer: str = "apptainer", cgroups: bool = False):
+    def __init__(
+        self,
+        image: str = "sandbox.sif",
+        *,
+        apptainer: str = "apptainer",
+        cgroups: bool = False,
+        memory_fallback: str = "address_space",
+    ):
         path = shutil.which(apptainer)
         if path is None:
             raise SandboxUnavailable(
@@ -188,9 +204,16 @@ class ApptainerBackend(Backend):
                 f"apptainer backend: image {image} does not exist; "
                 f"build it with `hpcrl sandbox build-image --out {image}`"
             )
+        if not cgroups and memory_fallback == "refuse":
+            raise SandboxUnavailable(
+                "apptainer backend: no memory cgroup (sandbox.apptainer_cgroups is false) and "
+                "sandbox.memory_fallback is refuse; enable apptainer_cgroups where cgroups v2 is delegated, or set "
+                "memory_fallback: address_space (each process's address space capped; see sandbox/bwrap.py)"
+            )
         self.apptainer = path
         self.image = image
         self.cgroups = cgroups
+        self.memory_fallback = memory_fallback
 
     def describe(self) -> str:
         return f"apptainer {self.image}; cgroups: {'--memory/--pids-limit' if self.cgroups else 'none (rlimits only)'}"
@@ -200,7 +223,9 @@ class ApptainerBackend(Backend):
 
         return languages()  # the image installs all of them
 
-    def _launch(self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits) -> Session:
+    def _launch(
+        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+    ) -> Session:
         src = tempfile.mkdtemp(prefix="hpcrl-src-")
         try:
             os.chmod(src, 0o755)
@@ -209,7 +234,15 @@ class ApptainerBackend(Backend):
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_bytes(f.data)
                 p.chmod(0o755 if f.executable else 0o644)
-            args = apptainer_args(argv, limits, image=self.image, src_dir=src, cgroups=self.cgroups)
+            args = apptainer_args(
+                argv,
+                limits,
+                image=self.image,
+                src_dir=src,
+                cgroups=self.cgroups,
+                memory_fallback=self.memory_fallback,
+                reserve_mb=reserve_mb,
+            )
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "APPTAINER_CACHEDIR", "APPTAINER_TMPDIR")}
             return ProcessSession([self.apptainer, *args], limits, env=env, cleanup=[src])
         except BaseException:

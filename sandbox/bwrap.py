@@ -25,8 +25,18 @@ What it isolates (each checked by tests/test_sandbox_adversarial.py):
 What it does not isolate:
 
 * The kernel: a kernel exploit escapes (gVisor `runsc` would add a user-space kernel at
-  ~190 ms per run). There is no seccomp filter.
-* Without a memory cgroup, memory is capped per process (RLIMIT_DATA) only, not in total.
+  ~190 ms per run). A seccomp filter (hpcrl.sandbox.seccomp) only removes a few calls:
+  memfd_create, memfd_secret, SysV shmget, io_uring, userfaultfd, perf_event_open, bpf and
+  the keyring calls answer ENOSYS (x86_64 and aarch64; elsewhere there is none, describe() says).
+* Without a memory cgroup (not root, or none can be made) `sandbox.memory_fallback` decides:
+  `address_space` (default) caps each process's address space (RLIMIT_AS = memory_mb plus
+  the language's reserve, node: 1 GiB) and its private memory (RLIMIT_DATA = memory_mb), so
+  private and shared mappings count and, with the filter above, no memory escapes the rlimits
+  but kernel memory (socket buffers, page tables); the costs: the cap is per process, so a run
+  may hold up to `pids` times memory_mb in total; reserved-but-untouched address space counts
+  (thread stacks, malloc arenas: MALLOC_ARENA_MAX=2 is set; runtimes reserving more than their
+  language's reserve do not start); peak memory is the largest process's. `refuse` will not
+  run without a cgroup; `data` is RLIMIT_DATA alone, which leaves shared mappings unbounded.
 * Without a cpu controller (not root, or none delegated) CPU is not shared per run: RLIMIT_CPU
   bounds each process's seconds, and the kernel's autogroups share per session, which a
   program defeats by calling setsid in each of its busy processes; other slots' programs can
@@ -51,6 +61,8 @@ from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
 from hpcrl.sandbox.launcher import TMPFS_DIR, join_cgroups_args, launcher_args
 from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group, setpriv_pdeathsig
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
+from hpcrl.sandbox.seccomp import filter_program
+from hpcrl.sandbox.seccomp import supported as seccomp_supported
 from hpcrl.sandbox.spec import Limits, SourceFile
 from hpcrl.sandbox.uids import claim_slot_uid
 
@@ -90,11 +102,14 @@ def bwrap_args(
     file_fds: list[tuple[SourceFile, int]],
     *,
     status_fd: int | None,
-    memory_by_rlimit: bool,
+    memory: str,
+    reserve_mb: int = 0,
+    seccomp_fd: int | None = None,
     bwrap: str = "bwrap",
     layout: list[str] | None = None,
 ) -> list[str]:
-    """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work. Pure."""
+    """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work, memory capped
+    by `memory` (backend.rlimit_args), the filter of hpcrl.sandbox.seccomp read from `seccomp_fd`. Pure."""
     args = [
         bwrap,
         # Everything but the pid namespace, which is the launcher's (bwrap is its pid 1).
@@ -143,11 +158,18 @@ def bwrap_args(
                 args += ["--perms", "0755", "--dir", d]
         args += ["--perms", "0755" if f.executable else "0644", "--file", str(fd), f"/work/{f.path}"]
     args += ["--chdir", "/work", "--remount-ro", "/", "--clearenv"]
-    for k, v in SANDBOX_ENV.items():
+    env = dict(SANDBOX_ENV)
+    if memory == "address_space":
+        # glibc reserves 64 MiB of address space per malloc arena (one per thread, up to 8 per
+        # core): under RLIMIT_AS that, not memory, would stop a threaded program.
+        env["MALLOC_ARENA_MAX"] = "2"
+    for k, v in env.items():
         args += ["--setenv", k, v]
     if status_fd is not None:
         args += ["--json-status-fd", str(status_fd)]
-    args += ["--", "prlimit", *rlimit_args(limits, memory_by_rlimit=memory_by_rlimit), "--", *argv]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    args += ["--", "prlimit", *rlimit_args(limits, memory=memory, reserve_mb=reserve_mb), "--", *argv]
     return args
 
 
@@ -211,7 +233,14 @@ class BwrapBackend(Backend):
     name = "bwrap"
     check_hint = "; are unprivileged user namespaces enabled (sysctl user.max_user_namespaces > 0)?"
 
-    def __init__(self, uid: int = 61000, *, bwrap: str = "bwrap", use_cgroups: bool = True):
+    def __init__(
+        self,
+        uid: int = 61000,
+        *,
+        bwrap: str = "bwrap",
+        use_cgroups: bool = True,
+        memory_fallback: str = "address_space",
+    ):
         missing = [t for t in (bwrap, "prlimit", "sh", "setpriv") if shutil.which(t) is None]
         self._root = os.geteuid() == 0
         if not missing and not setpriv_pdeathsig():
@@ -230,6 +259,18 @@ class BwrapBackend(Backend):
             weakref.finalize(self, self._claim.release)
         self.bwrap = shutil.which(bwrap)
         self.cgroups: CgroupSupport = probe() if (use_cgroups and self._root) else CgroupSupport()
+        if memory_fallback not in ("refuse", "address_space", "data"):
+            raise ValueError(f"memory_fallback must be refuse, address_space or data (got {memory_fallback!r})")
+        if not self.cgroups.memory and memory_fallback == "refuse":
+            self.close()
+            why = "not root" if not self._root else ("cgroups not used" if not use_cgroups else "none can be made here")
+            raise SandboxUnavailable(
+                f"bwrap backend: no memory cgroup ({why}) and sandbox.memory_fallback is refuse; run as root where "
+                "cgroups can be made, or set memory_fallback: address_space (each process's address space "
+                "capped; see sandbox/bwrap.py for what that costs)"
+            )
+        self.memory = "cgroup" if self.cgroups.memory else memory_fallback
+        self._seccomp = filter_program() if seccomp_supported() else None
         if not become_subreaper():
             log.warning("cannot become a child subreaper: killed sandboxes are left for the host's init to reap")
         self._layout = _host_layout()
@@ -249,9 +290,17 @@ class BwrapBackend(Backend):
 
     def describe(self) -> str:
         who = f"uid {self.uid}" + ("" if self._root else " (not root: no per-slot uid)")
-        return f"bwrap as {who}; cgroups: {self.cgroups.describe()}"
+        memory = {
+            "cgroup": f"memory: {self.cgroups.memory_version} cgroup",
+            "address_space": "memory: RLIMIT_AS per process (no memory cgroup)",
+            "data": "memory: RLIMIT_DATA per process only (no memory cgroup; shared mappings unbounded)",
+        }[self.memory]
+        seccomp = "seccomp filter" if self._seccomp else "no seccomp filter (unknown architecture)"
+        return f"bwrap as {who}; {memory}; {seccomp}; cgroups: {self.cgroups.describe()}"
 
-    def _launch(self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits) -> Session:
+    def _launch(
+        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+    ) -> Session:
         fds: list[int] = []
         file_fds = []
         status_r, status_w = os.pipe()
@@ -263,13 +312,20 @@ class BwrapBackend(Backend):
                 _write_all(fd, f.data)
                 os.lseek(fd, 0, os.SEEK_SET)
                 file_fds.append((f, fd))
-            memory_cg = self.cgroups.memory
+            seccomp_fd = None
+            if self._seccomp is not None:
+                seccomp_fd = os.memfd_create("hpcrl-seccomp", 0)  # bwrap reads it to the end and closes it
+                fds.append(seccomp_fd)
+                _write_all(seccomp_fd, self._seccomp)
+                os.lseek(seccomp_fd, 0, os.SEEK_SET)
             cmd = bwrap_args(
                 argv,
                 limits,
                 file_fds,
                 status_fd=status_w,
-                memory_by_rlimit=not memory_cg,
+                memory=self.memory,
+                reserve_mb=reserve_mb,
+                seccomp_fd=seccomp_fd,
                 bwrap=self.bwrap,
                 layout=self._layout,
             )

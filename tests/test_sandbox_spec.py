@@ -157,9 +157,15 @@ def test_classify(kw, status, code, sig):
 
 
 def test_rlimits_cap_processes_files_and_cpu_and_memory_only_without_a_cgroup():
-    args = rlimit_args(Limits(cpu_s=2.5, pids=16, file_size_mb=1, open_files=32, memory_mb=64), memory_by_rlimit=False)
+    args = rlimit_args(Limits(cpu_s=2.5, pids=16, file_size_mb=1, open_files=32, memory_mb=64), memory="cgroup")
     assert args == ["--cpu=3:4", f"--fsize={1 << 20}", "--nproc=16", "--nofile=32", "--core=0"]
-    assert f"--data={64 << 20}" in rlimit_args(Limits(memory_mb=64), memory_by_rlimit=True)
+    # Without a memory cgroup: the address space (shared mappings count) plus what the runtime reserves.
+    fallback = rlimit_args(Limits(memory_mb=64), memory="address_space", reserve_mb=1024)
+    assert f"--data={64 << 20}" in fallback and f"--as={(64 + 1024) << 20}" in fallback
+    legacy = rlimit_args(Limits(memory_mb=64), memory="data")
+    assert f"--data={64 << 20}" in legacy and not any(a.startswith("--as=") for a in legacy)
+    with pytest.raises(ValueError, match="memory must be one of"):
+        rlimit_args(Limits(), memory="none")
 
 
 # -- the bwrap command line --------------------------------------------------------------------
@@ -172,7 +178,8 @@ def test_bwrap_command_isolates_and_copies_files_in():
         Limits(work_mb=8, tmp_mb=4, shm_mb=2),
         files,
         status_fd=9,
-        memory_by_rlimit=False,
+        memory="cgroup",
+        seccomp_fd=11,
         layout=["--ro-bind", "/usr", "/usr"],
     )
     line = " ".join(args)
@@ -185,6 +192,7 @@ def test_bwrap_command_isolates_and_copies_files_in():
         "--clearenv",
         "--remount-ro /",
         "--json-status-fd 9",
+        "--seccomp 11",
         "--bind /tmp/shm /dev/shm --remount-ro /dev",
         "--bind /tmp/tmp /tmp",
         "--bind /tmp/work /work",

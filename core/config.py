@@ -261,7 +261,10 @@ class SandboxConfig:
     )
     apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
     apptainer_cgroups: bool = spec(
-        False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)"
+        False, help="pass --memory/--pids-limit/--cpus to apptainer (needs cgroups v2 with systemd delegation)"
+    )
+    apptainer_seccomp: bool = spec(
+        True, help="pass hpcrl's seccomp profile to apptainer (--security seccomp:, needs Apptainer with libseccomp)"
     )
     ceiling: Limits = spec(
         factory=lambda: Limits(

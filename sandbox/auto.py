@@ -21,6 +21,10 @@ def make_backend(cfg: SandboxConfig, slot: int = 0) -> Backend:
         return BwrapBackend(uid=cfg.uid_base + slot, memory_fallback=cfg.memory_fallback)
     if cfg.backend == "apptainer":
         return ApptainerBackend(
-            image=cfg.image, apptainer=cfg.apptainer, cgroups=cfg.apptainer_cgroups, memory_fallback=cfg.memory_fallback
+            image=cfg.image,
+            apptainer=cfg.apptainer,
+            cgroups=cfg.apptainer_cgroups,
+            memory_fallback=cfg.memory_fallback,
+            seccomp=cfg.apptainer_seccomp,
         )
     raise SandboxError(f"unknown sandbox backend {cfg.backend!r}; choose bwrap or apptainer")

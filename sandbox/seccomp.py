@@ -1,6 +1,7 @@
 """A small seccomp filter for the sandboxed program: a few system calls answer ENOSYS.
 
     prog = filter_program()          # classic BPF, as bwrap's --seccomp FD reads it
+    profile = apptainer_profile()    # the same as an OCI/Docker JSON profile (apptainer --security seccomp:FILE)
     SECCOMP_SYSCALLS                 # which, and why
 
 Two groups, refused everywhere so a program behaves the same with and without cgroups:
@@ -17,15 +18,20 @@ Two groups, refused everywhere so a program behaves the same with and without cg
 Anything but the native architecture's calling convention (i386 or x32 on x86_64) is refused
 outright, so that no call slips through under another number. The filter is pure data: this
 module builds it, bwrap installs it (after no_new_privs, just before exec).
+
+The Apptainer profile adds what bwrap's --disable-userns does there: unshare and clone with
+CLONE_NEWUSER fail with EPERM, and clone3 (whose flags a filter cannot see) with ENOSYS, so
+glibc falls back to clone; libseccomp, which Apptainer uses, handles the architectures.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import platform
 import struct
 
-__all__ = ["SECCOMP_SYSCALLS", "filter_program", "supported"]
+__all__ = ["SECCOMP_SYSCALLS", "apptainer_profile", "filter_program", "supported"]
 
 SECCOMP_SYSCALLS = (
     "memfd_create",
@@ -120,3 +126,21 @@ def filter_program(machine: str | None = None) -> bytes:
             jt, jf = deny_at - (i + 1), 0
         out.append(struct.pack("=HBBI", code, jt, jf, k))
     return b"".join(out)
+
+
+_CLONE_NEWUSER = 0x10000000
+
+
+def apptainer_profile() -> str:
+    """SECCOMP_SYSCALLS and no new user namespace, as a Docker/OCI seccomp profile (JSON). Pure."""
+    newuser = [{"index": 0, "value": _CLONE_NEWUSER, "valueTwo": _CLONE_NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}]
+    return json.dumps(
+        {
+            "defaultAction": "SCMP_ACT_ALLOW",
+            "syscalls": [
+                {"names": list(SECCOMP_SYSCALLS) + ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+                {"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM, "args": newuser},
+            ],
+        },
+        indent=1,
+    )

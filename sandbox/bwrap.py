@@ -26,8 +26,9 @@ What it does not isolate:
 
 * The kernel: a kernel exploit escapes (gVisor `runsc` would add a user-space kernel at
   ~190 ms per run). A seccomp filter (hpcrl.sandbox.seccomp) only removes a few calls:
-  memfd_create, memfd_secret, SysV shmget, io_uring, userfaultfd, perf_event_open, bpf and
-  the keyring calls answer ENOSYS (x86_64 and aarch64; elsewhere there is none, describe() says).
+  memfd_create, memfd_secret, SysV shmget, io_uring, userfaultfd, perf_event_open, bpf, the
+  keyring calls and setsid answer ENOSYS (x86_64 and aarch64; elsewhere there is none,
+  describe() says).
 * Without a memory cgroup (not root, or none can be made) `sandbox.memory_fallback` decides:
   `address_space` (default) caps each process's address space (RLIMIT_AS = memory_mb plus
   the language's reserve, node: 1 GiB) and its private memory (RLIMIT_DATA = memory_mb), so
@@ -37,10 +38,12 @@ What it does not isolate:
   (thread stacks, malloc arenas: MALLOC_ARENA_MAX=2 is set; runtimes reserving more than their
   language's reserve do not start); peak memory is the largest process's. `refuse` will not
   run without a cgroup; `data` is RLIMIT_DATA alone, which leaves shared mappings unbounded.
-* Without a cpu controller (not root, or none delegated) CPU is not shared per run: RLIMIT_CPU
-  bounds each process's seconds, and the kernel's autogroups share per session, which a
-  program defeats by calling setsid in each of its busy processes; other slots' programs can
-  then time out. Disk I/O bandwidth of reading /usr is not limited.
+* Without a cpu controller (not root, or none delegated) there is no CPU quota: RLIMIT_CPU
+  bounds each process's seconds, and the share between runs is the kernel's autogroups (one
+  per session: setsid is refused inside, so a run is one session) where they apply, i.e.
+  kernel.sched_autogroup_enabled=1 and the server in the root cpu cgroup; inside a Slurm job's
+  cgroup, or with autogroups off, a run with many busy processes can starve other slots into
+  timeouts. Disk I/O bandwidth of reading /usr is not limited.
 * /usr of the host is visible read-only: installed software and its versions can be read.
 * A program that exits with status 128+N by itself is reported as killed by signal N.
 

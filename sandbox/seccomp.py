@@ -14,6 +14,10 @@ Two groups, refused everywhere so a program behaves the same with and without cg
   capped in bytes and inodes.
 * kernel attack surface no judged program needs: io_uring, userfaultfd (an exploit
   primitive), perf_event_open, bpf, and the keyring calls.
+* `setsid`: without a cpu cgroup the kernel's autogroups share the CPU per session, and a
+  program that put each of its busy processes in a session of its own took that many shares
+  (60 loops starved another slot's program into a timeout). bwrap's own setsid
+  (--new-session) comes before the filter.
 
 Anything but the native architecture's calling convention (i386 or x32 on x86_64) is refused
 outright, so that no call slips through under another number. The filter is pure data: this
@@ -46,6 +50,7 @@ SECCOMP_SYSCALLS = (
     "add_key",
     "request_key",
     "keyctl",
+    "setsid",
 )
 
 # AUDIT_ARCH_* and syscall numbers (asm/unistd_64.h on x86_64, asm-generic/unistd.h on aarch64).
@@ -65,6 +70,7 @@ _ARCHES = {
             "add_key": 248,
             "request_key": 249,
             "keyctl": 250,
+            "setsid": 112,
         },
     ),
     "aarch64": (
@@ -82,6 +88,7 @@ _ARCHES = {
             "add_key": 217,
             "request_key": 218,
             "keyctl": 219,
+            "setsid": 157,
         },
     ),
 }

@@ -38,8 +38,9 @@ class Snapshot:
 
 def _processes(uids: set[int]) -> list[str]:
     found = []
+    mine = _ancestry()  # run as a normal user, the sandboxes share our uid (and our parents')
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or pid in mine:
             continue
         try:
             with open(f"/proc/{pid}/status") as fh:
@@ -53,6 +54,19 @@ def _processes(uids: set[int]) -> list[str]:
             state = fields.get("State", "?").strip()
             found.append(f"process {pid} ({name}, {state}) runs as uid {sorted(ids & uids)}")
     return found
+
+
+def _ancestry() -> set[str]:
+    """This process and its ancestors (pids as strings)."""
+    out, pid = set(), str(os.getpid())
+    while pid not in ("0", "") and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = fh.read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            break
+    return out
 
 
 def _files(uids: set[int], roots: Iterable[str], depth: int = 2) -> list[str]:

@@ -93,6 +93,7 @@ def test_the_seccomp_filter_refuses_its_calls_and_nothing_else():
         "                   ('shmget', lambda: libc.shmget(0, 4096, 0o1600)),\n"
         "                   ('io_uring_setup', lambda: libc.syscall(425, 1, ctypes.create_string_buffer(128))),\n"
         "                   ('keyctl', lambda: libc.syscall(250, 0, 0)),\n"
+        "                   ('setsid', lambda: libc.setsid()),\n"
         "                   ('getpid', lambda: libc.getpid())]:\n"
         "    ctypes.set_errno(0)\n    rc = call()\n    print(name, rc, ctypes.get_errno())\n"
         "import mmap, multiprocessing.shared_memory as sm\n"
@@ -100,8 +101,9 @@ def test_the_seccomp_filter_refuses_its_calls_and_nothing_else():
     )
     r = b.run(ExecSpec.single("python", src, limits=LIMITS))
     lines = r.stdout.decode().splitlines()
-    assert lines[:4] == [f"{n} -1 38" for n in ("memfd_create", "shmget", "io_uring_setup", "keyctl")], r  # ENOSYS
-    assert lines[4].startswith("getpid ") and not lines[4].startswith("getpid -1") and lines[5] == "posix shm ok"
+    refused = ("memfd_create", "shmget", "io_uring_setup", "keyctl", "setsid")
+    assert lines[:5] == [f"{n} -1 38" for n in refused], r  # ENOSYS
+    assert lines[5].startswith("getpid ") and not lines[5].startswith("getpid -1") and lines[6] == "posix shm ok"
     b.close()
 
 

@@ -71,6 +71,23 @@ def test_exec_exits_0_whatever_the_program_did(bwrap_ok, tmp_path, config, src, 
         assert res["status"] == status
 
 
+BOMBS = {
+    "shared mmap": "import mmap\nm = mmap.mmap(-1, 1 << 30, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)\n"
+    "for i in range(0, 1 << 30, 4096): m[i] = 1\nprint('BOMB')\n",
+    "memfd": "import os\nfds = [os.memfd_create('x') for _ in range(64)]\n"
+    "for fd in fds:\n    for _ in range(16): os.write(fd, b'm' * (1 << 20))\nprint('BOMB')\n",
+    "inodes": "import os\nfor i in range(200000):\n    os.close(os.open(f'e{i}', os.O_CREAT | os.O_WRONLY))\n"
+    "print('BOMB')\n",
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+def test_exec_contains_memory_and_inode_bombs(bwrap_ok, tmp_path, config, bomb):
+    code, res = exec_json(tmp_path, config, BOMBS[bomb], "--memory-mb", "256")
+    assert code == 0 and "BOMB" not in res["stdout"], res
+    assert res["status"] in ("memory_limit", "nonzero_exit"), res
+
+
 @pytest.mark.skipif(not get_language("c").present(), reason="gcc not installed on this host")
 def test_exec_reports_a_compile_error_as_a_result(bwrap_ok, tmp_path, config):
     code, res = exec_json(tmp_path, config, "int main( {", lang="c")

@@ -1,54 +1,60 @@
-"""The bubblewrap backend: local machines and CI.
+"""The bubblewrap backend: local machines and CI, as root (per-slot uids, cgroups) or as a normal user.
 
-What it isolates (each checked by tests/test_sandbox_adversarial.py):
+What it isolates (checked by tests/test_sandbox_adversarial.py, test_sandbox_memory.py and
+`bench/sandbox.py --abuse`, which counts the probes contained):
 
-* Processes: new PID (the launcher's), IPC, UTS, network, cgroup and user namespaces; the
-  program sees only bwrap (pid 1) and its own processes, is uid 65534 inside and an
-  unprivileged per-slot uid outside (`setpriv` drops to it, all capabilities and groups gone,
-  no_new_privs), never root. `--new-session` (no
-  TIOCSTI into our terminal), `--disable-userns` (no nested user namespace to remount from),
-  `--die-with-parent`. Every process of a run lives in a pid namespace of the launcher's
-  (`hpcrl.sandbox.launcher`), armed to die with the server even under SIGKILL: killing the
-  launcher ends it, setsid daemons included; where cgroups exist, what is left in the run's
-  cgroup is killed as well.
+* Processes: every process of a run lives in a pid namespace of the launcher's
+  (hpcrl.sandbox.launcher), armed to die with the server even when it is SIGKILLed; the program
+  sees only bwrap (pid 1) and its own processes. New IPC, UTS, network, cgroup and user
+  namespaces; the program is uid 65534 inside and, as root, an unprivileged per-slot uid
+  outside (setpriv drops to it, all capabilities and groups gone, no_new_privs; no account's
+  uid and no other server's, hpcrl.sandbox.uids), never root; not root, it is our own uid.
+  `--new-session` (no TIOCSTI into our terminal), `--disable-userns` (no nested user
+  namespace to remount from). Killing the launcher ends the run, setsid daemons included;
+  where cgroups exist, what is left in the run's cgroup is killed as well.
 * Files: read-only /usr (+ the /bin, /lib symlinks, /etc/alternatives, /etc/ld.so.cache),
   a read-only root, nothing else of the host: no /home, /root, run directories or sockets.
   /work (the program, copied in through memfds), /tmp and /dev/shm are tmpfs capped in bytes
-  and in inodes (`Limits.inodes`: empty files take no space) that vanish with the sandbox.
-  The environment is cleared (PATH, HOME, TMPDIR, LANG only).
+  and in inodes (`Limits.inodes`: empty files take no space) that vanish with the run. The
+  environment is cleared (PATH, HOME, TMPDIR, LANG; MALLOC_ARENA_MAX under RLIMIT_AS).
 * Network: a new network namespace with loopback only; no DNS, no host TCP or unix sockets.
-* Resources: rlimits set inside (CPU, file size, processes, open files, no core dumps), a
-  memory, a pids and a cpu cgroup per run where this machine lets us create them
+* Resources: rlimits set inside (CPU seconds, file size, processes, open files, no core
+  dumps), a memory, a pids and a cpu cgroup per run where this machine lets us create them
   (`describe()` says which: runs share the CPU by equal weight, each capped at `Limits.cpus`
-  cores however many processes it starts), output caps and a wall deadline enforced outside.
+  cores however many processes it starts), output caps and a wall deadline from outside.
+* System calls: a seccomp filter (hpcrl.sandbox.seccomp) answers ENOSYS to memfd_create,
+  memfd_secret and SysV shmget (memory no rlimit counts), io_uring, userfaultfd,
+  perf_event_open, bpf and the keyring calls (kernel surface), and setsid (see below), on
+  x86_64 and aarch64; elsewhere there is none, and describe() says so.
 
 What it does not isolate:
 
 * The kernel: a kernel exploit escapes (gVisor `runsc` would add a user-space kernel at
-  ~190 ms per run). A seccomp filter (hpcrl.sandbox.seccomp) only removes a few calls:
-  memfd_create, memfd_secret, SysV shmget, io_uring, userfaultfd, perf_event_open, bpf, the
-  keyring calls and setsid answer ENOSYS (x86_64 and aarch64; elsewhere there is none,
-  describe() says).
+  ~190 ms per run); the filter removes only the calls above.
 * Without a memory cgroup (not root, or none can be made) `sandbox.memory_fallback` decides:
   `address_space` (default) caps each process's address space (RLIMIT_AS = memory_mb plus
-  the language's reserve, node: 1 GiB) and its private memory (RLIMIT_DATA = memory_mb), so
-  private and shared mappings count and, with the filter above, no memory escapes the rlimits
-  but kernel memory (socket buffers, page tables); the costs: the cap is per process, so a run
-  may hold up to `pids` times memory_mb in total; reserved-but-untouched address space counts
-  (thread stacks, malloc arenas: MALLOC_ARENA_MAX=2 is set; runtimes reserving more than their
-  language's reserve do not start); peak memory is the largest process's. `refuse` will not
-  run without a cgroup; `data` is RLIMIT_DATA alone, which leaves shared mappings unbounded.
-* Without a cpu controller (not root, or none delegated) there is no CPU quota: RLIMIT_CPU
-  bounds each process's seconds, and the share between runs is the kernel's autogroups (one
-  per session: setsid is refused inside, so a run is one session) where they apply, i.e.
-  kernel.sched_autogroup_enabled=1 and the server in the root cpu cgroup; inside a Slurm job's
-  cgroup, or with autogroups off, a run with many busy processes can starve other slots into
-  timeouts. Disk I/O bandwidth of reading /usr is not limited.
+  the language's reserve; node: 1 GiB) and its private memory (RLIMIT_DATA = memory_mb), so
+  private and shared mappings count and, with the filter, user memory is held only in mappings
+  and in the capped tmpfs;
+  what that costs: the cap is per process, so a run may hold up to `pids` times memory_mb in
+  total (8 processes x 200 MiB under 256 MiB got through); reserved but untouched address space
+  counts (thread stacks, malloc arenas); a runtime reserving more than its language's reserve
+  does not start; kernel memory (socket buffers, page tables) is not capped; peak memory is the
+  largest process's, CPU time that of processes reaped (a killed run's may count less).
+  `refuse` will not run without a memory cgroup; `data` is RLIMIT_DATA alone, which leaves
+  shared mappings unbounded (unsafe).
+* Without a cpu controller there is no CPU quota: RLIMIT_CPU bounds each process's seconds,
+  and the share between runs is the kernel's autogroups (one per session; setsid is refused,
+  so a run stays one) where they apply: kernel.sched_autogroup_enabled=1 and the server in the
+  root cpu cgroup. Inside a Slurm job's cgroup, or with autogroups off, a run with many busy
+  processes can starve other slots into timeouts. Disk I/O bandwidth of reading /usr is not
+  limited.
 * /usr of the host is visible read-only: installed software and its versions can be read.
 * A program that exits with status 128+N by itself is reported as killed by signal N.
 
-Side effect on the calling process: it becomes a child subreaper (prctl), so that the pid 1
-of a launcher it killed is reaped here and not left as a zombie for the host's init.
+Side effects on the calling process: it becomes a child subreaper (prctl), so that the pid 1
+of a launcher it killed is reaped here, not left as a zombie for the host's init; as root it
+holds a lock per slot uid (/run/lock/hpcrl-sandbox) until `close()` or its end.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ backends `bwrap` (local, CI) and `apptainer` (clusters), whose common part is `b
 `languages` is the language registry; `cgroups`, `process`, `launcher` (the exec chain
 before bwrap: slot uid, parent-death signal, its own pid namespace, capped tmpfs), `seccomp`
 (the system calls a program may not make) and `uids` (slot uids: nobody's, one server's) are
-the machinery; `judge`
-(with `pyharness`, `harness_wire` and `warm`) decides pass/fail outside the sandbox; `pool`,
-`server` and `client` serve it all over ZeroMQ. CLI: `hpcrl sandbox exec|info|build-image|serve`.
+the machinery; `judge` (with `pyharness`, `harness_wire` and `warm`) decides pass/fail outside
+the sandbox; `pool`, `server` and `client` serve it all over ZeroMQ. CLI: `hpcrl sandbox exec|info|build-image|serve`.
 """

@@ -5,8 +5,9 @@
     unshare --user --map-root-user --mount --propagation private --pid --fork --kill-child
       `-> pid 1 of a new pid namespace: sh STAGE <server pid> <fstab lines>
             the launcher (unshare's parent) is alive and still the server's child, or stop;
-            tmpfs /tmp/{work,tmp,shm} with size= and nr_inodes= (bwrap's --size has no inode cap)
-            exec bwrap ...           pid 1 here; the program is pid 2
+            a procfs of this namespace on /proc; tmpfs /tmp/{work,tmp,shm} with size= and
+            nr_inodes= (bwrap's --size has no inode cap)
+            exec bwrap ...           pid 1 here; the program is the only other process
 
 Why each step:
 

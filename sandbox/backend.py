@@ -26,7 +26,16 @@ from hpcrl.sandbox.process import Supervised
 from hpcrl.sandbox.result import ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
-__all__ = ["Backend", "Session", "SupervisedSession", "Exit", "CompileFailed", "classify", "rlimit_args"]
+__all__ = [
+    "Backend",
+    "Session",
+    "SupervisedSession",
+    "Exit",
+    "CompileFailed",
+    "classify",
+    "rlimit_args",
+    "MEMORY_MODES",
+]
 
 
 class Session(abc.ABC):
@@ -154,12 +163,20 @@ def classify(
     )
 
 
-def rlimit_args(limits: Limits, *, memory_by_rlimit: bool) -> list[str]:
+MEMORY_MODES = ("cgroup", "address_space", "data")
+
+
+def rlimit_args(limits: Limits, *, memory: str = "cgroup", reserve_mb: int = 0) -> list[str]:
     """`prlimit` options applied inside the sandbox, so they count this sandbox's processes only.
 
-    RLIMIT_DATA (not RLIMIT_AS) stands in for memory where no memory cgroup is enforced: it is
-    per process, but it ignores address-space reservations, so node and the JVM still start.
+    `memory` says what caps memory: a cgroup (no rlimit for it here), or where there is none,
+    `address_space`: RLIMIT_AS of `memory_mb` plus the language's `reserve_mb` (what its
+    runtime reserves and never touches, e.g. V8's ~700 MiB), with RLIMIT_DATA of `memory_mb`
+    for the private memory; or `data`: RLIMIT_DATA alone, which leaves shared mappings
+    uncounted. All are per process: the total of a run is up to `pids` times as much.
     """
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)} (got {memory!r})")
     cpu = max(1, math.ceil(limits.cpu_s))
     args = [
         f"--cpu={cpu}:{cpu + 1}",
@@ -168,8 +185,10 @@ def rlimit_args(limits: Limits, *, memory_by_rlimit: bool) -> list[str]:
         f"--nofile={limits.open_files}",
         "--core=0",
     ]
-    if memory_by_rlimit:
+    if memory != "cgroup":
         args.append(f"--data={limits.memory_mb * 1024 * 1024}")
+    if memory == "address_space":
+        args.append(f"--as={(limits.memory_mb + reserve_mb) * 1024 * 1024}")
     return args
 
 
@@ -181,12 +200,18 @@ class Backend(abc.ABC):
     check_hint: str = ""
 
     @abc.abstractmethod
-    def _launch(self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits) -> Session:
-        """Start `argv` in a fresh sandbox with `files` in /work; raise SandboxError if it cannot start."""
+    def _launch(
+        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+    ) -> Session:
+        """Start `argv` in a fresh sandbox with `files` in /work; raise SandboxError if it cannot start.
+        `reserve_mb`: address space the program's runtime reserves beyond its memory (see rlimit_args)."""
 
     def describe(self) -> str:
         """One line: what this backend enforces on this machine."""
         return self.name
+
+    def close(self) -> None:  # noqa: B027 (most backends hold nothing)
+        """Give up what the backend holds for its life (bwrap as root: its slot uid). Idempotent."""
 
     def check(self) -> None:
         """Run a trivial program once; raise SandboxUnavailable with the reason if it fails."""
@@ -280,7 +305,7 @@ class Backend(abc.ABC):
             if isinstance(built, ExecResult):
                 raise CompileFailed(built)
             files = files + (built,)
-        return self._launch(files, (command or lang.run) + spec.argv, spec.limits)
+        return self._launch(files, (command or lang.run) + spec.argv, spec.limits, reserve_mb=lang.address_space_mb)
 
 
 class CompileFailed(Exception):

@@ -1,53 +1,79 @@
-"""The bubblewrap backend: local machines and CI.
+"""The bubblewrap backend: local machines and CI, as root (per-slot uids, cgroups) or as a normal user.
 
-What it isolates (each checked by tests/test_sandbox_adversarial.py):
+What it isolates (checked by tests/test_sandbox_adversarial.py, test_sandbox_memory.py and
+`bench/sandbox.py --abuse`, which counts the probes contained):
 
-* Processes: new PID, IPC, UTS, network, cgroup and user namespaces; the program sees only its
-  own processes, is uid 65534 inside and an unprivileged per-slot uid outside (`setpriv` drops
-  to it, all capabilities and groups gone, no_new_privs), never root. `--new-session` (no
-  TIOCSTI into our terminal), `--disable-userns` (no nested user namespace to remount from),
-  `--die-with-parent`. SIGKILL of the outer bwrap ends the PID namespace, setsid daemons
-  included; where cgroups exist, what is left in the run's cgroup is killed as well.
+* Processes: every process of a run lives in a pid namespace of the launcher's
+  (hpcrl.sandbox.launcher), armed to die with the server even when it is SIGKILLed; the program
+  sees only bwrap (pid 1) and its own processes. New IPC, UTS, network, cgroup and user
+  namespaces; the program is uid 65534 inside and, as root, an unprivileged per-slot uid
+  outside (setpriv drops to it, all capabilities and groups gone, no_new_privs; no account's
+  uid and no other server's, hpcrl.sandbox.uids), never root; not root, it is our own uid.
+  `--new-session` (no TIOCSTI into our terminal), `--disable-userns` (no nested user
+  namespace to remount from). Killing the launcher ends the run, setsid daemons included;
+  where cgroups exist, what is left in the run's cgroup is killed as well.
 * Files: read-only /usr (+ the /bin, /lib symlinks, /etc/alternatives, /etc/ld.so.cache),
   a read-only root, nothing else of the host: no /home, /root, run directories or sockets.
-  /work (the program, copied in through memfds), /tmp and /dev/shm are size-capped tmpfs that
-  vanish with the sandbox. The environment is cleared (PATH, HOME, TMPDIR, LANG only).
+  /work (the program, copied in through memfds), /tmp and /dev/shm are tmpfs capped in bytes
+  and in inodes (`Limits.inodes`: empty files take no space) that vanish with the run. The
+  environment is cleared (PATH, HOME, TMPDIR, LANG; MALLOC_ARENA_MAX under RLIMIT_AS).
 * Network: a new network namespace with loopback only; no DNS, no host TCP or unix sockets.
-* Resources: rlimits set inside (CPU, file size, processes, open files, no core dumps), a
-  memory and a pids cgroup per run where this machine lets us create them (`describe()` says
-  which), output caps and a wall deadline enforced from outside.
+* Resources: rlimits set inside (CPU seconds, file size, processes, open files, no core
+  dumps), a memory, a pids and a cpu cgroup per run where this machine lets us create them
+  (`describe()` says which: runs share the CPU by equal weight, each capped at `Limits.cpus`
+  cores however many processes it starts), output caps and a wall deadline from outside.
+* System calls: a seccomp filter (hpcrl.sandbox.seccomp) answers ENOSYS to memfd_create,
+  memfd_secret and SysV shmget (memory no rlimit counts), io_uring, userfaultfd,
+  perf_event_open, bpf and the keyring calls (kernel surface), and setsid (see below), on
+  x86_64 and aarch64; elsewhere there is none, and describe() says so.
 
 What it does not isolate:
 
 * The kernel: a kernel exploit escapes (gVisor `runsc` would add a user-space kernel at
-  ~190 ms per run). There is no seccomp filter.
-* Without a memory cgroup, memory is capped per process (RLIMIT_DATA) only, not in total.
-* CPU time is not shared fairly between concurrent slots (no cpu controller), and disk I/O
-  bandwidth of reading /usr is not limited.
+  ~190 ms per run); the filter removes only the calls above.
+* Without a memory cgroup (not root, or none can be made) `sandbox.memory_fallback` decides:
+  `address_space` (default) caps each process's address space (RLIMIT_AS = memory_mb plus
+  the language's reserve; node: 1 GiB) and its private memory (RLIMIT_DATA = memory_mb), so
+  private and shared mappings count and, with the filter, user memory is held only in mappings
+  and in the capped tmpfs;
+  what that costs: the cap is per process, so a run may hold up to `pids` times memory_mb in
+  total (8 processes x 200 MiB under 256 MiB got through); reserved but untouched address space
+  counts (thread stacks, malloc arenas); a runtime reserving more than its language's reserve
+  does not start; kernel memory (socket buffers, page tables) is not capped; peak memory is the
+  largest process's, CPU time that of processes reaped (a killed run's may count less).
+  `refuse` will not run without a memory cgroup; `data` is RLIMIT_DATA alone, which leaves
+  shared mappings unbounded (unsafe).
+* Without a cpu controller there is no CPU quota: RLIMIT_CPU bounds each process's seconds,
+  and the share between runs is the kernel's autogroups (one per session; setsid is refused,
+  so a run stays one) where they apply: kernel.sched_autogroup_enabled=1 and the server in the
+  root cpu cgroup. Inside a Slurm job's cgroup, or with autogroups off, a run with many busy
+  processes can starve other slots into timeouts. Disk I/O bandwidth of reading /usr is not
+  limited.
 * /usr of the host is visible read-only: installed software and its versions can be read.
 * A program that exits with status 128+N by itself is reported as killed by signal N.
 
-Side effect on the calling process: it becomes a child subreaper (prctl), so that bwrap's
-pid-1, which outlives the outer bwrap by a moment, is reaped here and not left as a zombie
-for the host's init.
+Side effects on the calling process: it becomes a child subreaper (prctl), so that the pid 1
+of a launcher it killed is reaped here, not left as a zombie for the host's init; as root it
+holds a lock per slot uid (/run/lock/hpcrl-sandbox) until `close()` or its end.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import re
-import select
 import shutil
-import threading
 import time
+import weakref
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
-from hpcrl.sandbox.process import Supervised
+from hpcrl.sandbox.launcher import TMPFS_DIR, join_cgroups_args, launcher_args
+from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group, setpriv_pdeathsig
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
+from hpcrl.sandbox.seccomp import filter_program
+from hpcrl.sandbox.seccomp import supported as seccomp_supported
 from hpcrl.sandbox.spec import Limits, SourceFile
+from hpcrl.sandbox.uids import claim_slot_uid
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +87,7 @@ SANDBOX_ENV = {
 }
 # Only this reaches the launcher (and so /proc/1/environ inside): never the server's own environment.
 _LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-# Writes the launcher's pid into each cgroup, then becomes setpriv -> bwrap (same pid), so every
-# sandbox process is born inside the cgroups. Exit 125 means the cgroup refused us.
-_JOIN_SH = 'for f; do shift; [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; done; exec "$@"'
 _INNER_UID = 65534
-_PR_SET_CHILD_SUBREAPER = 36
 _MIB = 1024 * 1024
 
 
@@ -89,15 +111,22 @@ def bwrap_args(
     file_fds: list[tuple[SourceFile, int]],
     *,
     status_fd: int | None,
-    memory_by_rlimit: bool,
+    memory: str,
+    reserve_mb: int = 0,
+    seccomp_fd: int | None = None,
     bwrap: str = "bwrap",
     layout: list[str] | None = None,
 ) -> list[str]:
-    """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work. Pure."""
+    """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work, memory capped
+    by `memory` (backend.rlimit_args), the filter of hpcrl.sandbox.seccomp read from `seccomp_fd`. Pure."""
     args = [
         bwrap,
-        "--unshare-all",
+        # Everything but the pid namespace, which is the launcher's (bwrap is its pid 1).
         "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
         "--uid",
         str(_INNER_UID),
         "--gid",
@@ -114,22 +143,18 @@ def bwrap_args(
         "/proc",
         "--dev",
         "/dev",
+        # The launcher's tmpfs, capped in bytes and inodes (bwrap's own --size caps bytes only);
         # /dev/shm would otherwise be a writable tmpfs of half the host's RAM.
-        "--size",
-        str(limits.shm_mb * _MIB),
-        "--tmpfs",
+        "--bind",
+        f"{TMPFS_DIR}/shm",
         "/dev/shm",
         "--remount-ro",
         "/dev",
-        "--size",
-        str(limits.tmp_mb * _MIB),
-        "--tmpfs",
+        "--bind",
+        f"{TMPFS_DIR}/tmp",
         "/tmp",
-        "--size",
-        str(limits.work_mb * _MIB),
-        "--perms",
-        "0755",
-        "--tmpfs",
+        "--bind",
+        f"{TMPFS_DIR}/work",
         "/work",
     ]
     made = set()
@@ -142,25 +167,19 @@ def bwrap_args(
                 args += ["--perms", "0755", "--dir", d]
         args += ["--perms", "0755" if f.executable else "0644", "--file", str(fd), f"/work/{f.path}"]
     args += ["--chdir", "/work", "--remount-ro", "/", "--clearenv"]
-    for k, v in SANDBOX_ENV.items():
+    env = dict(SANDBOX_ENV)
+    if memory == "address_space":
+        # glibc reserves 64 MiB of address space per malloc arena (one per thread, up to 8 per
+        # core): under RLIMIT_AS that, not memory, would stop a threaded program.
+        env["MALLOC_ARENA_MAX"] = "2"
+    for k, v in env.items():
         args += ["--setenv", k, v]
     if status_fd is not None:
         args += ["--json-status-fd", str(status_fd)]
-    args += ["--", "prlimit", *rlimit_args(limits, memory_by_rlimit=memory_by_rlimit), "--", *argv]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    args += ["--", "prlimit", *rlimit_args(limits, memory=memory, reserve_mb=reserve_mb), "--", *argv]
     return args
-
-
-def _privdrop_args(uid: int) -> list[str]:
-    return [
-        "setpriv",
-        f"--reuid={uid}",
-        f"--regid={uid}",
-        "--clear-groups",
-        "--inh-caps=-all",
-        "--bounding-set=-all",
-        "--no-new-privs",
-        "--",
-    ]
 
 
 class BwrapSession(SupervisedSession):
@@ -175,9 +194,10 @@ class BwrapSession(SupervisedSession):
             return self._result
         try:
             raw = self._proc.wait()
+            # The launcher was killed (or died) before the pid 1 of its namespace: that process,
+            # killed with it, is orphaned to us (subreaper); reap it, and so the namespace.
+            reap_group(self._proc.pid, timeout_s=5.0)
         finally:
-            with _launch_lock:
-                _unreaped.discard(self._proc.pid)
             os.close(self._status_r)
             cg_stats = self._close_cgroups()
         oom, cpu_cg, peak_cg = cg_stats
@@ -187,9 +207,6 @@ class BwrapSession(SupervisedSession):
         # bwrap reports the exit code only of a program it started; a run we killed never gets
         # that far, but the caller's kill of a live session is no setup failure either.
         started = b'"exit-code"' in raw.side or (self._proc.killed and b'"child-pid"' in raw.side)
-        if not _reap_init(raw.side):
-            # Killed before bwrap told us its init's pid, or the init outlived the wait: find it.
-            _reap_lost_inits(self._uid, wait_s=2.0 if self._proc.killed else 0.0)
         if raw.exit_code == 125 and not started and raw.stderr.startswith(b"sh: "):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
         ex = Exit(
@@ -225,11 +242,18 @@ class BwrapBackend(Backend):
     name = "bwrap"
     check_hint = "; are unprivileged user namespaces enabled (sysctl user.max_user_namespaces > 0)?"
 
-    def __init__(self, uid: int = 61000, *, bwrap: str = "bwrap", use_cgroups: bool = True):
-        missing = [t for t in (bwrap, "prlimit", "sh") if shutil.which(t) is None]
+    def __init__(
+        self,
+        uid: int = 61000,
+        *,
+        bwrap: str = "bwrap",
+        use_cgroups: bool = True,
+        memory_fallback: str = "address_space",
+    ):
+        missing = [t for t in (bwrap, "prlimit", "sh", "setpriv") if shutil.which(t) is None]
         self._root = os.geteuid() == 0
-        if self._root and shutil.which("setpriv") is None:
-            missing.append("setpriv")
+        if not missing and not setpriv_pdeathsig():
+            missing.append("setpriv --pdeathsig (util-linux 2.33 or later)")
         if missing:
             raise SandboxUnavailable(
                 f"bwrap backend: {', '.join(missing)} not found on PATH; install bubblewrap and util-linux "
@@ -238,9 +262,26 @@ class BwrapBackend(Backend):
         if self._root and uid <= 0:
             raise SandboxUnavailable(f"bwrap backend: slot uid must be an unprivileged uid > 0 (got {uid})")
         self.uid = uid if self._root else os.geteuid()
+        # As root each slot is its own host uid: nobody's account, and no other server's slot.
+        self._claim = claim_slot_uid(uid) if self._root else None
+        if self._claim is not None:
+            weakref.finalize(self, self._claim.release)
         self.bwrap = shutil.which(bwrap)
         self.cgroups: CgroupSupport = probe() if (use_cgroups and self._root) else CgroupSupport()
-        _become_subreaper()
+        if memory_fallback not in ("refuse", "address_space", "data"):
+            raise ValueError(f"memory_fallback must be refuse, address_space or data (got {memory_fallback!r})")
+        if not self.cgroups.memory and memory_fallback == "refuse":
+            self.close()
+            why = "not root" if not self._root else ("cgroups not used" if not use_cgroups else "none can be made here")
+            raise SandboxUnavailable(
+                f"bwrap backend: no memory cgroup ({why}) and sandbox.memory_fallback is refuse; run as root where "
+                "cgroups can be made, or set memory_fallback: address_space (each process's address space "
+                "capped; see sandbox/bwrap.py for what that costs)"
+            )
+        self.memory = "cgroup" if self.cgroups.memory else memory_fallback
+        self._seccomp = filter_program() if seccomp_supported() else None
+        if not become_subreaper():
+            log.warning("cannot become a child subreaper: killed sandboxes are left for the host's init to reap")
         self._layout = _host_layout()
         global _announced
         if not _announced:  # once per process: which limits this machine lets us enforce
@@ -251,11 +292,24 @@ class BwrapBackend(Backend):
                 "" if self._root else "; not root: no per-slot uids, no cgroups",
             )
 
+    def close(self) -> None:
+        """Give up this backend's slot uid (another process may then use it); idempotent."""
+        if self._claim is not None:
+            self._claim.release()
+
     def describe(self) -> str:
         who = f"uid {self.uid}" + ("" if self._root else " (not root: no per-slot uid)")
-        return f"bwrap as {who}; cgroups: {self.cgroups.describe()}"
+        memory = {
+            "cgroup": f"memory: {self.cgroups.memory_version} cgroup",
+            "address_space": "memory: RLIMIT_AS per process (no memory cgroup)",
+            "data": "memory: RLIMIT_DATA per process only (no memory cgroup; shared mappings unbounded)",
+        }[self.memory]
+        seccomp = "seccomp filter" if self._seccomp else "no seccomp filter (unknown architecture)"
+        return f"bwrap as {who}; {memory}; {seccomp}; cgroups: {self.cgroups.describe()}"
 
-    def _launch(self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits) -> Session:
+    def _launch(
+        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+    ) -> Session:
         fds: list[int] = []
         file_fds = []
         status_r, status_w = os.pipe()
@@ -267,22 +321,30 @@ class BwrapBackend(Backend):
                 _write_all(fd, f.data)
                 os.lseek(fd, 0, os.SEEK_SET)
                 file_fds.append((f, fd))
-            memory_cg = self.cgroups.memory
+            seccomp_fd = None
+            if self._seccomp is not None:
+                seccomp_fd = os.memfd_create("hpcrl-seccomp", 0)  # bwrap reads it to the end and closes it
+                fds.append(seccomp_fd)
+                _write_all(seccomp_fd, self._seccomp)
+                os.lseek(seccomp_fd, 0, os.SEEK_SET)
             cmd = bwrap_args(
                 argv,
                 limits,
                 file_fds,
                 status_fd=status_w,
-                memory_by_rlimit=not memory_cg,
+                memory=self.memory,
+                reserve_mb=reserve_mb,
+                seccomp_fd=seccomp_fd,
                 bwrap=self.bwrap,
                 layout=self._layout,
             )
-            if self._root:
-                cmd = _privdrop_args(self.uid) + cmd
-            if any((self.cgroups.memory_dir, self.cgroups.pids_dir, self.cgroups.cpu_dir, self.cgroups.kill_dir)):
-                # The outer bwrap, its pid-1 and the launcher count towards pids.max: leave room.
-                cg = RunCgroups.create(self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4)
-                cmd = ["/bin/sh", "-c", _JOIN_SH, "sh", *cg.procs_files, "--", *cmd]
+            cmd = launcher_args(limits, self.uid if self._root else None) + cmd
+            if self.cgroups.dirs():
+                # The launcher, its mounts and bwrap count towards pids.max: leave room.
+                cg = RunCgroups.create(
+                    self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4, cpus=limits.cpus
+                )
+                cmd = join_cgroups_args(cg.procs_files) + cmd
             proc = Supervised(
                 cmd,
                 env=dict(_LAUNCH_ENV),
@@ -292,9 +354,7 @@ class BwrapBackend(Backend):
                 side_fd=status_r,
                 on_kill=cg.kill if cg else None,
             )
-            with _launch_lock:  # a sweep must never take a launched outer bwrap for a lost init
-                proc.start()
-                _unreaped.add(proc.pid)
+            proc.start()
         except BaseException:
             os.close(status_r)
             if cg is not None:
@@ -307,108 +367,21 @@ class BwrapBackend(Backend):
         return BwrapSession(proc, cg, limits, status_r, self.uid)
 
 
-_subreaper = False
 _announced = False
-# Pids of outer bwraps (our own children, run as the slot uid) not yet reaped by their session.
-_unreaped: set[int] = set()
-_launch_lock = threading.Lock()
-
-
-def _become_subreaper() -> bool:
-    """Adopt orphans, so the sandbox's pid-1 can be reaped here (see `_reap_init`)."""
-    global _subreaper
-    if not _subreaper:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            _subreaper = libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except OSError:
-            _subreaper = False
-        if not _subreaper:
-            log.warning("cannot become a child subreaper: sandbox pid-1 processes are left for the host's init to reap")
-    return _subreaper
-
-
-def _reap_init(side: bytes, timeout_s: float = 5.0) -> bool:
-    """Reap the sandbox's pid-1 (bwrap's init), orphaned to us when the outer bwrap exits.
-
-    The outer bwrap exits as soon as the init reports the program's status, before the init
-    itself is gone; its zombie would otherwise wait for the host's pid 1, which in a container
-    may never reap. As subreaper we own it, and nobody else can reap it, so its pid is safe.
-    Returns whether it is gone (False: its pid is unknown, or it was still alive at the timeout).
-    """
-    if not _subreaper:
-        return True  # nothing comes to us; nothing to do
-    m = re.search(rb'"child-pid": (\d+)', side)
-    if not m:
-        return False
-    pid = int(m.group(1))
-    try:
-        fd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
-        return True  # already reaped
-    try:
-        select.select([fd], [], [], timeout_s)
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:
-        return False  # not (yet) ours: leave it to the sweep
-    finally:
-        os.close(fd)
-
-
-def _reap_lost_inits(uid: int, wait_s: float) -> None:
-    """Reap every orphaned sandbox init of slot `uid` that came to us: bwrap processes that are
-    our children but none of the outer bwraps we launched (those are in `_unreaped`).
-
-    Needed when the outer bwrap was killed before it reported its init's pid: the init, killed
-    with it, still comes to us as a zombie. Live ones (dying) are waited for up to `wait_s`.
-    """
-    if not _subreaper:
-        return
-    me = str(os.getpid())
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = 0
-        with _launch_lock:
-            for pid, state in _bwrap_children(me, uid):
-                if pid in _unreaped:
-                    continue
-                if state != "Z":
-                    alive += 1
-                    continue
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        if not alive or time.monotonic() >= deadline:
-            return
-        time.sleep(0.005)
-
-
-def _bwrap_children(ppid: str, uid: int) -> list[tuple[int, str]]:
-    """(pid, state) of the bwrap processes of `uid` whose parent is `ppid` (a /proc scan)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-            comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
-            state, parent = stat[stat.rindex(b")") + 2 :].split(b" ", 2)[:2]
-            if comm != b"bwrap" or parent.decode() != ppid or os.stat(f"/proc/{name}").st_uid != uid:
-                continue
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        found.append((int(name), state.decode()))
-    return found
 
 
 def unavailable_reason(uid: int = 61000) -> str | None:
     """Why the bwrap backend cannot run here (None: it can): missing tools, or a trivial run fails."""
     try:
-        BwrapBackend(uid=uid).check()
+        backend = BwrapBackend(uid=uid)
     except SandboxUnavailable as exc:
         return str(exc)
+    try:
+        backend.check()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    finally:
+        backend.close()
     return None
 
 

@@ -1,11 +1,11 @@
-"""Per-execution cgroups: memory and pids limits, CPU and peak-memory accounting, whole-tree kill.
+"""Per-execution cgroups: memory, pids and CPU limits, CPU and peak-memory accounting, whole-tree kill.
 
 Machines differ (cgroup v1, v2 or a hybrid of both; delegated or not), so `probe()` tries, once
 per process, to create a cgroup in each hierarchy under the cgroup this process already lives
 in, and reports what it could set up:
 
     >>> probe().describe()
-    'memory limit: v1, pids limit: v1, cpu accounting: v2, kill: v2 cgroup.kill'
+    'memory limit: v1, pids limit: v1, cpu accounting: v2, cpu limit: v1, kill: v2 cgroup.kill'
 
 Nothing here raises because a controller is missing; the backend logs what is enforced and
 falls back to rlimits. Each execution gets `RunCgroups` with a fresh leaf per hierarchy; the
@@ -41,8 +41,10 @@ class CgroupSupport:
     memory_version: str | None = None
     pids_dir: str | None = None
     pids_version: str | None = None
-    cpu_dir: str | None = None
+    cpu_dir: str | None = None  # accounting: cpu.stat (v2) or cpuacct.usage (v1)
     cpu_version: str | None = None
+    cpu_limit_dir: str | None = None  # a quota: cpu.max (v2) or cpu.cfs_quota_us (v1)
+    cpu_limit_version: str | None = None
     kill_dir: str | None = None  # a v2 parent whose leaves have cgroup.kill
     notes: tuple[str, ...] = field(default=())
 
@@ -54,6 +56,14 @@ class CgroupSupport:
     def pids(self) -> bool:
         return self.pids_dir is not None
 
+    @property
+    def cpu_limit(self) -> bool:
+        return self.cpu_limit_dir is not None
+
+    def dirs(self) -> set[str]:
+        """Every parent this process created (one per hierarchy in use)."""
+        return {self.memory_dir, self.pids_dir, self.cpu_dir, self.cpu_limit_dir, self.kill_dir} - {None}
+
     def describe(self) -> str:
         def one(what: str, version: str | None) -> str:
             return f"{what}: {version}" if version else f"{what}: not enforced"
@@ -63,6 +73,7 @@ class CgroupSupport:
                 one("memory limit", self.memory_version),
                 one("pids limit", self.pids_version),
                 one("cpu accounting", self.cpu_version),
+                one("cpu limit", self.cpu_limit_version),
                 "kill: v2 cgroup.kill" if self.kill_dir else "kill: pid namespace + signal each process",
             ]
         )
@@ -83,7 +94,7 @@ def _mounts() -> tuple[dict[str, tuple[str, str]], tuple[str, str] | None]:
                 v2 = (mountpoint, root)
             elif fstype == "cgroup":
                 for opt in opts:
-                    if opt in ("memory", "pids", "cpuacct"):
+                    if opt in ("memory", "pids", "cpuacct", "cpu"):
                         v1.setdefault(opt, (mountpoint, root))
     return v1, v2
 
@@ -132,7 +143,7 @@ def _probe_hierarchy(base: str, checks: dict[str, tuple[str, str | None]]) -> tu
         os.makedirs(parent, exist_ok=True)
         # v2: a leaf has the memory/pids files only if its parent delegates them; this works
         # where our own cgroup has them (systemd Delegate=yes, Slurm's cgroup/v2), else no-op.
-        for ctrl in ("+memory", "+pids"):
+        for ctrl in ("+memory", "+pids", "+cpu"):
             try:
                 _write(os.path.join(parent, "cgroup.subtree_control"), ctrl)
             except OSError:
@@ -194,7 +205,7 @@ def probe() -> CgroupSupport:
     with _probe_lock:
         if _probed is None:
             _probed = _probe()
-            if any((_probed.memory_dir, _probed.pids_dir, _probed.cpu_dir, _probed.kill_dir)):
+            if _probed.dirs():
                 atexit.register(_remove_parents, _probed)
         return _probed
 
@@ -216,6 +227,7 @@ def _probe() -> CgroupSupport:
                 "memory": ("memory.max", "67108864"),
                 "pids": ("pids.max", "64"),
                 "cpu": ("cpu.stat", None),
+                "cpu_limit": ("cpu.max", "100000 100000"),
                 "kill": ("cgroup.kill", None),
             },
         )
@@ -225,6 +237,7 @@ def _probe() -> CgroupSupport:
         ("memory", "memory", "memory.limit_in_bytes", "67108864"),
         ("pids", "pids", "pids.max", "64"),
         ("cpu", "cpuacct", "cpuacct.usage", None),
+        ("cpu_limit", "cpu", "cpu.cfs_quota_us", "100000"),
     ):
         if role in found or ctrl not in mounts_v1 or ctrl not in own_v1:
             continue
@@ -235,6 +248,8 @@ def _probe() -> CgroupSupport:
             found[role] = (parent, "v1")
         else:
             notes.append(f"{ctrl} (v1) at {base}: cannot create a child cgroup")
+    if "cpu_limit" in found:
+        _weigh_parent(*found["cpu_limit"])
     get = lambda role: found.get(role, (None, None))
     return CgroupSupport(
         memory_dir=get("memory")[0],
@@ -243,13 +258,28 @@ def _probe() -> CgroupSupport:
         pids_version=get("pids")[1],
         cpu_dir=get("cpu")[0],
         cpu_version=get("cpu")[1],
+        cpu_limit_dir=get("cpu_limit")[0],
+        cpu_limit_version=get("cpu_limit")[1],
         kill_dir=get("kill")[0],
         notes=tuple(notes),
     )
 
 
+def _weigh_parent(parent: str, version: str) -> None:
+    """Give our parent the CPU weight of as many tasks as there are CPUs: its runs share that
+    among themselves, where without cgroups each process of theirs weighed as one task."""
+    n = os.cpu_count() or 1
+    try:
+        if version == "v2":
+            _write(os.path.join(parent, "cpu.weight"), str(min(10000, 100 * n)))
+        else:
+            _write(os.path.join(parent, "cpu.shares"), str(1024 * n))
+    except OSError:
+        pass
+
+
 def _remove_parents(support: CgroupSupport) -> None:
-    for d in {support.memory_dir, support.pids_dir, support.cpu_dir, support.kill_dir} - {None}:
+    for d in support.dirs():
         _rmdir_quiet(d)
 
 
@@ -278,6 +308,7 @@ def _kill_procs(dirs: list[str], deadline: float) -> set[int]:
 
 
 _seq = itertools.count()
+_CPU_PERIOD_US = 100_000
 
 
 class RunCgroups:
@@ -289,11 +320,14 @@ class RunCgroups:
         self._oom_before = 0
 
     @classmethod
-    def create(cls, support: CgroupSupport, memory_bytes: int, pids_max: int) -> RunCgroups:
+    def create(cls, support: CgroupSupport, memory_bytes: int, pids_max: int, cpus: float = 0.0) -> RunCgroups:
+        """Leaves for one run: `memory_bytes` and `pids_max` where enforced, and a quota of `cpus`
+        cores (0: none) where a cpu controller is: sibling leaves share the CPU by equal weight,
+        and the quota keeps one run from taking more however many processes it starts."""
         name = f"run-{next(_seq)}"
         leaves: dict[str, str] = {}
         dirs: dict[str, str] = {}
-        for role in ("memory", "pids", "cpu", "kill"):
+        for role in ("memory", "pids", "cpu", "cpu_limit", "kill"):
             parent = getattr(support, f"{role}_dir")
             if parent is None:
                 continue
@@ -321,6 +355,13 @@ class RunCgroups:
                 self._oom_before = self.oom_kills()
             if "pids" in leaves:
                 _write(f"{leaves['pids']}/pids.max", str(pids_max))
+            if "cpu_limit" in leaves and cpus > 0:
+                quota = max(1000, int(cpus * _CPU_PERIOD_US))
+                if support.cpu_limit_version == "v2":
+                    _write(f"{leaves['cpu_limit']}/cpu.max", f"{quota} {_CPU_PERIOD_US}")
+                else:
+                    _write(f"{leaves['cpu_limit']}/cpu.cfs_period_us", str(_CPU_PERIOD_US))
+                    _write(f"{leaves['cpu_limit']}/cpu.cfs_quota_us", str(quota))
         except OSError:
             self.close()
             raise

@@ -18,6 +18,7 @@ the deadline).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -28,7 +29,7 @@ from hpcrl.core.rpc import RequestClient, RequestTimeout
 from hpcrl.core.transport import Node, TransportError, read_endpoint
 from hpcrl.sandbox.judge import FunctionTask, IOCase, Verdict
 from hpcrl.sandbox.languages import get_language
-from hpcrl.sandbox.result import ExecResult, SandboxError
+from hpcrl.sandbox.result import ExecResult, SandboxError, sink_bytes
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 __all__ = ["SandboxClient", "SandboxBusy", "RequestTimeout"]
@@ -142,7 +143,7 @@ class SandboxClient:
                 raise SandboxError(f"{self.service}: {(env.body or {}).get('message')}")
             if env.kind == "bad_request":
                 raise ValueError(f"{self.service} refused the {kind} request: {(env.body or {}).get('message')}")
-            return env
+            return dataclasses.replace(env, body=sink_bytes(env.body, env.arrays), arrays=())
 
     def _follow_restarts(self) -> None:
         """Drop the socket when the server published a new instance: the old address is dead."""

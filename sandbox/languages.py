@@ -43,6 +43,9 @@ class Language:
     compile: tuple[str, ...] | None = None
     artifact: str | None = None
     compile_limits: Limits = field(default=COMPILE_LIMITS)
+    # Address space the runtime reserves at start and never touches: allowed on top of the
+    # memory limit where RLIMIT_AS stands in for a memory cgroup (backend.rlimit_args).
+    address_space_mb: int = 0
 
     def __post_init__(self) -> None:
         if (self.compile is None) != (self.artifact is None):
@@ -90,7 +93,8 @@ def _compile_sh(cmd: str, artifact: str) -> tuple[str, ...]:
 # -B: no .pyc writes into the (size-capped) work dir; not -I, which would drop /work from sys.path.
 register(Language(name="python", main_file="main.py", run=("python3", "-B", "main.py"), tools=("python3",)))
 register(Language(name="bash", main_file="main.sh", run=("bash", "main.sh"), tools=("bash",)))
-register(Language(name="node", main_file="main.js", run=("node", "main.js"), tools=("node",)))
+# V8 reserves ~750 MiB of address space before running anything (node 20: it does not start under less).
+register(Language(name="node", main_file="main.js", run=("node", "main.js"), tools=("node",), address_space_mb=1024))
 register(
     Language(
         name="c",

@@ -144,3 +144,5 @@ class SlotPool:
             self._q.put(None)
         for t in self._threads:
             t.join()
+        for b in self.backends:
+            b.close()

@@ -12,17 +12,45 @@ runs the same loop until a condition holds, which is how the judge talks to a li
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import os
 import resource
 import selectors
+import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RawOutcome", "Supervised"]
+__all__ = ["RawOutcome", "Supervised", "setpriv_pdeathsig", "guard_args", "become_subreaper", "reap_group"]
+
+# Run as the last step before the real program, after a parent-death signal was set: if the
+# parent that started us is already gone (it died before the signal was armed, so the signal
+# will never come), stop here rather than run unsupervised. $PPID is read at the shell's start,
+# which is after the prctl; exec keeps the pid, so the parent is still the one Popen forked from.
+_GUARD_SH = '[ "$PPID" = "$1" ] || exit 125; shift; exec "$@"'
+
+
+@functools.cache
+def setpriv_pdeathsig() -> bool:
+    """Whether `setpriv --pdeathsig` exists here (util-linux 2.33 and later)."""
+    path = shutil.which("setpriv")
+    if path is None:
+        return False
+    try:
+        out = subprocess.run([path, "--help"], capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return b"--pdeathsig" in out
+
+
+def guard_args(ppid: int | None = None) -> list[str]:
+    """`sh -c GUARD sh <ppid>`: exec the rest only while `ppid` (default: this process) is the parent."""
+    return ["/bin/sh", "-c", _GUARD_SH, "sh", str(os.getpid() if ppid is None else ppid)]
+
 
 # After the child is reaped, how long to keep draining pipes that something else still holds.
 _DRAIN_GRACE_S = 0.5
@@ -56,6 +84,7 @@ class Supervised:
         side_fd: int | None = None,
         on_kill: Callable[[], None] | None = None,
         cwd: str | None = None,
+        die_with_parent: bool = False,
     ):
         self.argv = list(argv)
         self.env = env
@@ -65,6 +94,9 @@ class Supervised:
         self.side_fd = side_fd
         self.on_kill = on_kill
         self.cwd = cwd
+        # Only where argv cannot arm it itself (no setpriv --pdeathsig): a preexec_fn (fork, not
+        # vfork; it calls nothing but two C functions).
+        self.die_with_parent = die_with_parent
         self.out = bytearray()
         self.err = bytearray()
         self.side = bytearray()
@@ -96,6 +128,7 @@ class Supervised:
             close_fds=True,
             start_new_session=True,
             cwd=self.cwd,
+            preexec_fn=_die_with(os.getpid()) if self.die_with_parent else None,
         )
         p = self._popen
         for f, ev in ((p.stdout, selectors.EVENT_READ), (p.stderr, selectors.EVENT_READ)):
@@ -355,3 +388,51 @@ class Supervised:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(ppid: int) -> Callable[[], None]:
+    """A preexec_fn: SIGKILL this child when its parent thread dies; exit at once if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl, getppid = libc.prctl, libc.getppid  # looked up now, not in the forked child
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or getppid() != ppid:
+            os._exit(125)
+
+    return arm
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+_subreaper: bool | None = None
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (once): orphans of its children come here, not to the
+    host's init (which in a container may never reap them), and `reap_group` can reap them."""
+    global _subreaper
+    if _subreaper is None:
+        try:
+            _subreaper = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except OSError:
+            _subreaper = False
+    return _subreaper
+
+
+def reap_group(pgid: int, timeout_s: float) -> bool:
+    """Reap the members of process group `pgid` that were orphaned to this process (a subreaper)
+    when their parent, the group's leader, was killed; wait up to `timeout_s` for those still
+    dying. Returns whether none is left. Only members that are our children are touched."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:
+            return True  # no child of ours left in the group
+        if pid:
+            continue
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)

@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-__all__ = ["Status", "STATUSES", "ExecResult", "SandboxError", "SandboxUnavailable"]
+import numpy as np
+
+__all__ = ["Status", "STATUSES", "ExecResult", "SandboxError", "SandboxUnavailable", "lift_bytes", "sink_bytes"]
 
 Status = Literal[
     "ok",
@@ -98,3 +100,46 @@ class ExecResult:
         cpu = "?" if self.cpu_s is None else f"{self.cpu_s * 1000:.1f}"
         peak = "?" if self.peak_memory_mb is None else f"{self.peak_memory_mb:.1f}"
         return f"{self.status} ({code}) wall {self.wall_s * 1000:.1f} ms, cpu {cpu} ms, peak {peak} MiB"
+
+
+# Bytes this long or longer leave a reply's msgpack header (which the wire caps at 1 MiB, see
+# core.transport.WireLimits.max_header_bytes) and travel as frames of their own.
+_FRAME_MIN = 4096
+_MARK = "$frame"
+
+
+def lift_bytes(body: Any) -> tuple[Any, list[np.ndarray]]:
+    """`body` with every bytes value of 4 KiB or more replaced by {"$frame": k}, and the frames
+    (uint8 arrays, not copied): a result's stdout may be up to `output_kb` (64 MiB at the
+    default ceiling), which in the header would make the reply undeliverable."""
+    frames: list[np.ndarray] = []
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, (bytes, bytearray)) and len(x) >= _FRAME_MIN:
+            frames.append(np.frombuffer(x, dtype=np.uint8))
+            return {_MARK: len(frames) - 1}
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(body), frames
+
+
+def sink_bytes(body: Any, arrays: tuple | list) -> Any:
+    """Inverse of `lift_bytes` on the receiving side; ValueError on a marker without its frame."""
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            if len(x) == 1 and _MARK in x:
+                k = x[_MARK]
+                if not isinstance(k, int) or not 0 <= k < len(arrays) or arrays[k].dtype != np.uint8:
+                    raise ValueError(f"reply refers to frame {k!r}, which it does not carry")
+                return arrays[k].tobytes()
+            return {key: walk(v) for key, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(body)

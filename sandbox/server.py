@@ -13,7 +13,11 @@ Requests (envelopes with an id; body -> reply kind and body):
     judge_function  {program, entry_point, test, trusted_prelude, name, limits} -> verdict
     info            {}                                            -> info {backend, languages, slots, queue, ...}
 
-and the replies that are not answers: `busy` (queue full: nothing ran; send again, under a new
+Bytes of 4 KiB or more in a reply (a program's stdout, up to `output_kb`) travel as frames
+after the header, not in it (`result.lift_bytes`; the client puts them back): the wire caps a
+header at 1 MiB, and a bigger one was dropped by the client, which then timed out.
+
+The replies that are not answers: `busy` (queue full: nothing ran; send again, under a new
 id, later), `bad_request` (malformed, or limits over `sandbox.ceiling`: sending again will not
 help), `sandbox_failed` (the sandbox infrastructure failed; the message says how).
 
@@ -46,7 +50,7 @@ from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 from hpcrl.core.transport import Node
 from hpcrl.sandbox import judge
 from hpcrl.sandbox.pool import SlotPool
-from hpcrl.sandbox.result import SandboxError
+from hpcrl.sandbox.result import SandboxError, lift_bytes
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from hpcrl.sandbox.warm import WarmHarness
 
@@ -57,6 +61,27 @@ __all__ = ["SandboxServer", "serve"]
 
 def _limits(d: Any) -> Limits | None:
     return Limits.from_wire(d) if d else None
+
+
+def _blob(value: Any, where: str) -> bytes:
+    """`value` as bytes if it is bytes or str. Never bytes(value) of anything else: bytes(n) of an
+    int is n zero bytes (a request could make this process allocate, or raise OverflowError)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    raise ValueError(f"{where} must be bytes or str (got {type(value).__name__})")
+
+
+def _io_cases(raw: Any) -> list:
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"cases must be a list of [stdin, expected] pairs (got {type(raw).__name__})")
+    cases = []
+    for k, case in enumerate(raw):
+        if not isinstance(case, (list, tuple)) or len(case) != 2:
+            raise ValueError(f"case {k} must be a [stdin, expected] pair")
+        cases.append(judge.IOCase(_blob(case[0], f"case {k} stdin"), _blob(case[1], f"case {k} expected")))
+    return cases
 
 
 def _job(
@@ -83,7 +108,7 @@ def _job(
     if kind == "judge_io":
         try:
             files = tuple(SourceFile(str(p), d, bool(x)) for p, d, x in body["files"])
-            cases = [judge.IOCase(bytes(i), bytes(o)) for i, o in body["cases"]]
+            cases = _io_cases(body["cases"])
             language, stop = str(body["language"]), bool(body.get("stop_on_fail", True))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"judge_io: {exc}") from None
@@ -213,7 +238,8 @@ class SandboxServer:
         else:
             log.error("%s: request %s failed", self.service, rid, exc_info=exc)
             kind, body = "sandbox_failed", {"message": f"{type(exc).__name__}: {exc}"}
-        self._done.put((rid, Reply(kind, body)))
+        body, frames = lift_bytes(body)
+        self._done.put((rid, Reply(kind, body, frames)))
         with self._close_lock:  # never write to a closed (or reused) descriptor
             if self._closed:
                 return

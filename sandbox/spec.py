@@ -66,6 +66,8 @@ class ExecSpec:
         object.__setattr__(self, "argv", tuple(self.argv))
         if isinstance(self.stdin, str):
             object.__setattr__(self, "stdin", self.stdin.encode())
+        if not isinstance(self.stdin, (bytes, bytearray)):
+            raise ValueError(f"ExecSpec.stdin: must be bytes or str (got {type(self.stdin).__name__})")
         if not self.files:
             raise ValueError("ExecSpec.files: at least one source file is needed")
         seen = set()

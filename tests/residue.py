@@ -38,8 +38,9 @@ class Snapshot:
 
 def _processes(uids: set[int]) -> list[str]:
     found = []
+    mine = _ancestry()  # run as a normal user, the sandboxes share our uid (and our parents')
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or pid in mine:
             continue
         try:
             with open(f"/proc/{pid}/status") as fh:
@@ -53,6 +54,19 @@ def _processes(uids: set[int]) -> list[str]:
             state = fields.get("State", "?").strip()
             found.append(f"process {pid} ({name}, {state}) runs as uid {sorted(ids & uids)}")
     return found
+
+
+def _ancestry() -> set[str]:
+    """This process and its ancestors (pids as strings)."""
+    out, pid = set(), str(os.getpid())
+    while pid not in ("0", "") and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = fh.read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            break
+    return out
 
 
 def _files(uids: set[int], roots: Iterable[str], depth: int = 2) -> list[str]:
@@ -84,7 +98,7 @@ def _cgroups() -> list[str]:
 
     support = cgroups.probe()
     found = []
-    for parent in {support.memory_dir, support.pids_dir, support.cpu_dir, support.kill_dir} - {None}:
+    for parent in support.dirs():
         base = os.path.dirname(parent)
         for name in os.listdir(base):
             if name.startswith("hpcrl-sbx-") and not os.path.exists(f"/proc/{name[len('hpcrl-sbx-') :]}"):
@@ -104,10 +118,11 @@ def _cgroups() -> list[str]:
 
 
 def adopt_orphans() -> bool:
-    """Make this process a child subreaper (what BwrapBackend does), so orphans come here."""
-    from hpcrl.sandbox.bwrap import _become_subreaper
+    """Make this process a child subreaper, so orphans (e.g. of a killed sandbox server) come here."""
+    import ctypes
 
-    return _become_subreaper()
+    pr_set_child_subreaper = 36
+    return ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
 
 
 def reap_orphans(timeout_s: float = 2.0) -> int:

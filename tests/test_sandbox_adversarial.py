@@ -7,6 +7,7 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -79,7 +80,7 @@ def test_memory_bomb_in_one_process(backend):
 
 def test_memory_bomb_across_many_processes_is_capped_in_total(backend):
     if not backend.cgroups.memory:
-        pytest.skip("no memory cgroup here: only per-process RLIMIT_DATA, the total is not capped")
+        pytest.skip("no memory cgroup here: only per-process RLIMIT_AS, the total is not capped (documented)")
     src = (
         "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        x = bytearray(60 << 20)\n"
         "        for i in range(0, len(x), 4096): x[i] = 1\n        time.sleep(1); os._exit(0)\n"
@@ -88,6 +89,46 @@ def test_memory_bomb_across_many_processes_is_capped_in_total(backend):
     r = probe(backend, src, memory_mb=160, wall_s=4)
     assert r.status == "memory_limit"
     assert r.peak_memory_mb <= 160 + 8
+
+
+def _autogroups() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as fh:
+            on = fh.read().strip() == "1"
+        with open("/proc/self/cgroup") as fh:  # autogroups apply in the root cpu cgroup only
+            return on and all(line.rstrip().endswith(":/") for line in fh if ":cpu" in line or line.startswith("0::"))
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cpu-cgroup", "no-cgroups"])
+def test_60_busy_loops_in_one_slot_do_not_starve_another(backend, cgroups):
+    # Each loop tries a session of its own, so that the kernel's autogroups (one per session)
+    # would give it 60 shares: a cpu cgroup per run (weight and quota) keeps the other slot fed,
+    # and without one, the seccomp filter's refusal of setsid keeps the run one autogroup.
+    if cgroups and not backend.cgroups.cpu_limit:
+        pytest.skip("no cpu controller here (documented in sandbox/bwrap.py)")
+    if not cgroups and not _autogroups():
+        pytest.skip("no autogroups here: without cgroups CPU is not shared per run (documented)")
+    if not cgroups:
+        backend = BwrapBackend(uid=UID + 3, use_cgroups=False)
+    hog = (
+        "import os, time\nfor _ in range(60):\n    if os.fork() == 0:\n        try: os.setsid()\n"
+        "        except OSError: pass\n        while True: pass\nprint('forked', flush=True)\ntime.sleep(100)\n"
+    )
+    work = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done')\n"
+    other = BwrapBackend(uid=UID + 2, use_cgroups=cgroups)
+    before = Snapshot.take()
+    with backend.session(ExecSpec.single("python", hog, limits=QUICK.replace(wall_s=30, cpu_s=60, pids=72))) as s:
+        assert s.read_line(timeout_s=20) == b"forked\n"
+        r = other.run(ExecSpec.single("python", work, limits=QUICK.replace(wall_s=10)))
+        s.kill()
+        hogged = s.finish()
+    assert r.status == "ok" and r.stdout == b"done\n", r
+    if cgroups:  # the quota: one core (Limits.cpus) however many processes, with a margin
+        assert hogged.cpu_s <= hogged.wall_s * Limits().cpus * 1.25 + 0.5, hogged
+    assert host_residue([backend.uid, UID + 2], before, cgroups=cgroups) == []
+    other.close()
 
 
 def test_infinite_loop_hits_the_cpu_limit(backend):
@@ -102,7 +143,7 @@ def test_sleep_forever_times_out(backend):
 
 def test_double_fork_setsid_daemon_dies_with_the_sandbox(backend):
     src = (
-        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "import os, time\nif os.fork() == 0:\n    try: os.setsid()\n    except OSError: pass\n    if os.fork() == 0:\n"
         "        time.sleep(30)\n    os._exit(0)\nos.wait()\nprint('parent done')\n"
     )
     r = probe(backend, src, wall_s=3)
@@ -143,6 +184,24 @@ def test_100000_small_files_run_out_of_work_dir_space(backend):
     r = probe(backend, src, work_mb=16, wall_s=10, cpu_s=10, memory_mb=512)
     assert r.stdout.startswith(b"stopped"), out(r)
     assert int(r.stdout.split()[1]) < 100000
+
+
+@pytest.mark.parametrize("where", ["/work", "/tmp", "/dev/shm"])
+def test_empty_files_cannot_exhaust_inodes(where):
+    # Empty files take no tmpfs space, only inodes (and kernel memory): without an inode cap a
+    # memory cgroup was all that bounded them. Here there is none, to check the cap itself.
+    backend = BwrapBackend(uid=UID + 1, use_cgroups=False)
+    src = (
+        f"import os\nos.chdir({where!r})\nn = 0\ntry:\n    for i in range(200000):\n"
+        "        os.close(os.open(f'e{i}', os.O_CREAT | os.O_WRONLY)); n += 1\n"
+        "except OSError as e:\n    print('stopped', n, e.errno)\nelse:\n    print('created', n)\n"
+    )
+    before = Snapshot.take()
+    r = backend.run(ExecSpec.single("python", src, limits=QUICK.replace(wall_s=20, cpu_s=20)))
+    assert r.stdout.startswith(b"stopped"), out(r)
+    assert int(r.stdout.split()[1]) <= Limits().inodes and int(r.stdout.split()[2]) == 28  # ENOSPC
+    assert host_residue([UID + 1], before, cgroups=False) == []
+    backend.close()
 
 
 def test_dev_shm_fill_is_capped_and_private(backend):
@@ -292,7 +351,8 @@ def test_dns_does_not_resolve(backend):
 
 
 def test_kill_minus_one_cannot_reach_host_processes_of_the_same_uid(backend):
-    canary = subprocess.Popen(["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "sleep", "30"])
+    as_slot = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups"] if os.geteuid() == 0 else []
+    canary = subprocess.Popen([*as_slot, "sleep", "30"])  # not root: the sandbox runs as our uid
     try:
         # kill(-1) reaches every process the caller may signal: inside the sandbox, none (ESRCH).
         src = (
@@ -370,9 +430,11 @@ def test_signals_sent_from_outside_only_reach_the_sandbox(backend):
 
 
 def test_the_program_cannot_see_host_processes(backend):
-    r = probe(backend, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
-    # bwrap's init is 1, the program 2: nothing of the host, not even the server.
-    assert r.stdout == b"[1, 2]\n"
+    r = probe(backend, "import os\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    # bwrap is pid 1 of the launcher's pid namespace, the program the only other process there:
+    # nothing of the host, not even the server.
+    me, pids = r.stdout.decode().split(" ", 1)
+    assert json.loads(pids) == [1, int(me)], r.stdout
 
 
 def test_tmp_is_private_to_each_run(backend):

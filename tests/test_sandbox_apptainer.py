@@ -5,8 +5,11 @@ processes (always), and real containers where `apptainer` is on PATH with an ima
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -15,6 +18,7 @@ from hpcrl.core.config import load_config
 from hpcrl.sandbox.apptainer import ApptainerBackend, ProcessSession, apptainer_args, build_args, default_def_file
 from hpcrl.sandbox.auto import make_backend
 from hpcrl.sandbox.result import SandboxUnavailable
+from hpcrl.sandbox.seccomp import apptainer_profile
 from hpcrl.sandbox.spec import ExecSpec, Limits
 
 from conftest import wait_for
@@ -34,21 +38,85 @@ def test_the_spec_becomes_a_contained_networkless_apptainer_exec():
     )
     line = " ".join(args)
     assert args[0] == "exec"
-    assert "--containall --cleanenv --no-home --net --network none --no-privs" in line
+    assert "--containall --cleanenv --no-home --no-mount bind-paths,hostfs,home,cwd,sys,devpts" in line
+    assert "--net --network none --no-privs" in line and "--security" not in line
     assert "--bind /tmp/src1:/src:ro" in line and "--scratch /work --pwd /work" in line
     image_at = args.index("/img/sandbox.sif")
     assert all(a.startswith("-") or args[i - 1].startswith("-") for i, a in enumerate(args[:image_at]) if i)
     inner = args[image_at + 1 :]
     assert inner[:2] == ["/bin/sh", "-c"] and "cp -R /src/. /work/" in inner[2]
     assert "--nproc=16" in inner and f"--data={64 << 20}" in inner  # no cgroups: memory by rlimit
+    assert f"--as={64 << 20}" in inner and "MALLOC_ARENA_MAX=2" in line
     assert inner[-5:] == ["--", "python3", "-B", "main.py", "x"]
     assert "--memory" not in line
 
 
 def test_cgroup_limits_are_passed_only_when_asked_for():
-    args = apptainer_args(("true",), Limits(memory_mb=64, pids=16), image="i.sif", src_dir="/s", cgroups=True)
+    args = apptainer_args(("true",), Limits(memory_mb=64, pids=16, cpus=1.5), image="i.sif", src_dir="/s", cgroups=True)
     assert args[args.index("--memory") + 1] == "64M" and args[args.index("--pids-limit") + 1] == "20"
-    assert not any(a.startswith("--data=") for a in args)
+    assert args[args.index("--cpus") + 1] == "1.5"
+    assert not any(a.startswith(("--data=", "--as=")) for a in args)
+
+
+def test_the_seccomp_profile_refuses_memfd_shm_and_new_user_namespaces():
+    args = apptainer_args(("true",), Limits(), image="i.sif", src_dir="/s", seccomp_profile="/p/seccomp.json")
+    assert args[args.index("--security") + 1] == "seccomp:/p/seccomp.json"
+    assert args.index("--security") < args.index("i.sif")
+    profile = json.loads(apptainer_profile())
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    enosys, newuser = profile["syscalls"]
+    assert {"memfd_create", "shmget", "io_uring_setup", "clone3"} <= set(enosys["names"])
+    assert enosys["errnoRet"] == 38 and newuser["names"] == ["unshare", "clone"] and newuser["errnoRet"] == 1
+    assert newuser["args"] == [{"index": 0, "value": 0x10000000, "valueTwo": 0x10000000, "op": "SCMP_CMP_MASKED_EQ"}]
+
+
+_FAKE_APPTAINER = """#!/bin/sh
+# Stands in for apptainer: says its version, and for exec records its arguments and the
+# permissions of the program copy it was given, then prints what the program would.
+log=$(dirname "$0")/../log  # (the backend passes no FAKE_* variable on)
+[ "$1" = --version ] && { echo "apptainer version $(cat "$log.version")"; exit 0; }
+printf '%s\\n' "$@" > "$log"
+while [ $# -gt 0 ]; do
+  case "$1" in --bind) src=${2%%:*}; shift ;; esac
+  shift
+done
+stat -c '%a %n' "$src" "$src"/* >> "$log.perms"
+echo fake-ran
+"""
+
+
+@pytest.fixture
+def fake_apptainer(tmp_path, monkeypatch):
+    exe = tmp_path / "bin" / "apptainer"
+    exe.parent.mkdir()
+    exe.write_text(_FAKE_APPTAINER)
+    exe.chmod(0o755)
+    (tmp_path / "sandbox.sif").write_bytes(b"")
+    (tmp_path / "log.version").write_text("1.3.4")
+    monkeypatch.setenv("PATH", f"{exe.parent}:{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_a_run_gets_a_private_program_copy_no_site_binds_and_the_profile(fake_apptainer):
+    backend = ApptainerBackend(image=str(fake_apptainer / "sandbox.sif"))
+    r = backend.run(ExecSpec.single("python", "print(1)"))
+    assert r.status == "ok" and r.stdout == b"fake-ran\n", r
+    args = (fake_apptainer / "log").read_text().splitlines()
+    assert "--no-mount" in args and args[args.index("--no-mount") + 1].startswith("bind-paths,hostfs")
+    profile = args[args.index("--security") + 1].removeprefix("seccomp:")
+    perms = (fake_apptainer / "log.perms").read_text().split()
+    assert perms[0] == "700" and perms[2] == "600" and perms[3].endswith("/main.py"), perms
+    assert oct(os.stat(profile).st_mode & 0o777) == "0o600" and "memfd_create" in open(profile).read()
+    assert not os.path.exists(perms[1])  # the copy is gone after the run
+    backend.close()
+    assert not os.path.exists(profile)
+
+
+@pytest.mark.parametrize("version", ["1.1.9", "1.0.0"])
+def test_an_apptainer_that_cannot_drop_the_site_binds_is_refused(fake_apptainer, version):
+    (fake_apptainer / "log.version").write_text(version)
+    with pytest.raises(SandboxUnavailable, match=rf"not Apptainer 1.2 or later \({version[:3]}\).*bind paths"):
+        ApptainerBackend(image=str(fake_apptainer / "sandbox.sif"))
 
 
 def test_build_image_command_and_definition_file():
@@ -136,6 +204,37 @@ def test_process_session_is_interactive():
         replies.append(s.read_line(timeout_s=5))
     r = s.finish()
     assert replies == [b"3\n", b"6\n"] and r.status == "ok"
+
+
+_DIES_AFTER_START = """
+import os, signal, sys, time
+from hpcrl.sandbox.apptainer import ProcessSession
+from hpcrl.sandbox.spec import Limits
+s = ProcessSession(["sleep", "{marker}"], Limits(wall_s=600), env={{"PATH": "/usr/bin:/bin"}})
+time.sleep({delay})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_a_process_session_dies_with_the_process_that_started_it(delay):
+    # A server SIGKILLed must not leave apptainer (here: sleep) running with no wall limit.
+    marker = f"{600 + int(delay * 1000)}.{os.getpid()}"
+    proc = subprocess.run([sys.executable, "-c", _DIES_AFTER_START.format(marker=marker, delay=delay)], timeout=60)
+    assert proc.returncode == -9
+
+    def sleepers() -> list[int]:
+        out = []
+        for p in psutil.process_iter(["cmdline", "status"]):
+            if p.info["cmdline"] == ["sleep", marker] and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        return out
+
+    try:
+        wait_for(lambda: not sleepers(), 10, 0.05, what="the session's process to die with its starter")
+    finally:
+        for pid in sleepers():
+            os.kill(pid, 9)
 
 
 # -- real Apptainer ----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 
 from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 from conftest import require_bwrap
@@ -158,7 +161,9 @@ def test_the_program_sees_a_minimal_environment_and_its_own_work_dir(backend):
     import json
 
     env, cwd, uid, top = json.loads(r.stdout)
-    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "PWD"}
+    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "PWD"} | (
+        {"MALLOC_ARENA_MAX"} if backend.memory != "cgroup" else set()
+    )
     assert cwd == "/work" and uid == 65534
     assert "home" not in top and "root" not in top
 
@@ -188,6 +193,52 @@ def test_the_sandbox_runs_as_the_slot_uid_on_the_host(backend):
         assert seen.get("uids") == {UID}, seen
     else:
         assert seen.get("uids") == {os.geteuid()}
+
+
+@pytest.fixture
+def as_root():
+    if os.geteuid() != 0:
+        pytest.skip("slot uids exist only when the sandbox is started as root")
+
+
+def test_a_slot_uid_that_is_a_real_account_or_group_is_refused(as_root):
+    import grp
+    import pwd
+
+    account = next(p for p in pwd.getpwall() if p.pw_uid > 0)  # nobody (65534) at least
+    with pytest.raises(SandboxUnavailable, match=rf"slot uid {account.pw_uid} is the account '{account.pw_name}'"):
+        BwrapBackend(uid=account.pw_uid)
+    users = {p.pw_uid for p in pwd.getpwall()}
+    group = next((g for g in grp.getgrall() if g.gr_gid > 0 and g.gr_gid not in users), None)
+    if group is not None:  # the slot also runs with gid = uid
+        with pytest.raises(SandboxUnavailable, match=rf"slot uid {group.gr_gid} is the group '{group.gr_name}'"):
+            BwrapBackend(uid=group.gr_gid)
+    with pytest.raises(SandboxUnavailable, match=r"sandbox.uid_base"):
+        BwrapBackend(uid=account.pw_uid)
+
+
+def test_two_processes_cannot_share_a_slot_uid(as_root):
+    uid = UID + 7
+    src = (
+        "import sys\nfrom hpcrl.sandbox.bwrap import BwrapBackend\n"
+        f"b = BwrapBackend(uid={uid})\nprint('holding', flush=True)\nsys.stdin.read()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", src], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"holding\n"
+        with pytest.raises(
+            SandboxUnavailable,
+            match=rf"slot uid {uid} is in use by another sandbox process on this host \(pid {holder.pid}, .*"
+            r"give each server its own range with sandbox.uid_base",
+        ):
+            BwrapBackend(uid=uid)
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+    # Free again once the holder is gone; one process may hold a uid twice (a check and its backend).
+    a, b = BwrapBackend(uid=uid), BwrapBackend(uid=uid)
+    a.close()
+    b.close()
 
 
 def test_a_session_talks_to_a_live_program(backend):
@@ -222,17 +273,21 @@ def test_a_session_killed_at_any_moment_of_its_start_leaves_no_zombie(backend):
         assert host_residue([UID]) == [], f"after a kill {i * 1.5:.1f} ms into the start"
 
 
-def test_an_init_whose_pid_was_never_learned_is_found_and_reaped(backend, monkeypatch):
-    # As if bwrap had been killed before it reported its init's pid: the init still comes to us
-    # (subreaper) and only the sweep can reap it; without it, a zombie stays for the host's init.
-    import hpcrl.sandbox.bwrap as bwrap_mod
-
-    monkeypatch.setattr(bwrap_mod, "_reap_init", lambda side, timeout_s=5.0: False)
-    s = backend.start(ExecSpec.single("python", "import sys; print('up', flush=True); sys.stdin.read()"))
-    assert s.read_line(timeout_s=10) == b"up\n"  # the init and the program run
-    s.kill()
+def test_killing_the_launcher_alone_kills_every_process_of_the_sandbox():
+    # No cgroup to fall back on: the launcher's pid namespace is what holds them. Its pid 1 dies
+    # with the launcher (--kill-child), and with it the setsid daemon and the program.
+    backend = BwrapBackend(uid=UID + 9, use_cgroups=False)
+    src = (
+        "import os, sys, time\nif os.fork() == 0:\n    try: os.setsid()\n    except OSError: pass\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n    os._exit(0)\nprint('up', flush=True)\ntime.sleep(60)\n"
+    )
+    s = backend.start(ExecSpec.single("python", src, limits=Limits(wall_s=60, cpu_s=60)))
+    assert s.read_line(timeout_s=10) == b"up\n"
+    os.kill(s._proc.pid, 9)  # the launcher only, as a kill of the whole server would
     assert s.finish().status != "ok"
-    assert host_residue([UID]) == []
+    assert host_residue([UID + 9], cgroups=False) == []
+    backend.close()
 
 
 def test_concurrent_runs_on_different_slots(backend):

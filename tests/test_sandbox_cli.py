@@ -71,6 +71,23 @@ def test_exec_exits_0_whatever_the_program_did(bwrap_ok, tmp_path, config, src, 
         assert res["status"] == status
 
 
+BOMBS = {
+    "shared mmap": "import mmap\nm = mmap.mmap(-1, 1 << 30, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)\n"
+    "for i in range(0, 1 << 30, 4096): m[i] = 1\nprint('BOMB')\n",
+    "memfd": "import os\nfds = [os.memfd_create('x') for _ in range(64)]\n"
+    "for fd in fds:\n    for _ in range(16): os.write(fd, b'm' * (1 << 20))\nprint('BOMB')\n",
+    "inodes": "import os\nfor i in range(200000):\n    os.close(os.open(f'e{i}', os.O_CREAT | os.O_WRONLY))\n"
+    "print('BOMB')\n",
+}
+
+
+@pytest.mark.parametrize("bomb", sorted(BOMBS))
+def test_exec_contains_memory_and_inode_bombs(bwrap_ok, tmp_path, config, bomb):
+    code, res = exec_json(tmp_path, config, BOMBS[bomb], "--memory-mb", "256")
+    assert code == 0 and "BOMB" not in res["stdout"], res
+    assert res["status"] in ("memory_limit", "nonzero_exit"), res
+
+
 @pytest.mark.skipif(not get_language("c").present(), reason="gcc not installed on this host")
 def test_exec_reports_a_compile_error_as_a_result(bwrap_ok, tmp_path, config):
     code, res = exec_json(tmp_path, config, "int main( {", lang="c")
@@ -116,6 +133,21 @@ def test_an_unavailable_sandbox_exits_1(tmp_path):
     cfg = write(tmp_path, "c.yaml", "sandbox:\n  backend: apptainer\n  apptainer: apptainer-does-not-exist\n")
     r = hpcrl("sandbox", "exec", "--config", cfg, "--lang", "python", write(tmp_path, "p.py", "pass"), "--json")
     assert r.returncode == 1 and b"not found on PATH" in r.stderr and r.stdout == b""
+
+
+def test_slot_uids_of_a_real_account_are_refused_by_exec_and_serve(bwrap_ok, tmp_path):
+    import pwd
+
+    account = next((p for p in pwd.getpwall() if p.pw_uid > 1000), None)
+    if os.geteuid() != 0 or account is None:
+        pytest.skip("slot uids exist only as root; needs an account above uid 1000 (nobody)")
+    uid, name = account.pw_uid, account.pw_name
+    cfg = write(tmp_path, "c.yaml", f"sandbox:\n  uid_base: {uid - 1}\n")  # slot 1 is the account
+    r = hpcrl("sandbox", "exec", "--config", cfg, "--slot", "1", "--lang", "python", write(tmp_path, "p.py", "1"))
+    assert r.returncode == 1 and f"slot uid {uid} is the account '{name}'".encode() in r.stderr, r
+    r = hpcrl("sandbox", "serve", "--config", cfg, "--slots", "2", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 1 and f"hpcrl sandbox serve: bwrap backend: slot uid {uid}".encode() in r.stderr, r
+    assert b"Traceback" not in r.stderr
 
 
 def test_a_bad_config_exits_2(tmp_path):

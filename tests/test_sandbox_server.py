@@ -7,6 +7,7 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def bwrap_ok():
 
 
 @contextlib.contextmanager
-def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str):
+def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str, **server_kw):
     """A SandboxServer in a thread of this process, on 127.0.0.1, as `serve` configures it."""
     cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.queue={queue}", *overrides]).sandbox
     pool = SlotPool.from_config(cfg, slots=slots)
@@ -51,7 +52,10 @@ def server(run_dir: Path, slots: int = 2, queue: int = 8, *overrides: str):
 
     try:
         with server_thread(
-            run_dir, "sandbox-0", lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling), close=close
+            run_dir,
+            "sandbox-0",
+            lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling, **server_kw),
+            close=close,
         ) as srv:
             yield srv
     finally:
@@ -95,6 +99,38 @@ def test_malformed_requests_are_refused_and_the_server_keeps_serving(bwrap_ok, r
         assert SandboxClient(node).run(ExecSpec.single("python", "print('still here')")).stdout == b"still here\n"
         sock.close(0)
         assert srv.dropped == 2
+
+
+def test_judge_io_cases_must_be_bytes_and_a_huge_integer_does_not_take_the_server_down(bwrap_ok, run_dir):
+    # bytes(n) of an int n is n zero bytes: 2**64-1 raised OverflowError in the handler, and
+    # 10**8 made the server allocate 100 MB for one case. Cases are bytes or str, nothing else.
+    with server(run_dir) as srv, Node(run_dir, "gen-0") as node:
+        raw = RequestClient(node, "sandbox-0", timeout_s=5, retries=0)
+        good = {"language": "python", "files": [["main.py", b"print(input())", False]]}
+        for cases in ([[2**64 - 1, b"x"]], [[10**8, b""]], [[b"1", -1]], [[b"1"]], "ab", [[b"1", b"1", b"1"]]):
+            env = raw.request("judge_io", {**good, "cases": cases})
+            assert env.kind == "bad_request", (cases, env.kind, env.body)
+            assert "judge_io" in env.body["message"] and "case" in env.body["message"], env.body
+        env = raw.request("judge_io", {**good, "cases": [["7", "7\n"], [b"8", b"8"]]})
+        assert env.kind == "verdict" and env.body["passed"], env.body
+        env = raw.request("exec", {**good, "stdin": 2**64 - 1})
+        assert env.kind == "bad_request" and "stdin" in env.body["message"], env.body
+        assert SandboxClient(node).run(ExecSpec.single("python", "print('still here')")).stdout == b"still here\n"
+        assert srv.served >= 2
+
+
+def test_large_outputs_cannot_grow_the_reply_cache_past_its_byte_bound(bwrap_ok, run_dir):
+    bound = 2 << 20
+    with server(run_dir, replay_cache_bytes=bound) as srv, Node(run_dir, "gen-0") as node:
+        c = SandboxClient(node)
+        flood = ExecSpec.single("python", "import sys; sys.stdout.write('y' * (900 << 10))")
+        for _ in range(6):  # 6 x 900 KiB answers: more than twice the bound
+            assert len(c.run(flood).stdout) == 900 << 10
+            assert srv.server._replies_bytes <= bound
+        assert 0 < len(srv.server._replies) < 6  # the oldest answers were let go
+        huge = ExecSpec.single("python", "import sys; sys.stdout.write('z' * (3 << 20))", limits=Limits(output_kb=4096))
+        assert len(c.run(huge).stdout) == 3 << 20  # answered, but too big to remember
+        assert srv.server._replies_bytes <= bound
 
 
 def test_requests_over_the_ceiling_are_refused_whoever_sends_them(bwrap_ok, run_dir):
@@ -156,6 +192,51 @@ def test_retries_of_one_request_run_it_once(bwrap_ok, run_dir):
         assert env.kind == "result" and env.body["stdout"] == b"once\n"
         assert srv.served - before == 1
         assert srv.pool.busy == 0 and srv.pool.queued == 0
+
+
+_DIES_AFTER_START = """
+import os, signal, sys, time
+from hpcrl.sandbox.bwrap import BwrapBackend
+from hpcrl.sandbox.spec import ExecSpec, Limits
+backend = BwrapBackend(uid={uid})
+spec = ExecSpec.single("python", "import time; time.sleep(600)", limits=Limits(wall_s=600, cpu_s=600))
+print("ready", flush=True)
+sys.stdin.readline()
+backend.start(spec)
+time.sleep({delay})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.01, 0.03])
+def test_a_server_killed_while_it_starts_a_sandbox_leaves_none_running(bwrap_ok, delay):
+    # bwrap sets its parent-death signal only after it has made its namespaces (milliseconds):
+    # a server SIGKILLed before that left a sandbox running unsupervised, with no wall limit.
+    adopt_orphans()
+    uid = UID + 5
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DIES_AFTER_START.format(uid=uid, delay=delay)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == -signal.SIGKILL
+        left = settled([uid], timeout_s=10, cgroups=False)
+        assert left == [], f"the sandbox outlived its server: {left}"
+    finally:
+        _kill_uid(uid)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL whatever still runs as `uid` (a failed test must not leave its sandboxes behind)."""
+    for line in host_residue([uid], cgroups=False):
+        if line.startswith("process "):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[1]), signal.SIGKILL)
+    settled([uid], cgroups=False)
 
 
 def _start_server(run_dir: Path, config: Path) -> subprocess.Popen:

@@ -12,6 +12,7 @@ from hpcrl.sandbox.backend import Exit, classify, rlimit_args
 from hpcrl.sandbox.bwrap import bwrap_args
 from hpcrl.sandbox.harness_wire import CodecError, decode, loads, request
 from hpcrl.sandbox.languages import Language, get_language, languages, register
+from hpcrl.sandbox.launcher import fstab, launcher_args
 from hpcrl.sandbox.pyharness import dumps, encode
 from hpcrl.sandbox.result import STATUSES, ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
@@ -156,9 +157,15 @@ def test_classify(kw, status, code, sig):
 
 
 def test_rlimits_cap_processes_files_and_cpu_and_memory_only_without_a_cgroup():
-    args = rlimit_args(Limits(cpu_s=2.5, pids=16, file_size_mb=1, open_files=32, memory_mb=64), memory_by_rlimit=False)
+    args = rlimit_args(Limits(cpu_s=2.5, pids=16, file_size_mb=1, open_files=32, memory_mb=64), memory="cgroup")
     assert args == ["--cpu=3:4", f"--fsize={1 << 20}", "--nproc=16", "--nofile=32", "--core=0"]
-    assert f"--data={64 << 20}" in rlimit_args(Limits(memory_mb=64), memory_by_rlimit=True)
+    # Without a memory cgroup: the address space (shared mappings count) plus what the runtime reserves.
+    fallback = rlimit_args(Limits(memory_mb=64), memory="address_space", reserve_mb=1024)
+    assert f"--data={64 << 20}" in fallback and f"--as={(64 + 1024) << 20}" in fallback
+    legacy = rlimit_args(Limits(memory_mb=64), memory="data")
+    assert f"--data={64 << 20}" in legacy and not any(a.startswith("--as=") for a in legacy)
+    with pytest.raises(ValueError, match="memory must be one of"):
+        rlimit_args(Limits(), memory="none")
 
 
 # -- the bwrap command line --------------------------------------------------------------------
@@ -171,12 +178,13 @@ def test_bwrap_command_isolates_and_copies_files_in():
         Limits(work_mb=8, tmp_mb=4, shm_mb=2),
         files,
         status_fd=9,
-        memory_by_rlimit=False,
+        memory="cgroup",
+        seccomp_fd=11,
         layout=["--ro-bind", "/usr", "/usr"],
     )
     line = " ".join(args)
     for flag in (
-        "--unshare-all --unshare-user",
+        "--unshare-user --unshare-ipc --unshare-net --unshare-uts",
         "--die-with-parent",
         "--new-session",
         "--cap-drop ALL",
@@ -184,19 +192,28 @@ def test_bwrap_command_isolates_and_copies_files_in():
         "--clearenv",
         "--remount-ro /",
         "--json-status-fd 9",
-        f"--size {2 << 20} --tmpfs /dev/shm --remount-ro /dev",
-        f"--size {4 << 20} --tmpfs /tmp",
-        f"--size {8 << 20} --perms 0755 --tmpfs /work",
+        "--seccomp 11",
+        "--bind /tmp/shm /dev/shm --remount-ro /dev",
+        "--bind /tmp/tmp /tmp",
+        "--bind /tmp/work /work",
         "--uid 65534 --gid 65534",
     ):
         assert flag in line, flag
-    assert "--perms 0644 --file 5 /work/main.py" in line
-    assert "--dir /work/pkg" in line and "--dir /work/pkg/a" in line
-    assert line.index("--dir /work/pkg/a") < line.index("--perms 0755 --file 6 /work/pkg/a/b.py")
+    # The binds are the launcher's tmpfs, capped in bytes and inodes, in its own namespaces.
+    assert "--unshare-pid" not in line and "--unshare-all" not in line  # the launcher's pid namespace
+    lim = Limits(work_mb=8, tmp_mb=4, shm_mb=2, inodes=100)
+    launch = launcher_args(lim, uid=61000, server_pid=4242)
+    assert launch[:2] == ["setpriv", "--reuid=61000"] and "--pdeathsig" in launch
+    assert "--pid --fork --kill-child" in " ".join(launch) and "--map-root-user" in launch
+    assert launch[-6:-4] == ["sh", "4242"] and launch[-4:] == fstab(lim)
+    assert fstab(lim)[0].startswith("hpcrl-proc /proc proc ")
+    assert fstab(lim)[1] == f"hpcrl-work /tmp/work tmpfs size={8 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
+    assert fstab(lim)[3] == f"hpcrl-shm /tmp/shm tmpfs size={2 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
     # rlimits apply inside, to the program only; the program comes last.
     tail = args[args.index("--") + 1 :]
     assert tail[0] == "prlimit" and tail[-2:] == ["python3", "main.py"]
-    assert "--share-net" not in line and "--bind" not in line.replace("--ro-bind", "")
+    assert "--share-net" not in line
+    assert {a for i, a in enumerate(args) if i and args[i - 1] == "--bind"} == {"/tmp/shm", "/tmp/tmp", "/tmp/work"}
 
 
 # -- the function-harness codec ----------------------------------------------------------------

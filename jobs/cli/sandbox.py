@@ -199,10 +199,15 @@ def run_build_image(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from hpcrl.jobs.cli import UsageError
+    from hpcrl.sandbox.result import SandboxError
     from hpcrl.sandbox.server import serve
 
     cfg = _sandbox_cfg(args)
     slots = args.slots if args.slots is not None else cfg.slots
     if slots < 1:
         raise UsageError(f"--slots must be >= 1 (got {slots})")
-    return serve(cfg, run_dir=args.run_dir, slots=slots, name=args.name)
+    try:
+        return serve(cfg, run_dir=args.run_dir, slots=slots, name=args.name)
+    except SandboxError as exc:  # e.g. its slot uids are taken: say so, no traceback
+        print(f"hpcrl sandbox serve: {exc}", file=sys.stderr)
+        return 1

@@ -49,6 +49,7 @@ from hpcrl.sandbox.process import Supervised
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from hpcrl.sandbox.warm import WarmHarness
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the residue checker lives with the tests
 from residue import host_residue
 
 UID_BASE = 61200

@@ -401,9 +401,13 @@ class ShardWriter:
         self._sync.submit(self._sync_waiting)
         self._shard_rows += len(item.ids)
         if self._shard_rows >= self.cfg.shard_max_rows:
-            self._drain()
-            self._finalize()
-            self._open_shard()
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Finalize the open shard once all of it is durable and open the next one."""
+        self._drain()
+        self._finalize()
+        self._open_shard()
 
     def _sync_waiting(self) -> None:
         """Sync thread: publish every segment handed over so far, as one group, in order.

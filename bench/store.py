@@ -43,8 +43,8 @@ import numpy as np
 
 from hpcrl.core.config import StoreConfig
 from hpcrl.rl.store.columns import Columns, EncodeBuffers, wire_bytes
-from hpcrl.rl.store.layout import publish_segment, write_segment_file
 from hpcrl.rl.store.reader import StoreReader
+from hpcrl.rl.store.segment import publish_segment, write_segment
 from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import synth_trajectory
 
@@ -157,7 +157,7 @@ def run_hdf5_storage(cols_list, root: Path) -> float:
     for i, cols in enumerate(cols_list):
         path = root / f"seg-{i:06d}-{0:016d}.h5"
         tmp = path.with_name(path.name + ".tmp")
-        write_segment_file(tmp, path.name, cols, {"seq": i + 1})
+        write_segment(tmp, cols, {"seq": i + 1})
         publish_segment(tmp, path)  # what the writer's sync thread does, here synchronously
     return time.perf_counter() - t0
 

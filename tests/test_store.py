@@ -24,11 +24,12 @@ from hpcrl.rl.store.layout import (
     SegmentError,
     StoreError,
     list_shards,
+    load_segment,
     new_shard_dir,
     publish_segment,
     read_segment,
     segment_meta,
-    write_segment_file,
+    write_segment,
 )
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
@@ -125,37 +126,46 @@ def test_finalized_shard_matches_manifest_and_layout_is_flat_and_chunked(tmp_pat
     raw = json.loads((state.path / MANIFEST_NAME).read_text())
     assert raw["rows"] == 9 and raw["crc32"] == m.crc32 and raw["bytes"] == sum(s.bytes for s in m.segments)
     for info in m.segments:
-        assert read_segment(state.path / info.name, info).crc32() == info.crc32
+        found = load_segment(state.path / info.name, info)[1]  # as recovery lists it
+        assert (found.rows, found.crc32, found.bytes) == (info.rows, info.crc32, info.bytes)
         with h5py.File(state.path / info.name, "r") as f:
             # Five flat datasets however many trajectories: no dataset per trajectory.
             assert sorted(f) == ["logprobs", "loss_mask", "steps", "tokens", "traj"]
-            assert all(f[n].chunks is not None for n in f)
-            assert f["tokens"].maxshape == f["tokens"].shape  # immutable: a fixed extent
-            assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["crc32"] == info.crc32
+            # Immutable and uncompressed: contiguous storage of a fixed extent, no chunk index.
+            assert all(f[n].chunks is None and f[n].maxshape == f[n].shape for n in f)
+            assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["format_version"] == 2
+            assert f.userblock_size == 512  # the segment header, with the checksums
 
 
-def write_and_publish(path, cols, attrs):
+def write_and_publish(path, cols, attrs, compression="none"):
     tmp = path.with_name(path.name + ".tmp")
-    write_segment_file(tmp, path.name, cols, attrs)
+    info = write_segment(tmp, cols, attrs, compression)
     publish_segment(tmp, path)
+    return info
 
 
-def test_segments_of_several_chunks_and_empty_datasets_round_trip(tmp_path, monkeypatch):
-    """Chunks written directly: a padded last chunk and zero-length datasets read back exact."""
-    import hpcrl.rl.store.layout as shards_mod
+def test_segments_of_several_batches_chunks_and_empty_datasets_round_trip(tmp_path, monkeypatch):
+    """A segment made of several batches (written piece by piece), compressed chunks with a
+    short last one, and zero-length datasets all read back exact."""
+    import hpcrl.rl.store.segment as segment_mod
 
-    monkeypatch.setattr(shards_mod, "CHUNK_BYTES", 1000)  # tokens of 20 trajectories: many chunks
     trajs = make(20)
+    parts = [Columns.encode(trajs[:7]), Columns.encode(trajs[7:8]), Columns.encode(trajs[8:])]
     path = tmp_path / "seg-000001-0000000000000000.h5"
-    cols = Columns.encode(trajs)
-    write_and_publish(path, cols, {"seq": 1})
+    info = write_and_publish(path, parts, {"seq": 1})
+    back = read_segment(path, info)
+    assert [back.trajectory(i) for i in range(back.rows)] == trajs
+    assert info.rows == 20 and info.bytes == path.stat().st_size
+    monkeypatch.setattr(segment_mod, "CHUNK_BYTES", 1000)  # tokens of 20 trajectories: many chunks
+    path = tmp_path / "seg-000002-0000000000000000.h5"
+    write_and_publish(path, parts, {"seq": 2}, "lzf")
     back = read_segment(path)
     assert [back.trajectory(i) for i in range(back.rows)] == trajs
     with h5py.File(path, "r") as f:
         assert f["tokens"].id.get_num_chunks() > 2 and len(f["tokens"]) % f["tokens"].chunks[0] != 0
     empty = Columns.encode([], EncodeBuffers())
-    write_and_publish(tmp_path / "seg-000002-0000000000000000.h5", empty, {"seq": 2})
-    assert read_segment(tmp_path / "seg-000002-0000000000000000.h5").rows == 0
+    write_and_publish(tmp_path / "seg-000003-0000000000000000.h5", empty, {"seq": 3})
+    assert read_segment(tmp_path / "seg-000003-0000000000000000.h5").rows == 0
 
 
 def test_encode_buffers_give_the_same_columns_and_are_reused():
@@ -345,12 +355,12 @@ def test_recovery_keeps_flushed_segments_and_quarantines_damage(tmp_path):
     assert report.rows == 4 and report.segments == 2
     reasons = {q["name"]: q["reason"] for q in report.quarantined}
     assert "never acknowledged" in reasons["seg-000004-0000000000000000.h5.tmp"]
-    assert "cannot read" in reasons[state.segment_names[1]]
+    assert "truncated" in reasons[state.segment_names[1]]
     w.close()
     recovered = next(s for s in list_shards(tmp_path) if s.name == state.name)
     assert recovered.manifest.status == "recovered" and recovered.manifest.rows == 4
     qdir = tmp_path / QUARANTINE_DIR / state.name
-    assert (qdir / f"{state.segment_names[1]}.reason.txt").read_text().startswith("cannot read")
+    assert (qdir / f"{state.segment_names[1]}.reason.txt").read_text().startswith("truncated")
     assert [t.episode for t in stored(tmp_path)] == [0, 1, 4, 5]
 
 
@@ -373,7 +383,7 @@ def test_orphan_of_another_dead_process_is_recovered_not_reused(tmp_path):
 
 def _flip_token_byte(path: Path) -> None:
     with h5py.File(path, "r") as f:
-        offset = f["tokens"].id.get_chunk_info(0).byte_offset
+        offset = f["tokens"].id.get_offset()
     with open(path, "r+b") as fh:
         fh.seek(offset + 5)
         b = fh.read(1)
@@ -397,7 +407,7 @@ def test_read_segment_detects_bit_flips_truncation_and_manifest_mismatch(tmp_pat
         read_segment(a, info_a)
     with open(b, "r+b") as fh:
         fh.truncate(b.stat().st_size // 2)
-    with pytest.raises(SegmentError, match="cannot read"):
+    with pytest.raises(SegmentError, match="truncated"):
         read_segment(b, info_b)
 
 
@@ -470,7 +480,7 @@ def test_reader_rejects_damaged_segments_and_goes_on(tmp_path, caplog):
         got = list(reader)
     assert [t.id for t in got] == [t.id for t in trajs[8:]]
     reasons = [r for _, r in reader.rejected]
-    assert "checksum mismatch" in reasons[0] and "cannot read" in reasons[1]
+    assert "checksum mismatch in tokens" in reasons[0] and "truncated" in reasons[1]
     assert sum("rejected segment" in r.message for r in caplog.records) == 2
 
 

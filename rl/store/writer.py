@@ -15,14 +15,16 @@ A flush writes one immutable HDF5 segment (see `hpcrl.rl.store.layout` for why a
 argument); `FlushResult.ids` are exactly the trajectories that became durable. Nothing in
 `append` is durable until a FlushResult names it.
 
-Pipelining: the CPU part of a flush (encoding, checksum, HDF5 writes into `seg-*.h5.tmp`) runs
-in the caller's thread; the I/O part (fsync the file, rename, fsync the directory) runs on a
-background thread, so the next batch is encoded while the previous one syncs (the caller's
-thread starts each segment's writeback as soon as it is written: `start_writeback`). At most
-`MAX_INFLIGHT` segments wait for their sync; the sync thread takes all that wait as one group
-(fsync + rename each in sequence order, then one directory fsync for the group), so segments
-become visible strictly in sequence order, and a FlushResult (the acknowledgement) is only
-returned for segments whose rename and directory fsync completed. If a sync fails, no later
+Pipelining: the part of a flush that needs the GIL (encoding loose trajectories, HDF5's
+metadata for `seg-*.h5.tmp`, see `hpcrl.rl.store.segment`) runs in the caller's thread; the
+rest runs on a background sync thread: copying the arrays into the file straight from the
+batches they came in, the checksums, starting the writeback (`start_writeback`), fsync,
+rename, fsync the directory. So the next batch is encoded while the previous one is written
+and synced, on the other core. At most `MAX_INFLIGHT` segments wait; the sync thread takes
+all that wait as one group (fill, then fsync + rename each in sequence order, then one
+directory fsync for the group), so segments become visible strictly in sequence order, and a
+FlushResult (the acknowledgement) is only returned for segments whose rename and directory
+fsync completed. If a sync fails, no later
 segment is renamed; their records go back into the buffer (nothing acknowledged, nothing
 lost) and the next call raises StoreError. `append`/`poll` therefore return the segments that
 completed since the last call (possibly several, merged into one FlushResult);
@@ -71,8 +73,8 @@ from hpcrl.rl.store.layout import (
     recover_shard,
     segment_name,
     short_host,
-    write_segment_file,
 )
+from hpcrl.rl.store.segment import SegmentFile, create_segment
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "owner_alive"]
@@ -156,23 +158,27 @@ def owner_alive(state: ShardState, lease_s: float) -> str | None:
 
 
 class _InFlight:
-    """A segment written to its .tmp file, waiting for fsync + rename on the sync thread."""
+    """A segment whose HDF5 structure is in its .tmp file, waiting for fill, fsync and rename
+    on the sync thread."""
 
-    __slots__ = ("shard", "info", "tmp", "path", "fd", "ids", "parts", "future", "settled")
+    __slots__ = ("shard", "seg", "info", "tmp", "path", "fd", "ids", "parts", "bufs", "future", "settled")
 
     def __init__(
         self,
         shard: Path,
-        info: SegmentInfo,
+        seg: SegmentFile,
         tmp: Path,
         path: Path,
         fd: int,
         ids: list[str],
         parts: tuple[list[Columns], list[Trajectory]],
+        bufs: EncodeBuffers | None,
     ):
-        self.shard, self.info, self.tmp, self.path, self.fd = shard, info, tmp, path, fd
+        self.shard, self.seg, self.tmp, self.path, self.fd = shard, seg, tmp, path, fd
+        self.info: SegmentInfo | None = None  # set by the sync thread once filled (it holds the CRC)
         # What the segment was made of (batches, loose trajectories): given back if its sync fails.
         self.ids, self.parts = ids, parts
+        self.bufs = bufs  # holds the encoded loose trajectories until the segment is filled
         self.future: Future = Future()  # the sync thread sets it: None, or why the sync failed
         # Set on the sync thread once `future` is: a lock-free done() for append's hot path.
         self.settled = False
@@ -199,7 +205,9 @@ class ShardWriter:
         self._chunks: list[Columns] = []
         self._loose: list[Trajectory] = []
         self._buffered = 0
-        self._bufs = EncodeBuffers()  # each flush's Columns are written before the next encode
+        # Encode buffers not in use: one is busy from a flush's encode until its segment is
+        # filled on the sync thread, so up to MAX_INFLIGHT + 1 exist.
+        self._free_bufs: list[EncodeBuffers] = []
         self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
         self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
         self._shard: Path | None = None
@@ -357,13 +365,13 @@ class ShardWriter:
             log.warning("heartbeat on %s failed: %s", self._shard, exc)
         self._last_beat = time.monotonic()
 
-    def _encoded(self) -> Columns:
-        """The buffer as one Columns, its flat arrays in the encode buffers (valid until the next
-        flush); the buffer itself stays as it is until the segment is written."""
-        if not self._chunks:
-            return Columns.encode(self._loose, self._bufs)
-        loose = [Columns.encode(self._loose)] if self._loose else []
-        return Columns.concat(self._chunks + loose, self._bufs)
+    def _segment_parts(self) -> tuple[list[Columns], EncodeBuffers | None]:
+        """The buffer as the batches of one segment, in arrival order: the batches as they came
+        and the loose trajectories encoded (into pooled buffers, given back once filled)."""
+        if not self._loose:
+            return list(self._chunks), None
+        bufs = self._free_bufs.pop() if self._free_bufs else EncodeBuffers()
+        return self._chunks + [Columns.encode(self._loose, bufs)], bufs
 
     def _submit(self) -> None:
         """Write the buffer to a .tmp segment (this thread) and queue its sync (sync thread)."""
@@ -374,27 +382,28 @@ class ShardWriter:
         shard, seq, now = self._shard, self._seq + 1, time.time()
         path = shard / segment_name(seq, int(now * 1e6))
         tmp = path.with_name(path.name + ".tmp")
-        cols = self._encoded()
+        parts, bufs = self._segment_parts()
         try:
-            info = write_segment_file(
+            seg = create_segment(
                 tmp,
-                path.name,
-                cols,
+                parts,
                 {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
                 self.cfg.compression,
             )
             # Opened here, not on the sync thread: each call there that releases the GIL
             # must win it back from this thread, which holds it while it encodes.
-            fd = os.open(tmp, os.O_RDONLY)
-            start_writeback(fd)
+            fd = os.open(tmp, os.O_RDWR)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            if bufs is not None:
+                self._free_bufs.append(bufs)
             raise StoreError(
                 f"flush to {path} failed: {exc}; {self._buffered} record(s) kept in memory, "
                 "free space or fix permissions and flush again"
             ) from exc
         self._seq = seq
-        item = _InFlight(shard, info, tmp, path, fd, cols.ids(), (self._chunks, self._loose))
+        ids = [tid for p in parts for tid in p.ids()]
+        item = _InFlight(shard, seg, tmp, path, fd, ids, (self._chunks, self._loose), bufs)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
         self._inflight.append(item)
         self._to_sync.append(item)
@@ -423,12 +432,17 @@ class ShardWriter:
         renamed: list[_InFlight] = []
         error: BaseException | None = None
         try:
-            for item in group:
+            for item in group:  # all of the group's data first: their writeback overlaps
                 if self._sync_failed.is_set():
                     raise StoreError("an earlier segment failed to sync")
+                item.info = item.seg.fill(item.fd)
+                start_writeback(item.fd)
+            for item in group:
                 os.fsync(item.fd)
                 os.rename(item.tmp, item.path)
                 renamed.append(item)
+                os.close(item.fd)  # here: a system call on the caller's thread costs it the GIL
+                item.fd = -1
         except BaseException as exc:  # handed to the writer through the futures
             error = exc
             self._sync_failed.set()
@@ -458,9 +472,17 @@ class ShardWriter:
             ) from exc
         self._complete(self._inflight.popleft())
 
+    def _release(self, item: _InFlight) -> None:
+        if item.fd >= 0:
+            os.close(item.fd)
+        if item.bufs is not None:
+            self._free_bufs.append(item.bufs)
+            item.bufs = None
+        item.seg = None  # drops its references to the batches
+
     def _complete(self, item: _InFlight) -> None:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
-        os.close(item.fd)
+        self._release(item)
         self._segments.append(item.info)
         self._done.append(item)
 
@@ -472,7 +494,7 @@ class ShardWriter:
             if item.future.exception() is None:
                 self._complete(item)  # synced before the failure
                 continue
-            os.close(item.fd)
+            self._release(item)
             item.tmp.unlink(missing_ok=True)
             chunks, loose = item.parts
             batches += chunks + ([Columns.encode(loose)] if loose else [])

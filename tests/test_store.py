@@ -301,34 +301,6 @@ def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path):
     assert stored(tmp_path) == trajs
 
 
-def test_failed_sync_takes_batches_back_and_acknowledges_nothing(tmp_path):
-    """The fsync/rename step fails on the sync thread while later segments wait behind it."""
-    import threading
-
-    w = ShardWriter(tmp_path, "w0", cfg(flush_every=2))
-    trajs = make(6)
-    gate = threading.Event()
-    w._sync.submit(gate.wait)  # hold the sync thread so two segments queue behind it
-    results = [w.append(t) for t in trajs[:4]]
-    assert results == [None] * 4 and w.buffered == 0
-    tmps = sorted(w._shard.glob("*.tmp"))
-    assert len(tmps) == 2
-    tmps[0].unlink()  # the first queued segment's file vanishes: its fsync fails
-    gate.set()
-    with pytest.raises(StoreError, match="4 record\\(s\\) kept in memory \\(none acknowledged\\)"):
-        w.flush()
-    assert w.buffered == 4 and w.total_rows == 0
-    assert not list(w._shard.glob("seg-*"))  # the second segment was not renamed after the failure
-    for t in trajs[4:]:
-        w.append(t)
-    assert w.flush().ids == tuple(t.id for t in trajs)
-    w.close()
-    assert stored(tmp_path) == trajs
-    [state] = list_shards(tmp_path)
-    # The failed sequence numbers never became visible, so they were reused: no gaps.
-    assert [(s.name.split("-")[1], s.rows) for s in state.manifest.segments] == [("000001", 5), ("000002", 1)]
-
-
 def test_recovery_keeps_flushed_segments_and_quarantines_damage(tmp_path):
     """A writer process killed with open shard, a half-written segment and a damaged one."""
     script = textwrap.dedent(f"""

@@ -85,6 +85,7 @@ __all__ = [
     "ShardManifest",
     "ShardState",
     "StoreError",
+    "WriterStopped",
     "RecoveryReport",
     "finalize_shard",
     "list_shards",
@@ -113,6 +114,12 @@ WRITER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 class StoreError(Exception):
     """The store cannot be used as asked (name in use, bad directory); the message says what to do."""
+
+
+class WriterStopped(StoreError):
+    """The writer stopped for good: it can no longer prove what is durable (a failed directory
+    fsync after renames) or lost its shard to a newer writer. It acknowledges nothing more;
+    restart it (a new writer recovers the shard and deduplicates what its senders resend)."""
 
 
 # -- manifests and shard listing ----------------------------------------------------------------

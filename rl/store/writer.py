@@ -24,9 +24,13 @@ and synced, on the other core. At most `MAX_INFLIGHT` segments wait; the sync th
 all that wait as one group (fill, then fsync + rename each in sequence order, then one
 directory fsync for the group), so segments become visible strictly in sequence order, and a
 FlushResult (the acknowledgement) is only returned for segments whose rename and directory
-fsync completed. If a sync fails, no later
-segment is renamed; their records go back into the buffer (nothing acknowledged, nothing
-lost) and the next call raises StoreError. `append`/`poll` therefore return the segments that
+fsync completed. If a sync fails before a rename, no later segment is renamed; their records
+go back into the buffer (nothing acknowledged, nothing lost) and the next call raises
+StoreError. If the directory fsync after renames fails, those segments are visible but not
+proven durable: they are neither acknowledged nor written again (the rewrite could duplicate
+them), the writer stops (WriterStopped on every call) and hands its shard over; a new writer
+recovers it and its dedup index drops what the senders resend. A sequence number names at
+most one file, ever. `append`/`poll` therefore return the segments that
 completed since the last call (possibly several, merged into one FlushResult);
 `flush()`/`close()` wait for all.
 
@@ -65,10 +69,10 @@ from hpcrl.rl.store.layout import (
     SegmentInfo,
     ShardState,
     StoreError,
+    WriterStopped,
     finalize_shard,
     list_shards,
     new_shard_dir,
-    parse_segment_name,
     read_segment,
     recover_shard,
     segment_name,
@@ -77,9 +81,13 @@ from hpcrl.rl.store.layout import (
 from hpcrl.rl.store.segment import SegmentFile, create_segment
 from hpcrl.rl.trajectory import Trajectory
 
-__all__ = ["ShardWriter", "FlushResult", "owner_alive"]
+__all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 
 log = logging.getLogger("hpcrl.store")
+
+# Shards held by live writers of this process: a stopped or closed writer's shard is not in it,
+# so a new writer in the same process may recover it (its pid alone would say "still running").
+_LIVE_SHARDS: set[Path] = set()
 
 
 MAX_INFLIGHT = 4
@@ -138,6 +146,8 @@ def owner_alive(state: ShardState, lease_s: float) -> str | None:
     except ValueError:
         return None  # not a name this code makes: no owner to protect
     if host == short_host():
+        if pid == os.getpid():
+            return "a writer in this process holds it" if state.path.resolve() in _LIVE_SHARDS else None
         try:
             proc = psutil.Process(pid)
             # A pid reused by a process started after the shard cannot be its writer.
@@ -155,6 +165,10 @@ def owner_alive(state: ShardState, lease_s: float) -> str | None:
     if age < lease_s:
         return f"host {host} sent a heartbeat {age:.0f} s ago (lease {lease_s:.0f} s)"
     return None
+
+
+class _Unproven(Exception):
+    """A segment renamed into place whose directory fsync failed: visible, durability unknown."""
 
 
 class _InFlight:
@@ -223,6 +237,7 @@ class ShardWriter:
         self.total_rows = 0
         self.duplicates = 0
         self.closed = False
+        self._stopped: str | None = None  # why the writer stopped for good (WriterStopped)
         # Opened now, not at the first flush: from this moment the name is visibly in use.
         self._open_shard()
 
@@ -267,10 +282,15 @@ class ShardWriter:
     def buffered(self) -> int:
         return self._buffered
 
-    def append(self, traj: Trajectory) -> FlushResult | None:
-        """Buffer one trajectory; flush if the count or age bound is reached. Returns what became durable."""
+    def _usable(self) -> None:
+        if self._stopped:
+            raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}")
         if self.closed:
             raise StoreError(f"writer {self.writer!r} is closed")
+
+    def append(self, traj: Trajectory) -> FlushResult | None:
+        """Buffer one trajectory; flush if the count or age bound is reached. Returns what became durable."""
+        self._usable()
         if not isinstance(traj, Trajectory):
             raise TypeError(f"append() takes a Trajectory (got {type(traj).__name__})")
         tid = traj.id
@@ -284,8 +304,7 @@ class ShardWriter:
     def append_columns(self, cols: Columns) -> FlushResult | None:
         """Buffer a batch of trajectories in column form (checked: `Columns.row_errors` found
         nothing); rows whose id is stored or buffered are dropped. Returns what became durable."""
-        if self.closed:
-            raise StoreError(f"writer {self.writer!r} is closed")
+        self._usable()
         ids = cols.ids()
         keep = [i for i, tid in enumerate(ids) if tid not in self._pending and not self.is_stored(tid)]
         self.duplicates += len(ids) - len(keep)
@@ -329,8 +348,9 @@ class ShardWriter:
 
     def poll(self) -> FlushResult | None:
         """Flush if the oldest buffered record waited flush_interval_s; return what became durable."""
-        if self.closed:
+        if self.closed and not self._stopped:
             return None
+        self._usable()
         if time.monotonic() - self._last_beat > self.lease_s / 3:
             self._heartbeat()
         if self._oldest is not None and time.monotonic() - self._oldest >= self.cfg.flush_interval_s:
@@ -339,6 +359,7 @@ class ShardWriter:
 
     def flush(self) -> FlushResult | None:
         """Write the buffer and wait until everything written is durable; return what became so."""
+        self._usable()
         self._submit()
         return self._collect(block=True)
 
@@ -356,6 +377,7 @@ class ShardWriter:
             },
         )
         self._shard, self._segments, self._shard_rows, self._seq = shard, [], 0, 0
+        _LIVE_SHARDS.add(shard.resolve())
         self._last_beat = time.monotonic()
 
     def _heartbeat(self) -> None:
@@ -446,25 +468,31 @@ class ShardWriter:
         except BaseException as exc:  # handed to the writer through the futures
             error = exc
             self._sync_failed.set()
+        unproven: BaseException | None = None
         if renamed:
             try:
                 fsync_path(renamed[0].shard, directory=True)  # a whole group is in one shard
             except BaseException as exc:
-                error = exc
+                # Visible but not known durable: never acknowledged, never written again.
+                unproven = _Unproven(f"its rename is visible but not proven durable: {exc}")
                 self._sync_failed.set()
-                renamed = []  # visible but not known durable: not acknowledged
         for item in group:
-            if item in renamed:
-                item.future.set_result(None)
-            else:
+            if item not in renamed:
                 item.future.set_exception(error)
+            elif unproven is not None:
+                item.future.set_exception(unproven)
+            else:
+                item.future.set_result(None)
             item.settled = True
 
     def _wait_oldest(self) -> None:
         item = self._inflight[0]
         try:
             item.future.result()
-        except Exception as exc:  # any failure: take every unsynced batch back
+        except _Unproven as exc:
+            self._stop(f"syncing {item.path.name}: {exc}")
+            raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}") from exc
+        except Exception as exc:  # never visible: take every unsynced batch back
             self._rebuffer()
             raise StoreError(
                 f"syncing {item.tmp} failed: {exc}; {self._buffered} record(s) kept in memory "
@@ -502,10 +530,24 @@ class ShardWriter:
         self._chunks = batches + self._chunks
         self._buffered = sum(c.rows for c in self._chunks)
         self._oldest = time.monotonic() if self._buffered else None
-        # None of the failed sequence numbers became visible: reuse them.
-        self._seq = parse_segment_name(self._segments[-1].name)[0] if self._segments else 0
+        # The failed sequence numbers are not used again: a number names at most one file, so
+        # no reader or recovery can ever take one segment for another.
         self._shard_rows = sum(s.rows for s in self._segments)
         self._sync_failed.clear()
+
+    def _stop(self, reason: str) -> None:
+        """Stop for good: acknowledge nothing more, leave every visible segment as it is for the
+        next writer's recovery, remove the .tmp files nobody will rename, free the shard."""
+        self._stopped = reason
+        self._sync.shutdown(wait=True)  # what is still queued fails fast (_sync_failed is set)
+        while self._inflight:
+            item = self._inflight.popleft()
+            self._release(item)
+            if not isinstance(item.future.exception(), _Unproven):
+                item.tmp.unlink(missing_ok=True)
+        if self._shard is not None:
+            _LIVE_SHARDS.discard(self._shard.resolve())
+        log.error("store writer %r stopped: %s; restart it (its shard is recovered then)", self.writer, reason)
 
     def _collect(self, block: bool) -> FlushResult | None:
         """Acknowledge finished syncs (in order); with `block`, wait for all of them."""
@@ -534,6 +576,7 @@ class ShardWriter:
     def _finalize(self) -> None:
         if self._shard is None:
             return
+        _LIVE_SHARDS.discard(self._shard.resolve())
         if self._segments:
             finalize_shard(self._shard, self.writer, self._segments, "closed")
         else:
@@ -543,6 +586,8 @@ class ShardWriter:
 
     def close(self) -> FlushResult | None:
         """Flush what is buffered, wait for every sync and finalize the open shard (its manifest)."""
+        if self._stopped:
+            self._usable()
         if self.closed:
             return None
         self._submit()

@@ -1,0 +1,151 @@
+"""Filesystem faults under the shard writer (issue 16): a failed directory fsync, ENOSPC, an HDF5
+error at close. Whatever fails, nothing unproven is acknowledged, no sequence number names two
+files, nothing is stored twice or lost, and the writer never ends up unusable by accident."""
+
+from __future__ import annotations
+
+import errno
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcrl.core.config import StoreConfig
+from hpcrl.rl.store.layout import StoreError, list_shards, parse_segment_name, read_segment
+from hpcrl.rl.store.reader import StoreReader
+from hpcrl.rl.store.writer import ShardWriter, WriterStopped
+from hpcrl.rl.synth import SynthShape, synth_trajectory
+
+SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
+
+
+def make(n: int, start: int = 0):
+    rng = np.random.default_rng(start)
+    return [synth_trajectory(rng, "r", "g", start + i, SMALL) for i in range(n)]
+
+
+def cfg(**kw) -> StoreConfig:
+    return StoreConfig(**{"flush_every": 2, "flush_interval_s": 30.0, "shard_max_rows": 10_000, **kw})
+
+
+def deliver(store: Path, trajs, config: StoreConfig, on_writer=None, attempts: int = 6) -> set[str]:
+    """What a sender does: send everything, keep what is unacknowledged, and on a StoreError
+    flush again; when the writer says it stopped, start a new one (same name) and resend.
+    Returns the acknowledged ids."""
+    acked: set[str] = set()
+    pending = list(trajs)
+    for _ in range(attempts):
+        w = ShardWriter(store, "w0", config)
+        if on_writer:
+            on_writer(w)
+        try:
+            for t in pending:
+                if r := w.append(t):
+                    acked.update(r.ids)
+            for _ in range(attempts):
+                try:
+                    if r := w.close():
+                        acked.update(r.ids)
+                    break
+                except WriterStopped:
+                    raise
+                except StoreError:
+                    continue  # "kept in memory ... flush again"
+            else:
+                raise AssertionError("the writer never closed")
+            return acked
+        except WriterStopped:
+            pending = [t for t in pending if t.id not in acked]
+    raise AssertionError("no writer got the trajectories stored")
+
+
+def check_store(store: Path, acked: set[str], expected: set[str]) -> None:
+    """Each sequence number names one file per shard, no trajectory is in two visible segments,
+    everything acknowledged (and, once delivered, everything) is read back exactly once."""
+    seen: Counter[str] = Counter()
+    for state in list_shards(store):
+        seqs = [parse_segment_name(n)[0] for n in state.segment_names]
+        assert len(seqs) == len(set(seqs)), f"{state.name}: a sequence number names two files: {state.segment_names}"
+        assert state.finalized, state.name
+        for name in state.segment_names:  # listed or not: a later recovery would list them all
+            seen.update(read_segment(state.path / name).ids())
+    assert not [i for i, c in seen.items() if c > 1], "stored twice"
+    got = [t.id for t in StoreReader(store)]
+    assert len(got) == len(set(got)) and set(got) == expected and acked <= set(got)
+
+
+def test_failed_directory_fsync_reuses_no_sequence_number_and_duplicates_nothing(tmp_path, monkeypatch):
+    """The renames of a group are done, the directory fsync after them fails: those segments are
+    visible but not proven durable. Before: the writer took their records back, reused their
+    sequence numbers for the rewrite, and the shard held two seg-000001 files (one of them
+    skipped by the reader, both listed after a crash)."""
+    import hpcrl.rl.store.writer as writer_mod
+
+    real = writer_mod.fsync_path
+    failures = {"left": 1}
+
+    def fsync_path(path, directory=False):
+        if directory and failures["left"] and any(Path(path).glob("seg-*.h5")):
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "injected: directory fsync failed")
+        return real(path, directory)
+
+    monkeypatch.setattr(writer_mod, "fsync_path", fsync_path)
+    trajs = make(7)
+    acked = deliver(tmp_path, trajs, cfg())
+    assert failures["left"] == 0
+    check_store(tmp_path, acked, {t.id for t in trajs})
+
+
+def test_a_stopped_writer_refuses_everything_and_hands_its_shard_over(tmp_path, monkeypatch):
+    import hpcrl.rl.store.writer as writer_mod
+
+    real = writer_mod.fsync_path
+    monkeypatch.setattr(
+        writer_mod,
+        "fsync_path",
+        lambda path, directory=False: (
+            (_ for _ in ()).throw(OSError(errno.EIO, "injected"))
+            if directory and any(Path(path).glob("seg-*.h5"))
+            else real(path, directory)
+        ),
+    )
+    w = ShardWriter(tmp_path, "w0", cfg())
+    trajs = make(4)
+    w.append(trajs[0])
+    with pytest.raises(WriterStopped, match="not proven durable"):
+        w.append(trajs[1])
+        w.flush()
+    for call in (lambda: w.append(trajs[2]), w.flush, w.poll, w.close):
+        with pytest.raises(WriterStopped):
+            call()
+    assert w.total_rows == 0  # nothing acknowledged
+    monkeypatch.setattr(writer_mod, "fsync_path", real)
+    w2 = ShardWriter(tmp_path, "w0", cfg())  # same process: the stopped writer's shard is free
+    assert [r.rows for r in w2.recovered] == [2]  # the visible, unproven segment is kept...
+    assert w2.is_stored(trajs[0].id) and w2.append(trajs[1]) is None  # ...and its rows deduplicated
+    w2.close()
+
+
+def test_failed_sync_before_the_rename_takes_the_batches_back_under_new_numbers(tmp_path):
+    """A segment that never became visible: its records go back to the buffer; its sequence
+    number is not used again (a number names at most one file, ever)."""
+    import threading
+
+    w = ShardWriter(tmp_path, "w0", cfg())
+    trajs = make(6)
+    gate = threading.Event()
+    w._sync.submit(gate.wait)  # hold the sync thread so two segments queue behind it
+    assert [w.append(t) for t in trajs[:4]] == [None] * 4
+    next(w._shard.glob("seg-000001-*.tmp")).unlink()  # its rename will fail
+    gate.set()
+    with pytest.raises(StoreError, match="4 record\\(s\\) kept in memory \\(none acknowledged\\)"):
+        w.flush()
+    for t in trajs[4:]:
+        w.append(t)
+    assert w.flush().ids == tuple(t.id for t in trajs)
+    w.close()
+    [state] = list_shards(tmp_path)
+    assert [parse_segment_name(s.name)[0] for s in state.manifest.segments] == [3, 4]
+    assert [t.id for t in StoreReader(tmp_path)] == [t.id for t in trajs]

@@ -4,7 +4,13 @@ files, nothing is stored twice or lost, and the writer never ends up unusable by
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -149,3 +155,114 @@ def test_failed_sync_before_the_rename_takes_the_batches_back_under_new_numbers(
     [state] = list_shards(tmp_path)
     assert [parse_segment_name(s.name)[0] for s in state.manifest.segments] == [3, 4]
     assert [t.id for t in StoreReader(tmp_path)] == [t.id for t in trajs]
+
+
+# -- ENOSPC and HDF5 errors ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str = "1m"):
+    """A tmpfs of `size` mounted at `path` for the test (root only: skips otherwise)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path, leave: int) -> None:
+    """Fill the filesystem of `path` with one file, then give `leave` bytes back."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\1" * 65536)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    try:
+        while True:  # the last few KiB
+            os.write(fd, b"\1" * 4096)
+    except OSError:
+        pass
+    os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
+    os.close(fd)
+
+
+def test_enospc_anywhere_leaves_the_writer_usable_and_nothing_behind(tmp_path, caplog):
+    """A full disk at every point a flush can hit it (HDF5's create, the data, a rotation's
+    manifest or the next shard's OWNER.json), found by leaving 0..96 KiB free: the writer
+    raises StoreError only, leaves no .tmp behind, and once space is back stores everything
+    exactly once with every shard finalized. Before: ENOSPC in a rotation left the writer
+    without a shard (TypeError on every later call, close impossible, rows never stored)."""
+    trajs = make(40)
+    for leave in range(0, 100 * 1024, 4096):
+        with small_tmpfs(tmp_path / f"mnt-{leave}") as mnt:
+            store = mnt / "store"
+            w = ShardWriter(store, "w0", cfg(flush_every=4, shard_max_rows=8))
+            fill(mnt / "filler", leave)
+            acked: set[str] = set()
+            failures = 0
+            for t in trajs:
+                try:
+                    if r := w.append(t):
+                        acked.update(r.ids)
+                except StoreError:
+                    failures += 1
+            for _ in range(2):
+                try:
+                    if r := w.flush():
+                        acked.update(r.ids)
+                except StoreError:
+                    failures += 1
+                # Nothing in flight after flush(): any .tmp left now would stay for good.
+                assert not list(store.rglob("*.tmp")), f"{leave} bytes free: a failed flush left a .tmp behind"
+            (mnt / "filler").unlink()
+            for _ in range(3):  # the first call may still report the failure it collects
+                try:
+                    if r := w.close():
+                        acked.update(r.ids)
+                    break
+                except StoreError:
+                    continue
+            assert w.closed, f"{leave} bytes free: the writer could not close once space was back"
+            assert failures, f"{leave} bytes free: the disk never filled"
+            check_store(store, acked, {t.id for t in trajs})
+            assert not list(store.rglob("*.tmp")) and not list(store.rglob(".*"))
+
+
+def test_an_hdf5_error_at_close_leaves_no_tmp_and_keeps_the_records(tmp_path):
+    """HDF5 extends a segment to its allocated end when it closes the file; under a file-size
+    limit that fails inside H5Fclose. Before: h5py's RuntimeError came out as it was and the
+    .tmp stayed forever. Now: StoreError, no .tmp, and the records are written once it can."""
+    script = textwrap.dedent(f"""
+        import resource, signal, numpy as np
+        from pathlib import Path
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the limit makes the call fail instead
+        from hpcrl.core.config import StoreConfig
+        from hpcrl.rl.store.layout import StoreError
+        from hpcrl.rl.store.writer import ShardWriter
+        from hpcrl.rl.synth import SynthShape, synth_trajectory
+        shape = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
+        rng = np.random.default_rng(0)
+        store = Path({str(tmp_path / "store")!r})
+        w = ShardWriter(store, "w0", StoreConfig(flush_every=8))
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
+        try:
+            for i in range(8):
+                w.append(synth_trajectory(rng, "r", "g", i, shape))
+            w.flush()
+        except StoreError as exc:
+            print("StoreError", "RuntimeError" in str(exc))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        print("tmp", len(list(store.rglob("*.tmp"))))
+        print("closed", w.close().total_rows)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["StoreError", "True", "tmp", "0", "closed", "8"], done.stdout
+    assert len(list(StoreReader(tmp_path / "store"))) == 8

@@ -37,11 +37,13 @@ Format v1 segments (checksum over the five arrays in their JSON attribute) still
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
 import re
 import struct
+import sys
 import time
 import zlib
 from collections.abc import Sequence
@@ -363,3 +365,33 @@ def publish_segment(tmp: Path, path: Path) -> None:
     fsync_path(tmp)
     os.rename(tmp, path)
     fsync_path(path.parent, directory=True)
+
+
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None: os does not expose it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages, do not wait
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages to disk now, without waiting (advisory: never fails).
+
+    The sync thread fsyncs segments one after another; a segment written while the previous
+    one syncs would otherwise sit in the page cache until its own fsync starts the I/O. Kicked
+    off at once, its data reaches the disk meanwhile and its fsync is mostly the journal
+    commit (~0.8 ms instead of ~1.0 here, and a shorter tail); with another job on one of two
+    cores, the writer then waited ~2 ms per 24 flushes for syncs instead of 7-13 ms. Unlike
+    posix_fadvise(DONTNEED) it keeps the pages cached for readers.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)

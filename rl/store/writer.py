@@ -44,20 +44,16 @@ OWNER.json heartbeat (mtime, refreshed at each flush and at least every lease/3 
 
 from __future__ import annotations
 
-import calendar
-import ctypes
+import contextlib
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 from hpcrl.core.config import StoreConfig
 from hpcrl.core.files import atomic_write_json, fsync_path
@@ -67,7 +63,6 @@ from hpcrl.rl.store.layout import (
     WRITER_NAME_RE,
     SegmentError,
     SegmentInfo,
-    ShardState,
     StoreError,
     WriterStopped,
     finalize_shard,
@@ -76,51 +71,16 @@ from hpcrl.rl.store.layout import (
     read_segment,
     recover_shard,
     segment_name,
-    short_host,
 )
-from hpcrl.rl.store.segment import SegmentFile, create_segment
+from hpcrl.rl.store.lease import hold_shard, owner_alive, release_shard
+from hpcrl.rl.store.segment import SegmentFile, create_segment, start_writeback
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 
 log = logging.getLogger("hpcrl.store")
 
-# Shards held by live writers of this process: a stopped or closed writer's shard is not in it,
-# so a new writer in the same process may recover it (its pid alone would say "still running").
-_LIVE_SHARDS: set[Path] = set()
-
-
 MAX_INFLIGHT = 4
-
-
-def _sync_file_range():
-    """libc's sync_file_range (Linux), or None: os does not expose it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages, do not wait
-
-
-def start_writeback(fd: int) -> None:
-    """Start writing a file's dirty pages to disk now, without waiting (advisory: never fails).
-
-    The sync thread fsyncs segments one after another; a segment written while the previous
-    one syncs would otherwise sit in the page cache until its own fsync starts the I/O. Kicked
-    off at once, its data reaches the disk meanwhile and its fsync is mostly the journal
-    commit (~0.8 ms instead of ~1.0 here, and a shorter tail); with another job on one of two
-    cores, the writer then waited ~2 ms per 24 flushes for syncs instead of 7-13 ms. Unlike
-    posix_fadvise(DONTNEED) it keeps the pages cached for readers.
-    """
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -135,36 +95,6 @@ class FlushResult:
     @property
     def rows(self) -> int:
         return len(self.ids)
-
-
-def owner_alive(state: ShardState, lease_s: float) -> str | None:
-    """Why the shard's writer may still be alive (None: it is dead, the shard may be recovered)."""
-    try:
-        _, stamp, host, pid, _ = state.name.split(".")
-        started = calendar.timegm(time.strptime(stamp.split("u")[0], "%Y%m%dT%H%M%S"))
-        pid = int(pid)
-    except ValueError:
-        return None  # not a name this code makes: no owner to protect
-    if host == short_host():
-        if pid == os.getpid():
-            return "a writer in this process holds it" if state.path.resolve() in _LIVE_SHARDS else None
-        try:
-            proc = psutil.Process(pid)
-            # A pid reused by a process started after the shard cannot be its writer.
-            if proc.create_time() <= started + 1 and proc.status() != psutil.STATUS_ZOMBIE:
-                return f"pid {pid} on this host is still running"
-        except psutil.Error:
-            pass
-        return None
-    owner = state.path / OWNER_NAME
-    try:
-        beat = (owner if owner.exists() else state.path).stat().st_mtime
-    except OSError:
-        return None
-    age = time.time() - beat
-    if age < lease_s:
-        return f"host {host} sent a heartbeat {age:.0f} s ago (lease {lease_s:.0f} s)"
-    return None
 
 
 class _Unproven(Exception):
@@ -238,6 +168,8 @@ class ShardWriter:
         self.duplicates = 0
         self.closed = False
         self._stopped: str | None = None  # why the writer stopped for good (WriterStopped)
+        # Shards whose segments are all durable, waiting for their manifest (retried on failure).
+        self._unfinalized: list[tuple[Path, list[SegmentInfo]]] = []
         # Opened now, not at the first flush: from this moment the name is visibly in use.
         self._open_shard()
 
@@ -358,34 +290,81 @@ class ShardWriter:
         return self._collect(block=False)
 
     def flush(self) -> FlushResult | None:
-        """Write the buffer and wait until everything written is durable; return what became so."""
+        """Write the buffer and wait until everything written is durable; return what became so.
+        On StoreError nothing is in flight any more (what failed is back in the buffer)."""
         self._usable()
-        self._submit()
+        try:
+            self._submit()
+        except WriterStopped:
+            raise
+        except StoreError:
+            with contextlib.suppress(StoreError):  # the first failure is the one reported
+                self._drain()
+            raise
         return self._collect(block=True)
 
     # -- the pipeline -------------------------------------------------------------------------
 
+    # -- shards: open, retire, finalize (each step may fail, e.g. ENOSPC, and is retried) ----
+
     def _open_shard(self) -> None:
-        shard = new_shard_dir(self.store, self.writer)
-        atomic_write_json(
-            shard / OWNER_NAME,
-            {
-                "writer": self.writer,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "started_at": time.time(),
-            },
-        )
+        """Open the next shard; StoreError (nothing left behind) if the filesystem refuses."""
+        try:
+            shard = new_shard_dir(self.store, self.writer)
+        except (OSError, StoreError) as exc:
+            raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
+        try:
+            atomic_write_json(
+                shard / OWNER_NAME,
+                {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()},
+            )
+        except OSError as exc:
+            try:
+                shard.rmdir()  # empty: atomic_write_json removes its own temporary file
+            except OSError:
+                pass  # an empty shard without an owner: the next recovery removes it
+            raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
         self._shard, self._segments, self._shard_rows, self._seq = shard, [], 0, 0
-        _LIVE_SHARDS.add(shard.resolve())
+        hold_shard(shard)
         self._last_beat = time.monotonic()
 
+    def _ensure_shard(self) -> None:
+        if self._shard is None:
+            self._open_shard()
+
     def _heartbeat(self) -> None:
+        self._last_beat = time.monotonic()
+        if self._shard is None:
+            return
         try:
             os.utime(self._shard / OWNER_NAME)
         except OSError as exc:
             log.warning("heartbeat on %s failed: %s", self._shard, exc)
-        self._last_beat = time.monotonic()
+
+    def _retire(self) -> None:
+        """The open shard, all of it durable, waits for its manifest; no shard is open after."""
+        if self._shard is not None:
+            self._unfinalized.append((self._shard, self._segments))
+            self._shard, self._segments, self._shard_rows, self._seq = None, [], 0, 0
+
+    def _finalize_retired(self) -> None:
+        """Write the manifest of each retired shard (an empty one is removed); StoreError if one
+        cannot be written: it stays retired, its segments durable and readable, and is retried."""
+        while self._unfinalized:
+            shard, segments = self._unfinalized[0]
+            try:
+                if segments:
+                    finalize_shard(shard, self.writer, segments, "closed")
+                else:
+                    (shard / OWNER_NAME).unlink(missing_ok=True)
+                    shard.rmdir()
+            except OSError as exc:
+                raise StoreError(
+                    f"finalizing shard {shard.name} failed: {exc}; its {sum(s.rows for s in segments)} row(s) "
+                    "are durable, the manifest is written at the next flush or close"
+                ) from exc
+            release_shard(shard)
+            self._unfinalized.pop(0)
 
     def _segment_parts(self) -> tuple[list[Columns], EncodeBuffers | None]:
         """The buffer as the batches of one segment, in arrival order: the batches as they came
@@ -399,8 +378,16 @@ class ShardWriter:
         """Write the buffer to a .tmp segment (this thread) and queue its sync (sync thread)."""
         if not self._buffered:
             return
+        if self._sync_failed.is_set():
+            self._collect(block=True)  # raises: the failed segments' records come back first
         while len(self._inflight) >= MAX_INFLIGHT:
             self._wait_oldest()
+        if self._unfinalized:
+            try:
+                self._finalize_retired()
+            except StoreError as exc:  # not in the way of new segments: retried at close
+                log.warning("%s", exc)
+        self._ensure_shard()
         shard, seq, now = self._shard, self._seq + 1, time.time()
         path = shard / segment_name(seq, int(now * 1e6))
         tmp = path.with_name(path.name + ".tmp")
@@ -415,13 +402,13 @@ class ShardWriter:
             # Opened here, not on the sync thread: each call there that releases the GIL
             # must win it back from this thread, which holds it while it encodes.
             fd = os.open(tmp, os.O_RDWR)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
+        except Exception as exc:  # ENOSPC, EIO, or any error HDF5 raises (at close too)
+            tmp.unlink(missing_ok=True)  # create_segment removed it already, unless os.open failed
             if bufs is not None:
                 self._free_bufs.append(bufs)
             raise StoreError(
-                f"flush to {path} failed: {exc}; {self._buffered} record(s) kept in memory, "
-                "free space or fix permissions and flush again"
+                f"flush to {path} failed: {type(exc).__name__}: {exc}; {self._buffered} record(s) kept in "
+                "memory, free space or fix permissions and flush again"
             ) from exc
         self._seq = seq
         ids = [tid for p in parts for tid in p.ids()]
@@ -435,10 +422,16 @@ class ShardWriter:
             self._rotate()
 
     def _rotate(self) -> None:
-        """Finalize the open shard once all of it is durable and open the next one."""
+        """Finalize the open shard once all of it is durable and open the next one. Only the
+        drain may raise here: a manifest or a shard that cannot be written now is retried at the
+        next flush (which then raises if it still cannot write), never left half done."""
         self._drain()
-        self._finalize()
-        self._open_shard()
+        self._retire()
+        try:
+            self._finalize_retired()
+            self._open_shard()
+        except StoreError as exc:
+            log.warning("%s", exc)
 
     def _sync_waiting(self) -> None:
         """Sync thread: publish every segment handed over so far, as one group, in order.
@@ -545,8 +538,9 @@ class ShardWriter:
             self._release(item)
             if not isinstance(item.future.exception(), _Unproven):
                 item.tmp.unlink(missing_ok=True)
-        if self._shard is not None:
-            _LIVE_SHARDS.discard(self._shard.resolve())
+        for shard in [self._shard] + [s for s, _ in self._unfinalized]:
+            if shard is not None:
+                release_shard(shard)
         log.error("store writer %r stopped: %s; restart it (its shard is recovered then)", self.writer, reason)
 
     def _collect(self, block: bool) -> FlushResult | None:
@@ -573,27 +567,20 @@ class ShardWriter:
         while self._inflight:
             self._wait_oldest()
 
-    def _finalize(self) -> None:
-        if self._shard is None:
-            return
-        _LIVE_SHARDS.discard(self._shard.resolve())
-        if self._segments:
-            finalize_shard(self._shard, self.writer, self._segments, "closed")
-        else:
-            (self._shard / OWNER_NAME).unlink(missing_ok=True)
-            self._shard.rmdir()
-        self._shard, self._segments, self._shard_rows, self._seq = None, [], 0, 0
-
     def close(self) -> FlushResult | None:
-        """Flush what is buffered, wait for every sync and finalize the open shard (its manifest)."""
+        """Flush what is buffered, wait for every sync and finalize the shards (their manifests).
+
+        On StoreError (e.g. the disk is full) nothing is lost and nothing half done: what was
+        not acknowledged is still held, and close() may simply be called again."""
         if self._stopped:
             self._usable()
         if self.closed:
             return None
         self._submit()
         self._drain()
+        self._retire()
+        self._finalize_retired()  # before acknowledging: a retry of close() reports the rest
         result = self._acknowledge()
-        self._finalize()
         self._sync.shutdown(wait=True)
         self.closed = True
         return result

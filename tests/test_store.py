@@ -182,7 +182,7 @@ def test_encode_buffers_give_the_same_columns_and_are_reused():
 
 
 def test_start_writeback_is_advisory(tmp_path):
-    from hpcrl.rl.store.writer import start_writeback
+    from hpcrl.rl.store.segment import start_writeback
 
     (tmp_path / "f").write_bytes(b"x" * 10_000)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
@@ -283,7 +283,33 @@ def test_dedup_across_restart(tmp_path):
     assert len(stored(tmp_path)) == 5
 
 
-def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path):
+def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path, monkeypatch):
+    import hpcrl.rl.store.writer as writer_mod
+
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=100))
+    trajs = make(3)
+    for t in trajs:
+        w.append(t)
+    real = writer_mod.create_segment
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "injected: permission denied")
+
+    monkeypatch.setattr(writer_mod, "create_segment", refused)
+    with pytest.raises(StoreError, match="3 record\\(s\\) kept in memory"):
+        w.flush()
+    assert w.buffered == 3 and w.total_rows == 0
+    monkeypatch.setattr(writer_mod, "create_segment", real)
+    assert w.flush().ids == tuple(t.id for t in trajs)
+    w.close()
+    assert stored(tmp_path) == trajs
+
+
+def test_a_shard_directory_gone_under_the_writer_stops_it(tmp_path):
+    """Recovery removes an empty shard it fenced: a writer whose shard directory is gone lost it
+    (or someone deleted it) and stops rather than retry forever; a new writer takes over."""
+    from hpcrl.rl.store.writer import WriterStopped
+
     w = ShardWriter(tmp_path, "w0", cfg(flush_every=100))
     trajs = make(3)
     for t in trajs:
@@ -291,13 +317,13 @@ def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path):
     shard = w._shard
     for p in shard.iterdir():
         p.unlink()
-    shard.rmdir()  # the filesystem loses the directory under the writer
-    with pytest.raises(StoreError, match="3 record\\(s\\) kept in memory"):
+    shard.rmdir()
+    with pytest.raises(WriterStopped, match="fenced"):
         w.flush()
-    assert w.buffered == 3 and w.total_rows == 0
-    shard.mkdir()
-    assert w.flush().ids == tuple(t.id for t in trajs)
-    w.close()
+    assert w.total_rows == 0
+    with ShardWriter(tmp_path, "w0", cfg()) as w2:  # its senders resend to the new writer
+        for t in trajs:
+            w2.append(t)
     assert stored(tmp_path) == trajs
 
 

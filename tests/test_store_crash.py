@@ -33,6 +33,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -66,7 +67,9 @@ def _arm(kind: str, n: int) -> None:
     def stop(where: str) -> None:
         stopped[0] = True
         print(f"stop {kind} {where}", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)  # the parent kills us while we are stopped
+        # Sent to this thread, not the process: another thread could take a process-directed
+        # SIGSTOP and this one run its next system call (the step itself) before it stops.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # the parent kills us meanwhile
 
     def in_phase(name: str, fn):
         def wrapped(*args, **kwargs):

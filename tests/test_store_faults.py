@@ -86,9 +86,9 @@ def test_failed_directory_fsync_reuses_no_sequence_number_and_duplicates_nothing
     visible but not proven durable. Before: the writer took their records back, reused their
     sequence numbers for the rewrite, and the shard held two seg-000001 files (one of them
     skipped by the reader, both listed after a crash)."""
-    import hpcrl.rl.store.writer as writer_mod
+    import hpcrl.rl.store.sync as sync_mod
 
-    real = writer_mod.fsync_path
+    real = sync_mod.fsync_path
     failures = {"left": 1}
 
     def fsync_path(path, directory=False):
@@ -97,7 +97,7 @@ def test_failed_directory_fsync_reuses_no_sequence_number_and_duplicates_nothing
             raise OSError(errno.EIO, "injected: directory fsync failed")
         return real(path, directory)
 
-    monkeypatch.setattr(writer_mod, "fsync_path", fsync_path)
+    monkeypatch.setattr(sync_mod, "fsync_path", fsync_path)
     trajs = make(7)
     acked = deliver(tmp_path, trajs, cfg())
     assert failures["left"] == 0
@@ -105,11 +105,11 @@ def test_failed_directory_fsync_reuses_no_sequence_number_and_duplicates_nothing
 
 
 def test_a_stopped_writer_refuses_everything_and_hands_its_shard_over(tmp_path, monkeypatch):
-    import hpcrl.rl.store.writer as writer_mod
+    import hpcrl.rl.store.sync as sync_mod
 
-    real = writer_mod.fsync_path
+    real = sync_mod.fsync_path
     monkeypatch.setattr(
-        writer_mod,
+        sync_mod,
         "fsync_path",
         lambda path, directory=False: (
             (_ for _ in ()).throw(OSError(errno.EIO, "injected"))
@@ -127,7 +127,7 @@ def test_a_stopped_writer_refuses_everything_and_hands_its_shard_over(tmp_path, 
         with pytest.raises(WriterStopped):
             call()
     assert w.total_rows == 0  # nothing acknowledged
-    monkeypatch.setattr(writer_mod, "fsync_path", real)
+    monkeypatch.setattr(sync_mod, "fsync_path", real)
     w2 = ShardWriter(tmp_path, "w0", cfg())  # same process: the stopped writer's shard is free
     assert [r.rows for r in w2.recovered] == [2]  # the visible, unproven segment is kept...
     assert w2.is_stored(trajs[0].id) and w2.append(trajs[1]) is None  # ...and its rows deduplicated
@@ -142,7 +142,7 @@ def test_failed_sync_before_the_rename_takes_the_batches_back_under_new_numbers(
     w = ShardWriter(tmp_path, "w0", cfg())
     trajs = make(6)
     gate = threading.Event()
-    w._sync.submit(gate.wait)  # hold the sync thread so two segments queue behind it
+    w._sync._pool.submit(gate.wait)  # hold the sync thread so two segments queue behind it
     assert [w.append(t) for t in trajs[:4]] == [None] * 4
     next(w._shard.glob("seg-000001-*.tmp")).unlink()  # its rename will fail
     gate.set()

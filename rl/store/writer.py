@@ -17,29 +17,27 @@ argument); `FlushResult.ids` are exactly the trajectories that became durable. N
 
 Pipelining: the part of a flush that needs the GIL (encoding loose trajectories, HDF5's
 metadata for `seg-*.h5.tmp`, see `hpcrl.rl.store.segment`) runs in the caller's thread; the
-rest runs on a background sync thread: copying the arrays into the file straight from the
-batches they came in, the checksums, starting the writeback (`start_writeback`), fsync,
-rename, fsync the directory. So the next batch is encoded while the previous one is written
-and synced, on the other core. At most `MAX_INFLIGHT` segments wait; the sync thread takes
-all that wait as one group (fill, then fsync + rename each in sequence order, then one
-directory fsync for the group), so segments become visible strictly in sequence order, and a
-FlushResult (the acknowledgement) is only returned for segments whose rename and directory
-fsync completed. If a sync fails before a rename, no later segment is renamed; their records
-go back into the buffer (nothing acknowledged, nothing lost) and the next call raises
-StoreError. If the directory fsync after renames fails, those segments are visible but not
-proven durable: they are neither acknowledged nor written again (the rewrite could duplicate
-them), the writer stops (WriterStopped on every call) and hands its shard over; a new writer
-recovers it and its dedup index drops what the senders resend. A sequence number names at
-most one file, ever. `append`/`poll` therefore return the segments that
-completed since the last call (possibly several, merged into one FlushResult);
-`flush()`/`close()` wait for all.
+rest (the arrays straight from the batches they came in, checksums, fsync, rename, directory
+fsync, the fence check) on the sync thread (`hpcrl.rl.store.sync`), at most `MAX_INFLIGHT`
+segments at a time, made visible strictly in sequence order. A FlushResult (the
+acknowledgement) names only segments whose rename and directory fsync completed, in a shard
+not fenced. `append`/`poll` return what completed since the last call (several segments
+merged into one FlushResult), `flush()`/`close()` wait for all.
 
-On start the writer finalizes the shards that an earlier, dead process with the same writer
-name left open (`recover_shard`), and loads the ids already stored under that name, so a
-sender that resends after a crash cannot create duplicates: `append` drops a trajectory whose
-id is stored or buffered (`duplicates` counts them). Two live writers must not share a name;
-on the same host this is detected from the pid in the shard name, across hosts from the
-OWNER.json heartbeat (mtime, refreshed at each flush and at least every lease/3 seconds).
+Failures: one before a rename takes the batches back into the buffer (nothing acknowledged,
+nothing lost; StoreError, the next call retries, under new sequence numbers: a number names
+at most one file, ever). A full disk or an HDF5 error never leaves a .tmp behind or the
+writer without a shard; a manifest that cannot be written is retried. A visible segment not
+proven durable (the directory fsync failed) or a fenced shard stops the writer for good
+(WriterStopped on every call): it hands its shard over, a new writer recovers it.
+
+On start the writer recovers the shards that an earlier, dead process with the same writer
+name left open (`recover_shard`: fence, verify, finalize), and loads the ids already stored
+under that name, so a sender that resends after a crash cannot create duplicates: `append`
+drops a trajectory whose id is stored or buffered (`duplicates` counts them). Two live
+writers must not share a name: on the same host the pid in the shard name tells, across
+hosts the OWNER.json heartbeat (refreshed at each flush and at least every lease/3 seconds;
+`store.lease_s`); one silent past its lease is fenced (`hpcrl.rl.store.layout`).
 """
 
 from __future__ import annotations
@@ -48,39 +46,33 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.core.files import atomic_write_json, fsync_path
+from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import (
     OWNER_NAME,
     WRITER_NAME_RE,
-    SegmentError,
     SegmentInfo,
     StoreError,
     WriterStopped,
     finalize_shard,
-    list_shards,
+    is_fenced,
     new_shard_dir,
-    read_segment,
-    recover_shard,
     segment_name,
 )
-from hpcrl.rl.store.lease import hold_shard, owner_alive, release_shard
-from hpcrl.rl.store.segment import SegmentFile, create_segment, start_writeback
+from hpcrl.rl.store.lease import hold_shard, owner_alive, release_shard, stored_ids, take_over
+from hpcrl.rl.store.segment import create_segment
+from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 
 log = logging.getLogger("hpcrl.store")
-
-MAX_INFLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -97,37 +89,6 @@ class FlushResult:
         return len(self.ids)
 
 
-class _Unproven(Exception):
-    """A segment renamed into place whose directory fsync failed: visible, durability unknown."""
-
-
-class _InFlight:
-    """A segment whose HDF5 structure is in its .tmp file, waiting for fill, fsync and rename
-    on the sync thread."""
-
-    __slots__ = ("shard", "seg", "info", "tmp", "path", "fd", "ids", "parts", "bufs", "future", "settled")
-
-    def __init__(
-        self,
-        shard: Path,
-        seg: SegmentFile,
-        tmp: Path,
-        path: Path,
-        fd: int,
-        ids: list[str],
-        parts: tuple[list[Columns], list[Trajectory]],
-        bufs: EncodeBuffers | None,
-    ):
-        self.shard, self.seg, self.tmp, self.path, self.fd = shard, seg, tmp, path, fd
-        self.info: SegmentInfo | None = None  # set by the sync thread once filled (it holds the CRC)
-        # What the segment was made of (batches, loose trajectories): given back if its sync fails.
-        self.ids, self.parts = ids, parts
-        self.bufs = bufs  # holds the encoded loose trajectories until the segment is filled
-        self.future: Future = Future()  # the sync thread sets it: None, or why the sync failed
-        # Set on the sync thread once `future` is: a lock-free done() for append's hot path.
-        self.settled = False
-
-
 class ShardWriter:
     """Writes one writer's shards under `store`; see the module docstring for the protocol."""
 
@@ -137,13 +98,13 @@ class ShardWriter:
         self.store = Path(store)
         self.writer = writer
         self.cfg = cfg or StoreConfig()
-        self.lease_s = max(30.0, 3 * self.cfg.flush_interval_s)
+        self.lease_s = self.cfg.lease_s
         try:
             self.store.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create store directory {self.store}: {exc.strerror}") from None
         self.recovered = self._recover_previous()
-        self._stored: set[str] | None = self._load_ids() if dedup else None
+        self._stored: set[str] | None = stored_ids(self.store, self.writer) if dedup else None
         # The buffer, in arrival order: batches already in column form, then loose trajectories,
         # which are encoded together when the next batch arrives or at the flush.
         self._chunks: list[Columns] = []
@@ -159,10 +120,8 @@ class ShardWriter:
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
         self._seq = 0
         self._inflight: deque[_InFlight] = deque()
-        self._to_sync: deque[_InFlight] = deque()  # handed to the sync thread, not yet taken by it
         self._done: list[_InFlight] = []  # synced, not yet reported in a FlushResult
-        self._sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hpcrl-store-{writer}")
-        self._sync_failed = threading.Event()  # set on the sync thread: later segments stay .tmp
+        self._sync = SyncThread(f"hpcrl-store-{writer}")
         self._last_beat = 0.0
         self.total_rows = 0
         self.duplicates = 0
@@ -176,31 +135,7 @@ class ShardWriter:
     # -- start-up ---------------------------------------------------------------------------
 
     def _recover_previous(self) -> list:
-        reports = []
-        for state in list_shards(self.store):
-            if state.writer != self.writer or state.finalized:
-                continue
-            alive = owner_alive(state, self.lease_s)
-            if alive:
-                raise StoreError(
-                    f"writer name {self.writer!r} is in use: shard {state.name} is open and {alive}; give each "
-                    "writer its own name, or wait for the lease to expire if that writer is dead"
-                )
-            reports.append(recover_shard(self.store, state.path))
-        return reports
-
-    def _load_ids(self) -> set[str]:
-        ids: set[str] = set()
-        for state in list_shards(self.store):
-            if state.writer != self.writer:
-                continue
-            names = [s.name for s in state.manifest.segments] if state.manifest else state.segment_names
-            for name in names:
-                try:
-                    ids.update(read_segment(state.path / name, fields=("traj",)).ids())
-                except SegmentError as exc:
-                    log.warning("dedup index: skipping %s/%s: %s", state.name, name, exc)
-        return ids
+        return take_over(self.store, self.writer, self.lease_s)
 
     # -- appending --------------------------------------------------------------------------
 
@@ -284,6 +219,10 @@ class ShardWriter:
             return None
         self._usable()
         if time.monotonic() - self._last_beat > self.lease_s / 3:
+            # Idle or not, a writer that lost its shard learns it within lease/3: it stops, so
+            # its senders turn to the writer that replaced it.
+            if self._shard is not None and is_fenced(self._shard):
+                self._fenced(self._shard)
             self._heartbeat()
         if self._oldest is not None and time.monotonic() - self._oldest >= self.cfg.flush_interval_s:
             self._submit()
@@ -352,12 +291,16 @@ class ShardWriter:
         cannot be written: it stays retired, its segments durable and readable, and is retried."""
         while self._unfinalized:
             shard, segments = self._unfinalized[0]
+            if is_fenced(shard):  # a newer writer finalized it (its manifest lists our segments)
+                self._fenced(shard)
             try:
                 if segments:
                     finalize_shard(shard, self.writer, segments, "closed")
                 else:
                     (shard / OWNER_NAME).unlink(missing_ok=True)
                     shard.rmdir()
+            except FileExistsError:  # fenced and finalized between the check and here
+                self._fenced(shard)
             except OSError as exc:
                 raise StoreError(
                     f"finalizing shard {shard.name} failed: {exc}; its {sum(s.rows for s in segments)} row(s) "
@@ -378,7 +321,7 @@ class ShardWriter:
         """Write the buffer to a .tmp segment (this thread) and queue its sync (sync thread)."""
         if not self._buffered:
             return
-        if self._sync_failed.is_set():
+        if self._sync.failed.is_set():
             self._collect(block=True)  # raises: the failed segments' records come back first
         while len(self._inflight) >= MAX_INFLIGHT:
             self._wait_oldest()
@@ -406,6 +349,8 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)  # create_segment removed it already, unless os.open failed
             if bufs is not None:
                 self._free_bufs.append(bufs)
+            if is_fenced(shard):  # e.g. its directory was recovered and removed meanwhile
+                self._fenced(shard)
             raise StoreError(
                 f"flush to {path} failed: {type(exc).__name__}: {exc}; {self._buffered} record(s) kept in "
                 "memory, free space or fix permissions and flush again"
@@ -415,8 +360,7 @@ class ShardWriter:
         item = _InFlight(shard, seg, tmp, path, fd, ids, (self._chunks, self._loose), bufs)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
         self._inflight.append(item)
-        self._to_sync.append(item)
-        self._sync.submit(self._sync_waiting)
+        self._sync.hand_over(item)
         self._shard_rows += len(item.ids)
         if self._shard_rows >= self.cfg.shard_max_rows:
             self._rotate()
@@ -433,51 +377,6 @@ class ShardWriter:
         except StoreError as exc:
             log.warning("%s", exc)
 
-    def _sync_waiting(self) -> None:
-        """Sync thread: publish every segment handed over so far, as one group, in order.
-
-        Each file is fsynced before its rename; one directory fsync then covers the group's
-        renames (one journal commit, not one per segment) before any of them is reported
-        done. After one failure nothing else is renamed, so a visible seq is never followed
-        by a missing smaller one; the writer takes the failed batches back (`_rebuffer`).
-        """
-        group: list[_InFlight] = []
-        while self._to_sync:
-            group.append(self._to_sync.popleft())  # only this thread pops: never empty here
-        renamed: list[_InFlight] = []
-        error: BaseException | None = None
-        try:
-            for item in group:  # all of the group's data first: their writeback overlaps
-                if self._sync_failed.is_set():
-                    raise StoreError("an earlier segment failed to sync")
-                item.info = item.seg.fill(item.fd)
-                start_writeback(item.fd)
-            for item in group:
-                os.fsync(item.fd)
-                os.rename(item.tmp, item.path)
-                renamed.append(item)
-                os.close(item.fd)  # here: a system call on the caller's thread costs it the GIL
-                item.fd = -1
-        except BaseException as exc:  # handed to the writer through the futures
-            error = exc
-            self._sync_failed.set()
-        unproven: BaseException | None = None
-        if renamed:
-            try:
-                fsync_path(renamed[0].shard, directory=True)  # a whole group is in one shard
-            except BaseException as exc:
-                # Visible but not known durable: never acknowledged, never written again.
-                unproven = _Unproven(f"its rename is visible but not proven durable: {exc}")
-                self._sync_failed.set()
-        for item in group:
-            if item not in renamed:
-                item.future.set_exception(error)
-            elif unproven is not None:
-                item.future.set_exception(unproven)
-            else:
-                item.future.set_result(None)
-            item.settled = True
-
     def _wait_oldest(self) -> None:
         item = self._inflight[0]
         try:
@@ -485,6 +384,8 @@ class ShardWriter:
         except _Unproven as exc:
             self._stop(f"syncing {item.path.name}: {exc}")
             raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}") from exc
+        except _Fenced as exc:
+            self._fenced(exc.shard)
         except Exception as exc:  # never visible: take every unsynced batch back
             self._rebuffer()
             raise StoreError(
@@ -526,13 +427,22 @@ class ShardWriter:
         # The failed sequence numbers are not used again: a number names at most one file, so
         # no reader or recovery can ever take one segment for another.
         self._shard_rows = sum(s.rows for s in self._segments)
-        self._sync_failed.clear()
+        self._sync.failed.clear()
+
+    def _fenced(self, shard: Path) -> None:
+        """Stop (raises WriterStopped): a newer writer fenced `shard`, so nothing this one renames
+        into it can count. What it acknowledged is listed by that writer's recovery."""
+        self._stop(
+            f"fenced: a newer writer of this name recovered shard {shard.name} (this one was silent for "
+            f"more than its {self.lease_s:g} s lease); its senders resend to it"
+        )
+        raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}")
 
     def _stop(self, reason: str) -> None:
         """Stop for good: acknowledge nothing more, leave every visible segment as it is for the
         next writer's recovery, remove the .tmp files nobody will rename, free the shard."""
         self._stopped = reason
-        self._sync.shutdown(wait=True)  # what is still queued fails fast (_sync_failed is set)
+        self._sync.shutdown()  # what is still queued fails fast (the failed flag is set)
         while self._inflight:
             item = self._inflight.popleft()
             self._release(item)
@@ -581,7 +491,7 @@ class ShardWriter:
         self._retire()
         self._finalize_retired()  # before acknowledging: a retry of close() reports the rest
         result = self._acknowledge()
-        self._sync.shutdown(wait=True)
+        self._sync.shutdown()
         self.closed = True
         return result
 

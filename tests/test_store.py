@@ -284,22 +284,22 @@ def test_dedup_across_restart(tmp_path):
 
 
 def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path, monkeypatch):
-    import hpcrl.rl.store.writer as writer_mod
+    import hpcrl.rl.store.sync as sync_mod
 
     w = ShardWriter(tmp_path, "w0", cfg(flush_every=100))
     trajs = make(3)
     for t in trajs:
         w.append(t)
-    real = writer_mod.create_segment
+    real = sync_mod.create_segment
 
     def refused(*args, **kwargs):
         raise PermissionError(13, "injected: permission denied")
 
-    monkeypatch.setattr(writer_mod, "create_segment", refused)
+    monkeypatch.setattr(sync_mod, "create_segment", refused)
     with pytest.raises(StoreError, match="3 record\\(s\\) kept in memory"):
         w.flush()
     assert w.buffered == 3 and w.total_rows == 0
-    monkeypatch.setattr(writer_mod, "create_segment", real)
+    monkeypatch.setattr(sync_mod, "create_segment", real)
     assert w.flush().ids == tuple(t.id for t in trajs)
     w.close()
     assert stored(tmp_path) == trajs

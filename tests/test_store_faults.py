@@ -134,17 +134,26 @@ def test_a_stopped_writer_refuses_everything_and_hands_its_shard_over(tmp_path, 
     w2.close()
 
 
-def test_failed_sync_before_the_rename_takes_the_batches_back_under_new_numbers(tmp_path):
+def test_failed_sync_before_the_rename_takes_the_batches_back_under_new_numbers(tmp_path, monkeypatch):
     """A segment that never became visible: its records go back to the buffer; its sequence
     number is not used again (a number names at most one file, ever)."""
     import threading
 
+    import hpcrl.rl.store.sync as sync_mod
+
+    real = sync_mod.create_segment
+
+    def first_fails(tmp, *args):
+        if tmp.name.startswith("seg-000001-"):
+            raise OSError(errno.EIO, "injected: the first segment cannot be written")
+        return real(tmp, *args)
+
+    monkeypatch.setattr(sync_mod, "create_segment", first_fails)
     w = ShardWriter(tmp_path, "w0", cfg())
     trajs = make(6)
     gate = threading.Event()
     w._sync._pool.submit(gate.wait)  # hold the sync thread so two segments queue behind it
     assert [w.append(t) for t in trajs[:4]] == [None] * 4
-    next(w._shard.glob("seg-000001-*.tmp")).unlink()  # its rename will fail
     gate.set()
     with pytest.raises(StoreError, match="4 record\\(s\\) kept in memory \\(none acknowledged\\)"):
         w.flush()
@@ -155,6 +164,7 @@ def test_failed_sync_before_the_rename_takes_the_batches_back_under_new_numbers(
     [state] = list_shards(tmp_path)
     assert [parse_segment_name(s.name)[0] for s in state.manifest.segments] == [3, 4]
     assert [t.id for t in StoreReader(tmp_path)] == [t.id for t in trajs]
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 # -- ENOSPC and HDF5 errors ------------------------------------------------------------------------

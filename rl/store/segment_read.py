@@ -36,6 +36,7 @@ from hpcrl.rl.store.segment import (
     SEGMENT_FORMAT_VERSION,
     SegmentError,
     SegmentInfo,
+    crc32,
     parse_segment_name,
 )
 
@@ -105,7 +106,7 @@ def _load(path: Path, expect: SegmentInfo | None, fields: tuple[str, ...]) -> tu
             if kind not in kinds:
                 continue
             piece = buf[offset : offset + length] if full else _pread(fh.fileno(), offset, length)
-            if zlib.crc32(memoryview(piece)) != want:
+            if crc32(piece) != want:
                 what = "HDF5 metadata" if kind == HDF5_BYTES else ARRAY_NAMES[kind]
                 raise SegmentError(f"checksum mismatch in {what} at byte {offset} ({length} bytes)")
             if kind != HDF5_BYTES:

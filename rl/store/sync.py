@@ -31,7 +31,7 @@ from pathlib import Path
 from hpcrl.core.files import fsync_path
 from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import SegmentInfo, StoreError, is_fenced
-from hpcrl.rl.store.segment import SegmentFile, start_writeback
+from hpcrl.rl.store.segment import create_segment, start_writeback
 from hpcrl.rl.trajectory import Trajectory
 
 MAX_INFLIGHT = 4  # segments written but not yet durable, at most
@@ -50,30 +50,41 @@ class _Fenced(Exception):
 
 
 class _InFlight:
-    """A segment whose HDF5 structure is in its .tmp file, waiting for fill, fsync and rename
-    on the sync thread."""
+    """A segment handed to the sync thread: its batches (`make`), then its .tmp file and fd."""
 
-    __slots__ = ("shard", "seg", "info", "tmp", "path", "fd", "ids", "parts", "bufs", "future", "settled")
+    __slots__ = ("shard", "make", "info", "tmp", "path", "fd", "ids", "parts", "bufs", "pool", "future", "settled")
 
     def __init__(
         self,
         shard: Path,
-        seg: SegmentFile,
         tmp: Path,
         path: Path,
-        fd: int,
         ids: list[str],
         parts: tuple[list[Columns], list[Trajectory]],
         bufs: EncodeBuffers | None,
+        pool: deque,
     ):
-        self.shard, self.seg, self.tmp, self.path, self.fd = shard, seg, tmp, path, fd
+        self.shard, self.tmp, self.path, self.fd = shard, tmp, path, -1
+        self.make: tuple | None = None  # (batches, attrs, compression) for create_segment
         self.info: SegmentInfo | None = None  # set by the sync thread once filled (it holds the CRC)
         # What the segment was made of (batches, loose trajectories): given back if its sync fails.
         self.ids, self.parts = ids, parts
         self.bufs = bufs  # holds the encoded loose trajectories until the segment is filled
+        self.pool = pool  # where `bufs` goes back then (a deque: its append is thread-safe)
         self.future: Future = Future()  # the sync thread sets it: None, or why the sync failed
         # Set on the sync thread once `future` is: a lock-free done() for append's hot path.
         self.settled = False
+
+    def write(self) -> None:
+        """The whole .tmp file: HDF5 structure, data, checksums, header; writeback started."""
+        seg = create_segment(self.tmp, *self.make)  # removes the file itself if it fails
+        self.make = None  # drops the references to the batches
+        self.fd = os.open(self.tmp, os.O_RDWR)
+        self.info = seg.fill(self.fd)
+        start_writeback(self.fd)
+        if self.bufs is not None:  # its bytes are in the file now: the buffers are free again
+            self.pool.append(self.bufs)
+            self.bufs = None
 
 
 class SyncThread:
@@ -105,11 +116,10 @@ class SyncThread:
         renamed: list[_InFlight] = []
         error: BaseException | None = None
         try:
-            for item in group:  # all of the group's data first: their writeback overlaps
+            for item in group:  # all of the group's files first: their writeback overlaps
                 if self.failed.is_set():
                     raise StoreError("an earlier segment failed to sync")
-                item.info = item.seg.fill(item.fd)
-                start_writeback(item.fd)
+                item.write()
             for item in group:
                 os.fsync(item.fd)
                 os.rename(item.tmp, item.path)

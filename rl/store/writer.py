@@ -15,14 +15,14 @@ A flush writes one immutable HDF5 segment (see `hpcrl.rl.store.layout` for why a
 argument); `FlushResult.ids` are exactly the trajectories that became durable. Nothing in
 `append` is durable until a FlushResult names it.
 
-Pipelining: the part of a flush that needs the GIL (encoding loose trajectories, HDF5's
-metadata for `seg-*.h5.tmp`, see `hpcrl.rl.store.segment`) runs in the caller's thread; the
-rest (the arrays straight from the batches they came in, checksums, fsync, rename, directory
-fsync, the fence check) on the sync thread (`hpcrl.rl.store.sync`), at most `MAX_INFLIGHT`
-segments at a time, made visible strictly in sequence order. A FlushResult (the
-acknowledgement) names only segments whose rename and directory fsync completed, in a shard
-not fenced. `append`/`poll` return what completed since the last call (several segments
-merged into one FlushResult), `flush()`/`close()` wait for all.
+Pipelining: the caller's thread only encodes (loose trajectories into pooled buffers; batches
+from the wire stay as they came) and hands each segment over; the sync thread
+(`hpcrl.rl.store.sync`) writes it (HDF5 structure, the arrays straight from the batches,
+checksums: `hpcrl.rl.store.segment`), fsyncs, renames, fsyncs the directory and checks the
+fence, at most `MAX_INFLIGHT` segments at a time, visible strictly in sequence order. A
+FlushResult (the acknowledgement) names only segments whose rename and directory fsync
+completed, in a shard not fenced. `append`/`poll` return what completed since the last call
+(several segments merged into one FlushResult), `flush()`/`close()` wait for all.
 
 Failures: one before a rename takes the batches back into the buffer (nothing acknowledged,
 nothing lost; StoreError, the next call retries, under new sequence numbers: a number names
@@ -66,7 +66,6 @@ from hpcrl.rl.store.layout import (
     segment_name,
 )
 from hpcrl.rl.store.lease import hold_shard, owner_alive, release_shard, stored_ids, take_over
-from hpcrl.rl.store.segment import create_segment
 from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
 from hpcrl.rl.trajectory import Trajectory
 
@@ -112,7 +111,7 @@ class ShardWriter:
         self._buffered = 0
         # Encode buffers not in use: one is busy from a flush's encode until its segment is
         # filled on the sync thread, so up to MAX_INFLIGHT + 1 exist.
-        self._free_bufs: list[EncodeBuffers] = []
+        self._free_bufs: deque[EncodeBuffers] = deque()  # the sync thread gives them back
         self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
         self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
         self._shard: Path | None = None
@@ -335,29 +334,13 @@ class ShardWriter:
         path = shard / segment_name(seq, int(now * 1e6))
         tmp = path.with_name(path.name + ".tmp")
         parts, bufs = self._segment_parts()
-        try:
-            seg = create_segment(
-                tmp,
-                parts,
-                {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
-                self.cfg.compression,
-            )
-            # Opened here, not on the sync thread: each call there that releases the GIL
-            # must win it back from this thread, which holds it while it encodes.
-            fd = os.open(tmp, os.O_RDWR)
-        except Exception as exc:  # ENOSPC, EIO, or any error HDF5 raises (at close too)
-            tmp.unlink(missing_ok=True)  # create_segment removed it already, unless os.open failed
-            if bufs is not None:
-                self._free_bufs.append(bufs)
-            if is_fenced(shard):  # e.g. its directory was recovered and removed meanwhile
-                self._fenced(shard)
-            raise StoreError(
-                f"flush to {path} failed: {type(exc).__name__}: {exc}; {self._buffered} record(s) kept in "
-                "memory, free space or fix permissions and flush again"
-            ) from exc
+        # The segment file is written on the sync thread, the HDF5 structure included: here the
+        # encoding evicts HDF5's working set from the caches (it cost twice as much here).
+        attrs = {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now}
         self._seq = seq
         ids = [tid for p in parts for tid in p.ids()]
-        item = _InFlight(shard, seg, tmp, path, fd, ids, (self._chunks, self._loose), bufs)
+        item = _InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
+        item.make = (parts, attrs, self.cfg.compression)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
         self._inflight.append(item)
         self._sync.hand_over(item)
@@ -389,7 +372,7 @@ class ShardWriter:
         except Exception as exc:  # never visible: take every unsynced batch back
             self._rebuffer()
             raise StoreError(
-                f"syncing {item.tmp} failed: {exc}; {self._buffered} record(s) kept in memory "
+                f"writing {item.tmp} failed: {type(exc).__name__}: {exc}; {self._buffered} record(s) kept in memory "
                 "(none acknowledged), fix the filesystem and flush again"
             ) from exc
         self._complete(self._inflight.popleft())
@@ -400,7 +383,7 @@ class ShardWriter:
         if item.bufs is not None:
             self._free_bufs.append(item.bufs)
             item.bufs = None
-        item.seg = None  # drops its references to the batches
+        item.make = None  # drops its references to the batches
 
     def _complete(self, item: _InFlight) -> None:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.

@@ -11,10 +11,20 @@ directory fsynced once the file is new (a created file's name is not durable unt
 * raw:   the same columns (same encoder and encode buffers, same bytes) appended with
          ndarray.tofile to one file.
 * jsonl: one json.dumps(trajectory.to_dict()) line per trajectory (what many RL frameworks dump).
+* hdf5 columns / raw columns: the wire path. The trajectories arrive as pre-encoded `Columns`
+         batches cut the way TrajectorySender cuts them (up to 128 or 1 MiB); the writer takes
+         them with ShardWriter.append_columns, raw appends each batch's arrays to one file;
+         both sync once `--flush-every` rows have accumulated.
 
 "payload" is the bytes of the flat arrays and record tables (what raw writes); every rate is
 payload MB/s so the figures compare. Each variant runs `--repeat` times, interleaved, and the
 median is reported. The storage-only lines time pre-encoded columns, isolating the file format.
+
+The ratios depend on the machine: where an fsync is slow (ms), raw waits for each one while the
+writer syncs on a background thread; where it is fast (tmpfs, a fresh VM's cached disk), both are
+CPU-bound and the ratio is the CPU cost of the format. The first line gives the fsync latency of
+`--dir` and the load average, so a figure can be read with them; run it on both kinds of disk
+(e.g. `--dir /dev/shm` for the CPU-bound case).
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
-from hpcrl.rl.store.layout import publish_segment, write_segment_file
+from hpcrl.rl.store.columns import Columns, EncodeBuffers, wire_bytes
 from hpcrl.rl.store.reader import StoreReader
+from hpcrl.rl.store.segment import publish_segment, write_segment
 from hpcrl.rl.store.writer import ShardWriter
 from hpcrl.rl.synth import synth_trajectory
 
@@ -86,12 +96,68 @@ def run_jsonl(trajs, flush_every, root: Path) -> float:
     return time.perf_counter() - t0
 
 
+def wire_batches(trajs, batch_max=128, batch_bytes=1 << 20) -> list[Columns]:
+    """The trajectories as the sender's batches (same cut rule), pre-encoded."""
+    out, batch, size = [], [], 0
+    for t in trajs:
+        n = wire_bytes(t)
+        if batch and (len(batch) >= batch_max or size + n > batch_bytes):
+            out.append(Columns.encode(batch))
+            batch, size = [], 0
+        batch.append(t)
+        size += n
+    return out + ([Columns.encode(batch)] if batch else [])
+
+
+def run_hdf5_columns(wire, flush_every, root: Path) -> float:
+    t0 = time.perf_counter()
+    with ShardWriter(root, "bench", StoreConfig(flush_every=flush_every, flush_interval_s=3600)) as w:
+        for cols in wire:
+            w.append_columns(cols)
+    return time.perf_counter() - t0
+
+
+def run_raw_columns(wire, flush_every, root: Path) -> float:
+    t0 = time.perf_counter()
+    with open(root / "raw.bin", "wb") as fh:
+        rows = synced = 0
+        for cols in wire:
+            for _, arr in cols.arrays():
+                arr.tofile(fh)
+            rows += cols.rows
+            if rows >= flush_every:  # the writer's count rule: sync once flush_every have accumulated
+                fh.flush()
+                os.fsync(fh.fileno())
+                if not synced:
+                    fsync_dir(root)
+                synced, rows = synced + 1, 0
+        fh.flush()
+        os.fsync(fh.fileno())
+    return time.perf_counter() - t0
+
+
+def fsync_latency_ms(root: Path, nbytes: int) -> float:
+    """Median time to fsync a new file of `nbytes` just written in `root` (the write not timed)."""
+    data = os.urandom(nbytes)
+    times = []
+    for i in range(9):
+        path = root / f"fsync-probe-{i}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        os.write(fd, data)
+        t0 = time.perf_counter()
+        os.fsync(fd)
+        times.append(time.perf_counter() - t0)
+        os.close(fd)
+        path.unlink()
+    return statistics.median(times) * 1e3
+
+
 def run_hdf5_storage(cols_list, root: Path) -> float:
     t0 = time.perf_counter()
     for i, cols in enumerate(cols_list):
         path = root / f"seg-{i:06d}-{0:016d}.h5"
         tmp = path.with_name(path.name + ".tmp")
-        write_segment_file(tmp, path.name, cols, {"seq": i + 1})
+        write_segment(tmp, cols, {"seq": i + 1})
         publish_segment(tmp, path)  # what the writer's sync thread does, here synchronously
     return time.perf_counter() - t0
 
@@ -130,13 +196,18 @@ def main() -> int:
     rng = np.random.default_rng(0)
     trajs = [synth_trajectory(rng, "bench", "gen-0", i) for i in range(args.count)]
     cols_list = [Columns.encode(b) for b in batches(trajs, args.flush_every)]
+    wire = wire_batches(trajs)
     payload = sum(c.nbytes for c in cols_list)
     tokens = sum(t.n_tokens for t in trajs)
     base = Path(tempfile.mkdtemp(prefix="hpcrl-bench-store-", dir=args.dir))
     print(
         f"{args.count} trajectories, {tokens / args.count:.0f} tokens and {payload / args.count / 1e3:.1f} kB each, "
         f"{sum(len(t.steps) for t in trajs) / args.count:.1f} steps; flush every {args.flush_every}; "
-        f"payload {payload / 1e6:.1f} MB; dir {base}"
+        f"payload {payload / 1e6:.1f} MB; {len(wire)} wire batches; dir {base}"
+    )
+    print(
+        f"fsync of a new {payload / len(cols_list) / 1e6:.1f} MB file here: "
+        f"{fsync_latency_ms(base, payload // len(cols_list)):.2f} ms; load average {os.getloadavg()[0]:.2f}"
     )
     times: dict[str, list[float]] = {}
     variants = {
@@ -145,6 +216,8 @@ def main() -> int:
         "jsonl": lambda d: run_jsonl(trajs, args.flush_every, d),
         "hdf5 storage-only": lambda d: run_hdf5_storage(cols_list, d),
         "raw storage-only": lambda d: run_raw_storage(cols_list, d),
+        "hdf5 columns": lambda d: run_hdf5_columns(wire, args.flush_every, d),
+        "raw columns": lambda d: run_raw_columns(wire, args.flush_every, d),
     }
     read_times = []
     sizes = {}
@@ -158,10 +231,11 @@ def main() -> int:
                 os.sync()
                 times.setdefault(name, []).append(fn(d))
                 sizes[name] = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-                if name == "hdf5":
+                if name in ("hdf5", "hdf5 columns"):
                     dt, n = run_reader(d)
                     assert n == args.count, f"reader returned {n} of {args.count}"
-                    read_times.append(dt)
+                    if name == "hdf5":
+                        read_times.append(dt)
                 shutil.rmtree(d)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -179,6 +253,10 @@ def main() -> int:
     )
     print(f"ratio hdf5/jsonl             {med['jsonl'] / med['hdf5']:.2f}   (target >= 5)")
     print(f"ratio storage-only hdf5/raw  {med['raw storage-only'] / med['hdf5 storage-only']:.2f}")
+    print(
+        f"ratio columns hdf5/raw       {med['raw columns'] / med['hdf5 columns']:.2f}   (best-of-{args.repeat}: "
+        f"{best['raw columns'] / best['hdf5 columns']:.2f})"
+    )
     print(f"ratio reader/hdf5 writer     {med['hdf5'] / rd:.2f}")
     return 0
 

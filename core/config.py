@@ -302,6 +302,9 @@ class StoreConfig:
     shard_max_rows: int = spec(
         65536, help="finalize a shard (write its manifest) and start a new one after this many trajectories", ge=1
     )
+    lease_s: float = spec(
+        30.0, help="a writer whose shard heartbeat is older than this is presumed dead: a new one fences it", gt=0
+    )
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def test_verify_ok_then_damaged(store, capsys):
     state = list_shards(store / "trajectories")[0]
     seg = state.path / state.segment_names[1]
     with h5py.File(seg, "r") as f:
-        offset = f["logprobs"].id.get_chunk_info(0).byte_offset
+        offset = f["logprobs"].id.get_offset()
     with open(seg, "r+b") as fh:
         fh.seek(offset + 3)
         fh.write(b"\x7f")

@@ -24,11 +24,12 @@ from hpcrl.rl.store.layout import (
     SegmentError,
     StoreError,
     list_shards,
+    load_segment,
     new_shard_dir,
     publish_segment,
     read_segment,
     segment_meta,
-    write_segment_file,
+    write_segment,
 )
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
@@ -125,37 +126,46 @@ def test_finalized_shard_matches_manifest_and_layout_is_flat_and_chunked(tmp_pat
     raw = json.loads((state.path / MANIFEST_NAME).read_text())
     assert raw["rows"] == 9 and raw["crc32"] == m.crc32 and raw["bytes"] == sum(s.bytes for s in m.segments)
     for info in m.segments:
-        assert read_segment(state.path / info.name, info).crc32() == info.crc32
+        found = load_segment(state.path / info.name, info)[1]  # as recovery lists it
+        assert (found.rows, found.crc32, found.bytes) == (info.rows, info.crc32, info.bytes)
         with h5py.File(state.path / info.name, "r") as f:
             # Five flat datasets however many trajectories: no dataset per trajectory.
             assert sorted(f) == ["logprobs", "loss_mask", "steps", "tokens", "traj"]
-            assert all(f[n].chunks is not None for n in f)
-            assert f["tokens"].maxshape == f["tokens"].shape  # immutable: a fixed extent
-            assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["crc32"] == info.crc32
+            # Immutable and uncompressed: contiguous storage of a fixed extent, no chunk index.
+            assert all(f[n].chunks is None and f[n].maxshape == f[n].shape for n in f)
+            assert segment_meta(f)["rows"] == info.rows and segment_meta(f)["format_version"] == 2
+            assert f.userblock_size == 512  # the segment header, with the checksums
 
 
-def write_and_publish(path, cols, attrs):
+def write_and_publish(path, cols, attrs, compression="none"):
     tmp = path.with_name(path.name + ".tmp")
-    write_segment_file(tmp, path.name, cols, attrs)
+    info = write_segment(tmp, cols, attrs, compression)
     publish_segment(tmp, path)
+    return info
 
 
-def test_segments_of_several_chunks_and_empty_datasets_round_trip(tmp_path, monkeypatch):
-    """Chunks written directly: a padded last chunk and zero-length datasets read back exact."""
-    import hpcrl.rl.store.layout as shards_mod
+def test_segments_of_several_batches_chunks_and_empty_datasets_round_trip(tmp_path, monkeypatch):
+    """A segment made of several batches (written piece by piece), compressed chunks with a
+    short last one, and zero-length datasets all read back exact."""
+    import hpcrl.rl.store.segment as segment_mod
 
-    monkeypatch.setattr(shards_mod, "CHUNK_BYTES", 1000)  # tokens of 20 trajectories: many chunks
     trajs = make(20)
+    parts = [Columns.encode(trajs[:7]), Columns.encode(trajs[7:8]), Columns.encode(trajs[8:])]
     path = tmp_path / "seg-000001-0000000000000000.h5"
-    cols = Columns.encode(trajs)
-    write_and_publish(path, cols, {"seq": 1})
+    info = write_and_publish(path, parts, {"seq": 1})
+    back = read_segment(path, info)
+    assert [back.trajectory(i) for i in range(back.rows)] == trajs
+    assert info.rows == 20 and info.bytes == path.stat().st_size
+    monkeypatch.setattr(segment_mod, "CHUNK_BYTES", 1000)  # tokens of 20 trajectories: many chunks
+    path = tmp_path / "seg-000002-0000000000000000.h5"
+    write_and_publish(path, parts, {"seq": 2}, "lzf")
     back = read_segment(path)
     assert [back.trajectory(i) for i in range(back.rows)] == trajs
     with h5py.File(path, "r") as f:
         assert f["tokens"].id.get_num_chunks() > 2 and len(f["tokens"]) % f["tokens"].chunks[0] != 0
     empty = Columns.encode([], EncodeBuffers())
-    write_and_publish(tmp_path / "seg-000002-0000000000000000.h5", empty, {"seq": 2})
-    assert read_segment(tmp_path / "seg-000002-0000000000000000.h5").rows == 0
+    write_and_publish(tmp_path / "seg-000003-0000000000000000.h5", empty, {"seq": 3})
+    assert read_segment(tmp_path / "seg-000003-0000000000000000.h5").rows == 0
 
 
 def test_encode_buffers_give_the_same_columns_and_are_reused():
@@ -172,7 +182,7 @@ def test_encode_buffers_give_the_same_columns_and_are_reused():
 
 
 def test_start_writeback_is_advisory(tmp_path):
-    from hpcrl.rl.store.writer import start_writeback
+    from hpcrl.rl.store.segment import start_writeback
 
     (tmp_path / "f").write_bytes(b"x" * 10_000)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
@@ -273,7 +283,33 @@ def test_dedup_across_restart(tmp_path):
     assert len(stored(tmp_path)) == 5
 
 
-def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path):
+def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path, monkeypatch):
+    import hpcrl.rl.store.sync as sync_mod
+
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=100))
+    trajs = make(3)
+    for t in trajs:
+        w.append(t)
+    real = sync_mod.create_segment
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "injected: permission denied")
+
+    monkeypatch.setattr(sync_mod, "create_segment", refused)
+    with pytest.raises(StoreError, match="3 record\\(s\\) kept in memory"):
+        w.flush()
+    assert w.buffered == 3 and w.total_rows == 0
+    monkeypatch.setattr(sync_mod, "create_segment", real)
+    assert w.flush().ids == tuple(t.id for t in trajs)
+    w.close()
+    assert stored(tmp_path) == trajs
+
+
+def test_a_shard_directory_gone_under_the_writer_stops_it(tmp_path):
+    """Recovery removes an empty shard it fenced: a writer whose shard directory is gone lost it
+    (or someone deleted it) and stops rather than retry forever; a new writer takes over."""
+    from hpcrl.rl.store.writer import WriterStopped
+
     w = ShardWriter(tmp_path, "w0", cfg(flush_every=100))
     trajs = make(3)
     for t in trajs:
@@ -281,42 +317,14 @@ def test_failed_flush_keeps_records_and_acknowledges_nothing(tmp_path):
     shard = w._shard
     for p in shard.iterdir():
         p.unlink()
-    shard.rmdir()  # the filesystem loses the directory under the writer
-    with pytest.raises(StoreError, match="3 record\\(s\\) kept in memory"):
+    shard.rmdir()
+    with pytest.raises(WriterStopped, match="fenced"):
         w.flush()
-    assert w.buffered == 3 and w.total_rows == 0
-    shard.mkdir()
-    assert w.flush().ids == tuple(t.id for t in trajs)
-    w.close()
+    assert w.total_rows == 0
+    with ShardWriter(tmp_path, "w0", cfg()) as w2:  # its senders resend to the new writer
+        for t in trajs:
+            w2.append(t)
     assert stored(tmp_path) == trajs
-
-
-def test_failed_sync_takes_batches_back_and_acknowledges_nothing(tmp_path):
-    """The fsync/rename step fails on the sync thread while later segments wait behind it."""
-    import threading
-
-    w = ShardWriter(tmp_path, "w0", cfg(flush_every=2))
-    trajs = make(6)
-    gate = threading.Event()
-    w._sync.submit(gate.wait)  # hold the sync thread so two segments queue behind it
-    results = [w.append(t) for t in trajs[:4]]
-    assert results == [None] * 4 and w.buffered == 0
-    tmps = sorted(w._shard.glob("*.tmp"))
-    assert len(tmps) == 2
-    tmps[0].unlink()  # the first queued segment's file vanishes: its fsync fails
-    gate.set()
-    with pytest.raises(StoreError, match="4 record\\(s\\) kept in memory \\(none acknowledged\\)"):
-        w.flush()
-    assert w.buffered == 4 and w.total_rows == 0
-    assert not list(w._shard.glob("seg-*"))  # the second segment was not renamed after the failure
-    for t in trajs[4:]:
-        w.append(t)
-    assert w.flush().ids == tuple(t.id for t in trajs)
-    w.close()
-    assert stored(tmp_path) == trajs
-    [state] = list_shards(tmp_path)
-    # The failed sequence numbers never became visible, so they were reused: no gaps.
-    assert [(s.name.split("-")[1], s.rows) for s in state.manifest.segments] == [("000001", 5), ("000002", 1)]
 
 
 def test_recovery_keeps_flushed_segments_and_quarantines_damage(tmp_path):
@@ -345,12 +353,12 @@ def test_recovery_keeps_flushed_segments_and_quarantines_damage(tmp_path):
     assert report.rows == 4 and report.segments == 2
     reasons = {q["name"]: q["reason"] for q in report.quarantined}
     assert "never acknowledged" in reasons["seg-000004-0000000000000000.h5.tmp"]
-    assert "cannot read" in reasons[state.segment_names[1]]
+    assert "truncated" in reasons[state.segment_names[1]]
     w.close()
     recovered = next(s for s in list_shards(tmp_path) if s.name == state.name)
     assert recovered.manifest.status == "recovered" and recovered.manifest.rows == 4
     qdir = tmp_path / QUARANTINE_DIR / state.name
-    assert (qdir / f"{state.segment_names[1]}.reason.txt").read_text().startswith("cannot read")
+    assert (qdir / f"{state.segment_names[1]}.reason.txt").read_text().startswith("truncated")
     assert [t.episode for t in stored(tmp_path)] == [0, 1, 4, 5]
 
 
@@ -373,7 +381,7 @@ def test_orphan_of_another_dead_process_is_recovered_not_reused(tmp_path):
 
 def _flip_token_byte(path: Path) -> None:
     with h5py.File(path, "r") as f:
-        offset = f["tokens"].id.get_chunk_info(0).byte_offset
+        offset = f["tokens"].id.get_offset()
     with open(path, "r+b") as fh:
         fh.seek(offset + 5)
         b = fh.read(1)
@@ -397,7 +405,7 @@ def test_read_segment_detects_bit_flips_truncation_and_manifest_mismatch(tmp_pat
         read_segment(a, info_a)
     with open(b, "r+b") as fh:
         fh.truncate(b.stat().st_size // 2)
-    with pytest.raises(SegmentError, match="cannot read"):
+    with pytest.raises(SegmentError, match="truncated"):
         read_segment(b, info_b)
 
 
@@ -470,7 +478,7 @@ def test_reader_rejects_damaged_segments_and_goes_on(tmp_path, caplog):
         got = list(reader)
     assert [t.id for t in got] == [t.id for t in trajs[8:]]
     reasons = [r for _, r in reader.rejected]
-    assert "checksum mismatch" in reasons[0] and "cannot read" in reasons[1]
+    assert "checksum mismatch in tokens" in reasons[0] and "truncated" in reasons[1]
     assert sum("rejected segment" in r.message for r in caplog.records) == 2
 
 

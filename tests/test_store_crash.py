@@ -1,16 +1,28 @@
-"""Crash consistency of the shard writer under SIGKILL (issue 3, deliverable 3).
+"""Crash consistency of the shard writer under SIGKILL (issue 3, deliverable 3; issue 16).
 
-A writer (`hpcrl traj synth`, the real CLI code path) is killed with SIGKILL at random
-moments, again and again, in the same store directory with the same writer name, so each
-new writer first recovers the shard its predecessor left open. At the end:
+A writer (`hpcrl traj synth`, the real CLI code path) is killed with SIGKILL again and again,
+in the same store directory with the same writer name, so each new writer first recovers the
+shard its predecessor left open. At the end:
 
 * every trajectory the killed writers printed as acknowledged (`acked <total>`) is stored;
 * no trajectory is stored twice;
 * every shard is finalized and matches its manifest, and every segment verifies;
 * quarantine holds only never-acknowledged `.tmp` segments (no visible segment was damaged).
 
-The loop forks writers from a pre-warmed forkserver so a kill lands within ~0.01-0.25 s of
-the start: during recovery, appends, segment writes, fsyncs, renames and shard rotation.
+No kill depends on how fast the machine is: each one lands at a random point *after a
+condition* the writer reports, never after a fixed delay from its start.
+
+* acked:    the writer printed an acknowledged total >= a random target (1..40; shards rotate
+            every 24 rows), then a random 0-10 ms more: anywhere in appends, HDF5 writes, syncs;
+* startup:  the writer printed "started", then a random 0-20 ms: imports, recovery, first flush;
+* recovery, rotation, flush: the writer stops itself (SIGSTOP) right before its n-th
+            filesystem step (fsync, rename, replace, unlink, rmdir, mkdir, link) inside
+            recovering its predecessor's shards, inside a shard rotation, or right before
+            renaming its n-th segment into place, and is killed there. These steps are the only
+            moments the on-disk state changes, so stopping before a random one of them is a
+            kill at a random point of that phase, and the phase is hit whatever the speed.
+
+Every wait has a generous deadline that fails with what the writer printed.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,11 +44,69 @@ from hpcrl.rl.store.layout import QUARANTINE_DIR, list_shards, read_segment
 
 WRITER = "drill"
 EPISODES_PER_RUN = 1_000_000  # run k writes episodes k*1e6 .. : ids never collide across runs
+SHARD_MAX_ROWS = 24
+DEADLINE_S = 120.0  # per wait: generous, only a hung writer should ever reach it
+FS_STEPS = ("fsync", "rename", "replace", "unlink", "rmdir", "mkdir", "link")
+# Kinds of kill and how often each is drawn (see the module docstring).
+KINDS = {"acked": 35, "startup": 10, "recovery": 20, "rotation": 15, "flush": 20}
 
 
-def _synth(store: str, log_path: str, first: int, flush_every: int, count: int) -> None:
+def _arm(kind: str, n: int) -> None:
+    """In the child: stop this process right before its n-th filesystem step of `kind`.
+
+    "recovery" counts steps inside ShardWriter._recover_previous and "rotation" inside
+    ShardWriter._rotate (if the phase ends with fewer steps, the stop is at its end);
+    "flush" counts renames of `seg-*.h5.tmp` files.
+    """
+    from hpcrl.rl.store.writer import ShardWriter
+
+    phase = ["run"]
+    counts: Counter[str] = Counter()
+    stopped = [False]
+
+    def stop(where: str) -> None:
+        stopped[0] = True
+        print(f"stop {kind} {where}", flush=True)
+        # Sent to this thread, not the process: another thread could take a process-directed
+        # SIGSTOP and this one run its next system call (the step itself) before it stops.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # the parent kills us meanwhile
+
+    def in_phase(name: str, fn):
+        def wrapped(*args, **kwargs):
+            prev, phase[0] = phase[0], name
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                phase[0] = prev
+            if name == kind and not stopped[0]:
+                stop(f"end of {name}")
+            return result
+
+        return wrapped
+
+    ShardWriter._recover_previous = in_phase("recovery", ShardWriter._recover_previous)
+    ShardWriter._rotate = in_phase("rotation", ShardWriter._rotate)
+
+    def step(op: str, real):
+        def wrapped(*args, **kwargs):
+            key = "flush" if op == "rename" and str(args[0]).endswith(".h5.tmp") else phase[0]
+            counts[key] += 1
+            if key == kind and counts[key] == n and not stopped[0]:
+                stop(f"before {op} {os.path.basename(str(args[0])) if args else ''}")
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    for op in FS_STEPS:
+        setattr(os, op, step(op, getattr(os, op)))
+
+
+def _synth(store: str, log_path: str, first: int, flush_every: int, count: int, arm=None) -> None:
     """Child body: the CLI's synth verb, stdout to a file (written before each print returns)."""
     sys.stdout = open(log_path, "w", buffering=1)
+    print("started", flush=True)
+    if arm:
+        _arm(*arm)
     from hpcrl.jobs.cli import main
 
     code = main(
@@ -55,7 +126,7 @@ def _synth(store: str, log_path: str, first: int, flush_every: int, count: int) 
             "--flush-interval",
             "0.01",
             "--shard-max-rows",
-            "40",
+            str(SHARD_MAX_ROWS),
         ]
     )
     sys.stdout.flush()
@@ -72,77 +143,144 @@ def _acked(log_path: Path) -> int:
     return total
 
 
-def _check_store(store: Path, acked: dict[int, int]) -> dict:
-    """Assert the four properties; return some counts for the report."""
+def _wait_for(p, log_path: Path, what: str, done) -> str:
+    """Poll the child's log until `done(text)`; fail clearly if it dies or the deadline passes."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        text = log_path.read_text() if log_path.exists() else ""
+        if done(text):
+            return text
+        if not p.is_alive():
+            pytest.fail(f"writer exited ({p.exitcode}) before {what}; it printed:\n{text[-2000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"writer did not reach {what} within {DEADLINE_S:.0f} s; it printed:\n{text[-2000:]}")
+        time.sleep(0.002)
+
+
+def _last_acked(text: str) -> int:
+    lines = [ln for ln in text.splitlines() if ln.startswith("acked ")]
+    return int(lines[-1].split()[1]) if lines else 0
+
+
+def _survey(store: Path, acked: dict[int, int]) -> dict:
+    """What the store holds against what was acknowledged: counts, and the problems found."""
     ids: Counter[str] = Counter()
+    problems = []
     for state in list_shards(store):
-        assert state.finalized, f"shard {state.name} left unfinalized"
+        if not state.finalized:
+            problems.append(f"shard {state.name} left unfinalized")
+            continue
         listed = [s.name for s in state.manifest.segments]
-        assert listed == state.segment_names, f"{state.name}: files {state.segment_names} != manifest {listed}"
+        if listed != state.segment_names:
+            problems.append(f"{state.name}: files {state.segment_names} != manifest {listed}")
         seqs = [int(n.split("-")[1]) for n in listed]
-        assert seqs == list(range(1, len(seqs) + 1)), f"{state.name}: segments not visible in order: {seqs}"
+        if seqs != list(range(1, len(seqs) + 1)):
+            problems.append(f"{state.name}: segments not visible in order: {seqs}")
         for info in state.manifest.segments:
             cols = read_segment(state.path / info.name, info)  # checksum + manifest + offsets
             ids.update(cols.ids())
     dupes = [i for i, c in ids.items() if c > 1]
-    assert not dupes, f"{len(dupes)} trajectories stored twice, e.g. {dupes[:3]}"
+    if dupes:
+        problems.append(f"{len(dupes)} trajectories stored twice, e.g. {dupes[:3]}")
     lost = [
         f"synth/{WRITER}/{first + j}"
         for first, n in acked.items()
         for j in range(n)
         if f"synth/{WRITER}/{first + j}" not in ids
     ]
-    assert not lost, f"{len(lost)} acknowledged trajectories lost, e.g. {lost[:3]}"
+    if lost:
+        problems.append(f"{len(lost)} acknowledged trajectories lost, e.g. {lost[:3]}")
     qdir = store / QUARANTINE_DIR
     quarantined = (
         [p for p in qdir.rglob("*") if p.is_file() and not p.name.endswith(".reason.txt")] if qdir.exists() else []
     )
     bad = [p for p in quarantined if not p.name.endswith(".h5.tmp")]
-    assert not bad, f"complete segments were quarantined (damage): {bad[:3]}"
-    return {"stored": len(ids), "acked": sum(acked.values()), "tmp_quarantined": len(quarantined)}
+    if bad:
+        problems.append(f"complete segments were quarantined (damage): {bad[:3]}")
+    return {
+        "stored": len(ids),
+        "acked": sum(acked.values()),
+        "lost": len(lost),
+        "duplicated": len(dupes),
+        "tmp_quarantined": len(quarantined),
+        "problems": problems,
+    }
+
+
+def _check_store(store: Path, acked: dict[int, int]) -> dict:
+    """Assert the four properties; return some counts for the report."""
+    report = _survey(store, acked)
+    assert not report["problems"], "\n".join(report["problems"])
+    return report
 
 
 @pytest.mark.slow
 def test_sigkill_loop_loses_nothing_acknowledged(tmp_path):
     store = tmp_path / "store"
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.synth", "h5py", "numpy"])
+    # pytest too: the child unpickles its target from this module, which imports pytest.
+    ctx.set_forkserver_preload(
+        ["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.synth", "h5py", "numpy", "pytest"]
+    )
     rng = random.Random(1234)
     acked: dict[int, int] = {}
-    kills = 0
+    kinds: Counter[str] = Counter()
     tmp_seen: set[tuple[str, str]] = set()  # distinct half-written segments found after a kill
-    iterations = 210
+    iterations = 200
+    t0 = time.monotonic()
     for k in range(iterations):
         log_path = tmp_path / f"run-{k}.log"
         first = k * EPISODES_PER_RUN
-        p = ctx.Process(target=_synth, args=(str(store), str(log_path), first, rng.randint(1, 8), 10**6))
+        # The first writer has no predecessor to recover.
+        kind = "acked" if k == 0 else rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        arm = None
+        if kind == "recovery":
+            arm = (kind, rng.randint(1, 6))
+        elif kind == "rotation":
+            arm = (kind, rng.randint(1, 10))
+        elif kind == "flush":
+            arm = (kind, rng.randint(1, 12))
+        p = ctx.Process(target=_synth, args=(str(store), str(log_path), first, rng.randint(1, 8), 10**6, arm))
         p.start()
-        time.sleep(rng.uniform(0.0, 0.25))
+        if kind == "acked":
+            target = rng.randint(1, 40)
+            _wait_for(p, log_path, f"acked >= {target}", lambda text, t=target: _last_acked(text) >= t)
+            time.sleep(rng.uniform(0.0, 0.01))
+        elif kind == "startup":
+            _wait_for(p, log_path, "start-up", lambda text: "started" in text)
+            time.sleep(rng.uniform(0.0, 0.02))
+        else:
+            _wait_for(p, log_path, f"its {kind} stop", lambda text: "\nstop " in text)
         os.kill(p.pid, signal.SIGKILL)
         p.join()
         assert p.exitcode == -signal.SIGKILL, f"run {k} ended by itself (exit {p.exitcode}) before the kill"
-        kills += 1
-        acked[first] = _acked(log_path) if log_path.exists() else 0
+        kinds[kind] += 1
+        acked[first] = _acked(log_path)
         tmp_seen.update((s.name, n) for s in list_shards(store) for n in s.tmp_files if n.startswith("seg-"))
     # A last writer that runs to completion recovers the final crashed shard.
     final = iterations * EPISODES_PER_RUN
     p = ctx.Process(target=_synth, args=(str(store), str(tmp_path / "final.log"), final, 4, 50))
     p.start()
-    p.join(60)
+    p.join(DEADLINE_S)
     assert p.exitcode == 0
     acked[final] = _acked(tmp_path / "final.log")
     assert acked[final] == 50
     mid_flush = len(tmp_seen)
-    report = _check_store(store, acked)
+    report = _survey(store, acked)
+    load = os.getloadavg()[0]
     print(
-        f"\n{kills} SIGKILLs: {report['acked']} acknowledged, {report['stored']} stored "
-        f"({report['stored'] - report['acked']} durable but killed before the ack), {mid_flush} kills landed "
-        f"inside a segment write, {report['tmp_quarantined']} .tmp quarantined"
+        f"\nstore drill: {iterations} kills ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+        f"{report['acked']} acknowledged, {report['stored']} stored, {report['lost']} lost, "
+        f"{report['duplicated']} duplicated; {report['stored'] - report['acked']} durable but killed before "
+        f"the ack, {mid_flush} kills inside a segment write, {report['tmp_quarantined']} .tmp quarantined; "
+        f"{time.monotonic() - t0:.0f} s, load {load:.1f}"
     )
-    assert kills >= 200
-    assert report["acked"] > 1000, "the writers barely ran: kills land too early to test anything"
-    # Kills must land inside flushes too, not only between them.
-    assert mid_flush >= 5, f"only {mid_flush} kills landed inside a segment write"
+    assert not report["problems"], "\n".join(report["problems"])
+    # Guaranteed by construction, whatever the speed: each "acked" kill waited for >= 1 ack,
+    # each "flush" kill left a complete unrenamed segment, the phases were each stopped in.
+    assert report["acked"] >= kinds["acked"]
+    assert mid_flush >= kinds["flush"] >= 20, f"only {mid_flush} kills landed inside a segment write"
+    assert kinds["recovery"] >= 20 and kinds["rotation"] >= 15, kinds
 
 
 def test_sigkill_real_cli_then_resume(tmp_path):

@@ -409,11 +409,12 @@ class Columns:
             t, steps, tokens, self.logprobs[act], self.loss_mask[act], self.truncation_names, self.sandbox_names
         )
 
-    @classmethod
-    def concat(cls, parts: Sequence[Columns], buffers: EncodeBuffers | None = None) -> Columns:
-        """Several canonical Columns as one, in order (one shared string width per field)."""
-        if len(parts) == 1 and buffers is None:
-            return parts[0]
+    @staticmethod
+    def tables(parts: Sequence[Columns]) -> tuple[np.ndarray, np.ndarray]:
+        """The record tables (traj, steps) of `parts` concatenated, offsets re-based as if their
+        flat arrays were concatenated too: a segment writes those piece by piece, uncopied."""
+        if len(parts) == 1:
+            return parts[0].traj, parts[0].steps
         widths = [max((p.traj.dtype[n].itemsize for p in parts), default=1) for n in _STRING_FIELDS]
         traj = np.empty(sum(p.rows for p in parts), traj_dtype(widths))
         steps = np.concatenate([p.steps for p in parts]) if parts else np.empty(0, STEP_DTYPE)
@@ -426,6 +427,16 @@ class Columns:
             steps["token_start"][k : k + m] += tok
             steps["action_start"][k : k + m] += act
             row, k, tok, act = row + n, k + m, tok + len(p.tokens), act + len(p.logprobs)
+        return traj, steps
+
+    @classmethod
+    def concat(cls, parts: Sequence[Columns], buffers: EncodeBuffers | None = None) -> Columns:
+        """Several canonical Columns as one, in order (one shared string width per field)."""
+        if len(parts) == 1 and buffers is None:
+            return parts[0]
+        traj, steps = cls.tables(parts)
+        if len(parts) == 1:  # the tables are the part's own: copy them, as for several parts
+            traj, steps = traj.copy(), steps.copy()
 
         def cat(name: str, dt) -> np.ndarray:
             arrays = [getattr(p, name) for p in parts]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rl.store.columns import Columns, ColumnsError
+from hpcrl.rl.store.columns import Columns
 from hpcrl.rl.store.layout import SegmentError, SegmentInfo, ShardState, list_shards, parse_segment_name, read_segment
 from hpcrl.rl.trajectory import Trajectory
 
@@ -174,8 +174,8 @@ class StoreReader:
             shard.row += 1
             try:
                 return cols.trajectory(row, trusted=True)  # checksummed
-            except ColumnsError as exc:
-                self._reject(name, seq, f"seq {seq}", f"row {row} undecodable: {exc}")
+            except Exception as exc:  # whatever it is, a learner must not crash on it in a loop
+                self._reject(name, seq, f"seq {seq}", f"row {row} undecodable: {type(exc).__name__}: {exc}")
                 shard.seq, shard.row, self._current = seq + 1, 0, None
 
     def next_batch(self, size: int, timeout_s: float = 0.0) -> Batch:

@@ -24,6 +24,9 @@ Guarantees:
   endpoint file shows a new instance (writer restarted), and any one that waited
   `resend_after_s` (lost in a dead connection). Resends are harmless: the writer drops an id
   it has stored or buffered (its dedup index is rebuilt from disk on restart).
+* A writer that stopped for good (WriterStopped: it lost its shard to a newer writer, or cannot
+  prove what is durable) ends `serve()` with that exception: the service exits, its senders
+  resend to the writer that replaces it.
 * A trajectory the writer cannot accept (fails validation) is answered with "reject" and the
   reason; the sender logs it and stops resending it (`rejected`). A batch whose framing is
   broken is rejected whole, by the ids it names: resending it could only fail again.
@@ -44,6 +47,7 @@ import zmq
 from hpcrl.core.rpc import Router
 from hpcrl.core.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
 from hpcrl.rl.store.columns import Columns, ColumnsError, wire_bytes
+from hpcrl.rl.store.layout import WriterStopped
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["TrajectorySender", "TrajectoryReceiver", "TrajectorySink"]
@@ -283,6 +287,8 @@ class TrajectoryReceiver:
     def _store(self, fn, *args):
         try:
             return fn(*args)
+        except WriterStopped:
+            raise  # for good: the service must end, its successor recovers the shard
         except Exception as exc:  # e.g. disk full: nothing is acked, senders resend
             log.error("%s: storing failed, nothing acknowledged, will retry: %s", self.endpoint.service, exc)
             return None

@@ -15,102 +15,63 @@ A flush writes one immutable HDF5 segment (see `hpcrl.rl.store.layout` for why a
 argument); `FlushResult.ids` are exactly the trajectories that became durable. Nothing in
 `append` is durable until a FlushResult names it.
 
-Pipelining: the CPU part of a flush (encoding, checksum, HDF5 writes into `seg-*.h5.tmp`) runs
-in the caller's thread; the I/O part (fsync the file, rename, fsync the directory) runs on a
-background thread, so the next batch is encoded while the previous one syncs (the caller's
-thread starts each segment's writeback as soon as it is written: `start_writeback`). At most
-`MAX_INFLIGHT` segments wait for their sync; the sync thread takes all that wait as one group
-(fsync + rename each in sequence order, then one directory fsync for the group), so segments
-become visible strictly in sequence order, and a FlushResult (the acknowledgement) is only
-returned for segments whose rename and directory fsync completed. If a sync fails, no later
-segment is renamed; their records go back into the buffer (nothing acknowledged, nothing
-lost) and the next call raises StoreError. `append`/`poll` therefore return the segments that
-completed since the last call (possibly several, merged into one FlushResult);
-`flush()`/`close()` wait for all.
+Pipelining: the caller's thread only encodes (loose trajectories into pooled buffers; batches
+from the wire stay as they came) and hands each segment over; the sync thread
+(`hpcrl.rl.store.sync`) writes it (HDF5 structure, the arrays straight from the batches,
+checksums: `hpcrl.rl.store.segment`), fsyncs, renames, fsyncs the directory and checks the
+fence, at most `MAX_INFLIGHT` segments at a time, visible strictly in sequence order. A
+FlushResult (the acknowledgement) names only segments whose rename and directory fsync
+completed, in a shard not fenced. `append`/`poll` return what completed since the last call
+(several segments merged into one FlushResult), `flush()`/`close()` wait for all.
 
-On start the writer finalizes the shards that an earlier, dead process with the same writer
-name left open (`recover_shard`), and loads the ids already stored under that name, so a
-sender that resends after a crash cannot create duplicates: `append` drops a trajectory whose
-id is stored or buffered (`duplicates` counts them). Two live writers must not share a name;
-on the same host this is detected from the pid in the shard name, across hosts from the
-OWNER.json heartbeat (mtime, refreshed at each flush and at least every lease/3 seconds).
+Failures: one before a rename takes the batches back into the buffer (nothing acknowledged,
+nothing lost; StoreError, the next call retries, under new sequence numbers: a number names
+at most one file, ever). A full disk or an HDF5 error never leaves a .tmp behind or the
+writer without a shard; a manifest that cannot be written is retried. A visible segment not
+proven durable (the directory fsync failed) or a fenced shard stops the writer for good
+(WriterStopped on every call): it hands its shard over, a new writer recovers it.
+
+On start the writer recovers the shards that an earlier, dead process with the same writer
+name left open (`recover_shard`: fence, verify, finalize), and loads the ids already stored
+under that name, so a sender that resends after a crash cannot create duplicates: `append`
+drops a trajectory whose id is stored or buffered (`duplicates` counts them). Two live
+writers must not share a name: on the same host the pid in the shard name tells, across
+hosts the OWNER.json heartbeat (refreshed at each flush and at least every lease/3 seconds;
+`store.lease_s`); one silent past its lease is fenced (`hpcrl.rl.store.layout`).
 """
 
 from __future__ import annotations
 
-import calendar
-import ctypes
+import contextlib
 import logging
 import os
 import socket
-import sys
-import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from hpcrl.core.config import StoreConfig
-from hpcrl.core.files import atomic_write_json, fsync_path
+from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import (
     OWNER_NAME,
     WRITER_NAME_RE,
-    SegmentError,
     SegmentInfo,
-    ShardState,
     StoreError,
+    WriterStopped,
     finalize_shard,
-    list_shards,
+    is_fenced,
     new_shard_dir,
-    parse_segment_name,
-    read_segment,
-    recover_shard,
     segment_name,
-    short_host,
-    write_segment_file,
 )
+from hpcrl.rl.store.lease import hold_shard, owner_alive, release_shard, stored_ids, take_over
+from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
 from hpcrl.rl.trajectory import Trajectory
 
-__all__ = ["ShardWriter", "FlushResult", "owner_alive"]
+__all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 
 log = logging.getLogger("hpcrl.store")
-
-
-MAX_INFLIGHT = 4
-
-
-def _sync_file_range():
-    """libc's sync_file_range (Linux), or None: os does not expose it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint), ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the dirty pages, do not wait
-
-
-def start_writeback(fd: int) -> None:
-    """Start writing a file's dirty pages to disk now, without waiting (advisory: never fails).
-
-    The sync thread fsyncs segments one after another; a segment written while the previous
-    one syncs would otherwise sit in the page cache until its own fsync starts the I/O. Kicked
-    off at once, its data reaches the disk meanwhile and its fsync is mostly the journal
-    commit (~0.8 ms instead of ~1.0 here, and a shorter tail); with another job on one of two
-    cores, the writer then waited ~2 ms per 24 flushes for syncs instead of 7-13 ms. Unlike
-    posix_fadvise(DONTNEED) it keeps the pages cached for readers.
-    """
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -127,57 +88,6 @@ class FlushResult:
         return len(self.ids)
 
 
-def owner_alive(state: ShardState, lease_s: float) -> str | None:
-    """Why the shard's writer may still be alive (None: it is dead, the shard may be recovered)."""
-    try:
-        _, stamp, host, pid, _ = state.name.split(".")
-        started = calendar.timegm(time.strptime(stamp.split("u")[0], "%Y%m%dT%H%M%S"))
-        pid = int(pid)
-    except ValueError:
-        return None  # not a name this code makes: no owner to protect
-    if host == short_host():
-        try:
-            proc = psutil.Process(pid)
-            # A pid reused by a process started after the shard cannot be its writer.
-            if proc.create_time() <= started + 1 and proc.status() != psutil.STATUS_ZOMBIE:
-                return f"pid {pid} on this host is still running"
-        except psutil.Error:
-            pass
-        return None
-    owner = state.path / OWNER_NAME
-    try:
-        beat = (owner if owner.exists() else state.path).stat().st_mtime
-    except OSError:
-        return None
-    age = time.time() - beat
-    if age < lease_s:
-        return f"host {host} sent a heartbeat {age:.0f} s ago (lease {lease_s:.0f} s)"
-    return None
-
-
-class _InFlight:
-    """A segment written to its .tmp file, waiting for fsync + rename on the sync thread."""
-
-    __slots__ = ("shard", "info", "tmp", "path", "fd", "ids", "parts", "future", "settled")
-
-    def __init__(
-        self,
-        shard: Path,
-        info: SegmentInfo,
-        tmp: Path,
-        path: Path,
-        fd: int,
-        ids: list[str],
-        parts: tuple[list[Columns], list[Trajectory]],
-    ):
-        self.shard, self.info, self.tmp, self.path, self.fd = shard, info, tmp, path, fd
-        # What the segment was made of (batches, loose trajectories): given back if its sync fails.
-        self.ids, self.parts = ids, parts
-        self.future: Future = Future()  # the sync thread sets it: None, or why the sync failed
-        # Set on the sync thread once `future` is: a lock-free done() for append's hot path.
-        self.settled = False
-
-
 class ShardWriter:
     """Writes one writer's shards under `store`; see the module docstring for the protocol."""
 
@@ -187,19 +97,21 @@ class ShardWriter:
         self.store = Path(store)
         self.writer = writer
         self.cfg = cfg or StoreConfig()
-        self.lease_s = max(30.0, 3 * self.cfg.flush_interval_s)
+        self.lease_s = self.cfg.lease_s
         try:
             self.store.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create store directory {self.store}: {exc.strerror}") from None
         self.recovered = self._recover_previous()
-        self._stored: set[str] | None = self._load_ids() if dedup else None
+        self._stored: set[str] | None = stored_ids(self.store, self.writer) if dedup else None
         # The buffer, in arrival order: batches already in column form, then loose trajectories,
         # which are encoded together when the next batch arrives or at the flush.
         self._chunks: list[Columns] = []
         self._loose: list[Trajectory] = []
         self._buffered = 0
-        self._bufs = EncodeBuffers()  # each flush's Columns are written before the next encode
+        # Encode buffers not in use: one is busy from a flush's encode until its segment is
+        # filled on the sync thread, so up to MAX_INFLIGHT + 1 exist.
+        self._free_bufs: deque[EncodeBuffers] = deque()  # the sync thread gives them back
         self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
         self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
         self._shard: Path | None = None
@@ -207,45 +119,22 @@ class ShardWriter:
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
         self._seq = 0
         self._inflight: deque[_InFlight] = deque()
-        self._to_sync: deque[_InFlight] = deque()  # handed to the sync thread, not yet taken by it
         self._done: list[_InFlight] = []  # synced, not yet reported in a FlushResult
-        self._sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hpcrl-store-{writer}")
-        self._sync_failed = threading.Event()  # set on the sync thread: later segments stay .tmp
+        self._sync = SyncThread(f"hpcrl-store-{writer}")
         self._last_beat = 0.0
         self.total_rows = 0
         self.duplicates = 0
         self.closed = False
+        self._stopped: str | None = None  # why the writer stopped for good (WriterStopped)
+        # Shards whose segments are all durable, waiting for their manifest (retried on failure).
+        self._unfinalized: list[tuple[Path, list[SegmentInfo]]] = []
         # Opened now, not at the first flush: from this moment the name is visibly in use.
         self._open_shard()
 
     # -- start-up ---------------------------------------------------------------------------
 
     def _recover_previous(self) -> list:
-        reports = []
-        for state in list_shards(self.store):
-            if state.writer != self.writer or state.finalized:
-                continue
-            alive = owner_alive(state, self.lease_s)
-            if alive:
-                raise StoreError(
-                    f"writer name {self.writer!r} is in use: shard {state.name} is open and {alive}; give each "
-                    "writer its own name, or wait for the lease to expire if that writer is dead"
-                )
-            reports.append(recover_shard(self.store, state.path))
-        return reports
-
-    def _load_ids(self) -> set[str]:
-        ids: set[str] = set()
-        for state in list_shards(self.store):
-            if state.writer != self.writer:
-                continue
-            names = [s.name for s in state.manifest.segments] if state.manifest else state.segment_names
-            for name in names:
-                try:
-                    ids.update(read_segment(state.path / name, fields=("traj",)).ids())
-                except SegmentError as exc:
-                    log.warning("dedup index: skipping %s/%s: %s", state.name, name, exc)
-        return ids
+        return take_over(self.store, self.writer, self.lease_s)
 
     # -- appending --------------------------------------------------------------------------
 
@@ -259,10 +148,15 @@ class ShardWriter:
     def buffered(self) -> int:
         return self._buffered
 
-    def append(self, traj: Trajectory) -> FlushResult | None:
-        """Buffer one trajectory; flush if the count or age bound is reached. Returns what became durable."""
+    def _usable(self) -> None:
+        if self._stopped:
+            raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}")
         if self.closed:
             raise StoreError(f"writer {self.writer!r} is closed")
+
+    def append(self, traj: Trajectory) -> FlushResult | None:
+        """Buffer one trajectory; flush if the count or age bound is reached. Returns what became durable."""
+        self._usable()
         if not isinstance(traj, Trajectory):
             raise TypeError(f"append() takes a Trajectory (got {type(traj).__name__})")
         tid = traj.id
@@ -276,8 +170,7 @@ class ShardWriter:
     def append_columns(self, cols: Columns) -> FlushResult | None:
         """Buffer a batch of trajectories in column form (checked: `Columns.row_errors` found
         nothing); rows whose id is stored or buffered are dropped. Returns what became durable."""
-        if self.closed:
-            raise StoreError(f"writer {self.writer!r} is closed")
+        self._usable()
         ids = cols.ids()
         keep = [i for i, tid in enumerate(ids) if tid not in self._pending and not self.is_stored(tid)]
         self.duplicates += len(ids) - len(keep)
@@ -321,142 +214,180 @@ class ShardWriter:
 
     def poll(self) -> FlushResult | None:
         """Flush if the oldest buffered record waited flush_interval_s; return what became durable."""
-        if self.closed:
+        if self.closed and not self._stopped:
             return None
+        self._usable()
         if time.monotonic() - self._last_beat > self.lease_s / 3:
+            # Idle or not, a writer that lost its shard learns it within lease/3: it stops, so
+            # its senders turn to the writer that replaced it.
+            if self._shard is not None and is_fenced(self._shard):
+                self._fenced(self._shard)
             self._heartbeat()
         if self._oldest is not None and time.monotonic() - self._oldest >= self.cfg.flush_interval_s:
             self._submit()
         return self._collect(block=False)
 
     def flush(self) -> FlushResult | None:
-        """Write the buffer and wait until everything written is durable; return what became so."""
-        self._submit()
+        """Write the buffer and wait until everything written is durable; return what became so.
+        On StoreError nothing is in flight any more (what failed is back in the buffer)."""
+        self._usable()
+        try:
+            self._submit()
+        except WriterStopped:
+            raise
+        except StoreError:
+            with contextlib.suppress(StoreError):  # the first failure is the one reported
+                self._drain()
+            raise
         return self._collect(block=True)
 
     # -- the pipeline -------------------------------------------------------------------------
 
+    # -- shards: open, retire, finalize (each step may fail, e.g. ENOSPC, and is retried) ----
+
     def _open_shard(self) -> None:
-        shard = new_shard_dir(self.store, self.writer)
-        atomic_write_json(
-            shard / OWNER_NAME,
-            {
-                "writer": self.writer,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "started_at": time.time(),
-            },
-        )
+        """Open the next shard; StoreError (nothing left behind) if the filesystem refuses."""
+        try:
+            shard = new_shard_dir(self.store, self.writer)
+        except (OSError, StoreError) as exc:
+            raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
+        try:
+            atomic_write_json(
+                shard / OWNER_NAME,
+                {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()},
+            )
+        except OSError as exc:
+            try:
+                shard.rmdir()  # empty: atomic_write_json removes its own temporary file
+            except OSError:
+                pass  # an empty shard without an owner: the next recovery removes it
+            raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
         self._shard, self._segments, self._shard_rows, self._seq = shard, [], 0, 0
+        hold_shard(shard)
         self._last_beat = time.monotonic()
 
+    def _ensure_shard(self) -> None:
+        if self._shard is None:
+            self._open_shard()
+
     def _heartbeat(self) -> None:
+        self._last_beat = time.monotonic()
+        if self._shard is None:
+            return
         try:
             os.utime(self._shard / OWNER_NAME)
         except OSError as exc:
             log.warning("heartbeat on %s failed: %s", self._shard, exc)
-        self._last_beat = time.monotonic()
 
-    def _encoded(self) -> Columns:
-        """The buffer as one Columns, its flat arrays in the encode buffers (valid until the next
-        flush); the buffer itself stays as it is until the segment is written."""
-        if not self._chunks:
-            return Columns.encode(self._loose, self._bufs)
-        loose = [Columns.encode(self._loose)] if self._loose else []
-        return Columns.concat(self._chunks + loose, self._bufs)
+    def _retire(self) -> None:
+        """The open shard, all of it durable, waits for its manifest; no shard is open after."""
+        if self._shard is not None:
+            self._unfinalized.append((self._shard, self._segments))
+            self._shard, self._segments, self._shard_rows, self._seq = None, [], 0, 0
+
+    def _finalize_retired(self) -> None:
+        """Write the manifest of each retired shard (an empty one is removed); StoreError if one
+        cannot be written: it stays retired, its segments durable and readable, and is retried."""
+        while self._unfinalized:
+            shard, segments = self._unfinalized[0]
+            if is_fenced(shard):  # a newer writer finalized it (its manifest lists our segments)
+                self._fenced(shard)
+            try:
+                if segments:
+                    finalize_shard(shard, self.writer, segments, "closed")
+                else:
+                    (shard / OWNER_NAME).unlink(missing_ok=True)
+                    shard.rmdir()
+            except FileExistsError:  # fenced and finalized between the check and here
+                self._fenced(shard)
+            except OSError as exc:
+                raise StoreError(
+                    f"finalizing shard {shard.name} failed: {exc}; its {sum(s.rows for s in segments)} row(s) "
+                    "are durable, the manifest is written at the next flush or close"
+                ) from exc
+            release_shard(shard)
+            self._unfinalized.pop(0)
+
+    def _segment_parts(self) -> tuple[list[Columns], EncodeBuffers | None]:
+        """The buffer as the batches of one segment, in arrival order: the batches as they came
+        and the loose trajectories encoded (into pooled buffers, given back once filled)."""
+        if not self._loose:
+            return list(self._chunks), None
+        bufs = self._free_bufs.pop() if self._free_bufs else EncodeBuffers()
+        return self._chunks + [Columns.encode(self._loose, bufs)], bufs
 
     def _submit(self) -> None:
         """Write the buffer to a .tmp segment (this thread) and queue its sync (sync thread)."""
         if not self._buffered:
             return
+        if self._sync.failed.is_set():
+            self._collect(block=True)  # raises: the failed segments' records come back first
         while len(self._inflight) >= MAX_INFLIGHT:
             self._wait_oldest()
+        if self._unfinalized:
+            try:
+                self._finalize_retired()
+            except StoreError as exc:  # not in the way of new segments: retried at close
+                log.warning("%s", exc)
+        self._ensure_shard()
         shard, seq, now = self._shard, self._seq + 1, time.time()
         path = shard / segment_name(seq, int(now * 1e6))
         tmp = path.with_name(path.name + ".tmp")
-        cols = self._encoded()
-        try:
-            info = write_segment_file(
-                tmp,
-                path.name,
-                cols,
-                {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now},
-                self.cfg.compression,
-            )
-            # Opened here, not on the sync thread: each call there that releases the GIL
-            # must win it back from this thread, which holds it while it encodes.
-            fd = os.open(tmp, os.O_RDONLY)
-            start_writeback(fd)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(
-                f"flush to {path} failed: {exc}; {self._buffered} record(s) kept in memory, "
-                "free space or fix permissions and flush again"
-            ) from exc
+        parts, bufs = self._segment_parts()
+        # The segment file is written on the sync thread, the HDF5 structure included: here the
+        # encoding evicts HDF5's working set from the caches (it cost twice as much here).
+        attrs = {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now}
         self._seq = seq
-        item = _InFlight(shard, info, tmp, path, fd, cols.ids(), (self._chunks, self._loose))
+        ids = [tid for p in parts for tid in p.ids()]
+        item = _InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
+        item.make = (parts, attrs, self.cfg.compression)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
         self._inflight.append(item)
-        self._to_sync.append(item)
-        self._sync.submit(self._sync_waiting)
+        self._sync.hand_over(item)
         self._shard_rows += len(item.ids)
         if self._shard_rows >= self.cfg.shard_max_rows:
-            self._drain()
-            self._finalize()
-            self._open_shard()
+            self._rotate()
 
-    def _sync_waiting(self) -> None:
-        """Sync thread: publish every segment handed over so far, as one group, in order.
-
-        Each file is fsynced before its rename; one directory fsync then covers the group's
-        renames (one journal commit, not one per segment) before any of them is reported
-        done. After one failure nothing else is renamed, so a visible seq is never followed
-        by a missing smaller one; the writer takes the failed batches back (`_rebuffer`).
-        """
-        group: list[_InFlight] = []
-        while self._to_sync:
-            group.append(self._to_sync.popleft())  # only this thread pops: never empty here
-        renamed: list[_InFlight] = []
-        error: BaseException | None = None
+    def _rotate(self) -> None:
+        """Finalize the open shard once all of it is durable and open the next one. Only the
+        drain may raise here: a manifest or a shard that cannot be written now is retried at the
+        next flush (which then raises if it still cannot write), never left half done."""
+        self._drain()
+        self._retire()
         try:
-            for item in group:
-                if self._sync_failed.is_set():
-                    raise StoreError("an earlier segment failed to sync")
-                os.fsync(item.fd)
-                os.rename(item.tmp, item.path)
-                renamed.append(item)
-        except BaseException as exc:  # handed to the writer through the futures
-            error = exc
-            self._sync_failed.set()
-        if renamed:
-            try:
-                fsync_path(renamed[0].shard, directory=True)  # a whole group is in one shard
-            except BaseException as exc:
-                error = exc
-                self._sync_failed.set()
-                renamed = []  # visible but not known durable: not acknowledged
-        for item in group:
-            if item in renamed:
-                item.future.set_result(None)
-            else:
-                item.future.set_exception(error)
-            item.settled = True
+            self._finalize_retired()
+            self._open_shard()
+        except StoreError as exc:
+            log.warning("%s", exc)
 
     def _wait_oldest(self) -> None:
         item = self._inflight[0]
         try:
             item.future.result()
-        except Exception as exc:  # any failure: take every unsynced batch back
+        except _Unproven as exc:
+            self._stop(f"syncing {item.path.name}: {exc}")
+            raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}") from exc
+        except _Fenced as exc:
+            self._fenced(exc.shard)
+        except Exception as exc:  # never visible: take every unsynced batch back
             self._rebuffer()
             raise StoreError(
-                f"syncing {item.tmp} failed: {exc}; {self._buffered} record(s) kept in memory "
+                f"writing {item.tmp} failed: {type(exc).__name__}: {exc}; {self._buffered} record(s) kept in memory "
                 "(none acknowledged), fix the filesystem and flush again"
             ) from exc
         self._complete(self._inflight.popleft())
 
+    def _release(self, item: _InFlight) -> None:
+        if item.fd >= 0:
+            os.close(item.fd)
+        if item.bufs is not None:
+            self._free_bufs.append(item.bufs)
+            item.bufs = None
+        item.make = None  # drops its references to the batches
+
     def _complete(self, item: _InFlight) -> None:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
-        os.close(item.fd)
+        self._release(item)
         self._segments.append(item.info)
         self._done.append(item)
 
@@ -468,7 +399,7 @@ class ShardWriter:
             if item.future.exception() is None:
                 self._complete(item)  # synced before the failure
                 continue
-            os.close(item.fd)
+            self._release(item)
             item.tmp.unlink(missing_ok=True)
             chunks, loose = item.parts
             batches += chunks + ([Columns.encode(loose)] if loose else [])
@@ -476,10 +407,34 @@ class ShardWriter:
         self._chunks = batches + self._chunks
         self._buffered = sum(c.rows for c in self._chunks)
         self._oldest = time.monotonic() if self._buffered else None
-        # None of the failed sequence numbers became visible: reuse them.
-        self._seq = parse_segment_name(self._segments[-1].name)[0] if self._segments else 0
+        # The failed sequence numbers are not used again: a number names at most one file, so
+        # no reader or recovery can ever take one segment for another.
         self._shard_rows = sum(s.rows for s in self._segments)
-        self._sync_failed.clear()
+        self._sync.failed.clear()
+
+    def _fenced(self, shard: Path) -> None:
+        """Stop (raises WriterStopped): a newer writer fenced `shard`, so nothing this one renames
+        into it can count. What it acknowledged is listed by that writer's recovery."""
+        self._stop(
+            f"fenced: a newer writer of this name recovered shard {shard.name} (this one was silent for "
+            f"more than its {self.lease_s:g} s lease); its senders resend to it"
+        )
+        raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}")
+
+    def _stop(self, reason: str) -> None:
+        """Stop for good: acknowledge nothing more, leave every visible segment as it is for the
+        next writer's recovery, remove the .tmp files nobody will rename, free the shard."""
+        self._stopped = reason
+        self._sync.shutdown()  # what is still queued fails fast (the failed flag is set)
+        while self._inflight:
+            item = self._inflight.popleft()
+            self._release(item)
+            if not isinstance(item.future.exception(), _Unproven):
+                item.tmp.unlink(missing_ok=True)
+        for shard in [self._shard] + [s for s, _ in self._unfinalized]:
+            if shard is not None:
+                release_shard(shard)
+        log.error("store writer %r stopped: %s; restart it (its shard is recovered then)", self.writer, reason)
 
     def _collect(self, block: bool) -> FlushResult | None:
         """Acknowledge finished syncs (in order); with `block`, wait for all of them."""
@@ -505,25 +460,21 @@ class ShardWriter:
         while self._inflight:
             self._wait_oldest()
 
-    def _finalize(self) -> None:
-        if self._shard is None:
-            return
-        if self._segments:
-            finalize_shard(self._shard, self.writer, self._segments, "closed")
-        else:
-            (self._shard / OWNER_NAME).unlink(missing_ok=True)
-            self._shard.rmdir()
-        self._shard, self._segments, self._shard_rows, self._seq = None, [], 0, 0
-
     def close(self) -> FlushResult | None:
-        """Flush what is buffered, wait for every sync and finalize the open shard (its manifest)."""
+        """Flush what is buffered, wait for every sync and finalize the shards (their manifests).
+
+        On StoreError (e.g. the disk is full) nothing is lost and nothing half done: what was
+        not acknowledged is still held, and close() may simply be called again."""
+        if self._stopped:
+            self._usable()
         if self.closed:
             return None
         self._submit()
         self._drain()
+        self._retire()
+        self._finalize_retired()  # before acknowledging: a retry of close() reports the rest
         result = self._acknowledge()
-        self._finalize()
-        self._sync.shutdown(wait=True)
+        self._sync.shutdown()
         self.closed = True
         return result
 

@@ -58,17 +58,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
-from hpcrl.sandbox.process import Supervised, guard_args, reap_group, setpriv_pdeathsig
-from hpcrl.sandbox.result import ExecResult, SandboxUnavailable
+from hpcrl.sandbox.backend import Backend, ProcessSession, Session, rlimit_args
+from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.seccomp import apptainer_profile
 from hpcrl.sandbox.spec import Limits, SourceFile
 
@@ -158,72 +155,6 @@ def apptainer_version(apptainer: str) -> tuple[int, int] | None:
         return None
     m = re.match(r"apptainer version (\d+)\.(\d+)", out.strip())
     return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-class ProcessSession(SupervisedSession):
-    """Any command under `Supervised` (used for apptainer): stdin fed as the program reads, output
-    capped, the wall limit enforced, and at a kill the whole process group killed (apptainer's
-    starter, the container's init and what runs in it share one session). CPU and peak memory
-    come from wait4's rusage of the reaped child."""
-
-    def __init__(self, argv: Sequence[str], limits: Limits, *, env: dict[str, str], cleanup: Sequence[str] = ()):
-        # Dies with this process (its starting thread), SIGKILL included: `setpriv --pdeathsig`
-        # and a check that we are still its parent, or the same from a preexec_fn where setpriv
-        # is too old. That kills apptainer's starter; the container's processes live in its pid
-        # namespace (--containall), whose fate when the starter dies is apptainer's.
-        armed = setpriv_pdeathsig()
-        proc = Supervised(
-            [shutil.which("setpriv") or "setpriv", "--pdeathsig", "KILL", "--", *guard_args(), *argv]
-            if armed
-            else list(argv),
-            env=env,
-            output_cap=limits.output_kb * 1024,
-            deadline=time.monotonic() + limits.wall_s,
-            on_kill=self._kill_group,
-            die_with_parent=not armed,
-        )
-        super().__init__(proc, limits)
-        self._cleanup = list(cleanup)
-        try:
-            proc.start()
-        except BaseException:
-            self._remove()
-            raise
-
-    def _kill_group(self) -> None:
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)  # the child leads its own session
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def _remove(self) -> None:
-        for d in self._cleanup:
-            shutil.rmtree(d, ignore_errors=True)
-
-    def finish(self) -> ExecResult:
-        if self._result is not None:
-            return self._result
-        try:
-            raw = self._proc.wait()
-        finally:
-            self._remove()
-            reap_group(self._proc.pid, timeout_s=0.0)  # members orphaned to us, if we are a subreaper
-        ru = raw.rusage
-        # Apptainer exits 255 with FATAL: on stderr when the container never started.
-        started = not (raw.exit_code == 255 and b"FATAL:" in raw.stderr)
-        ex = Exit(
-            exit_code=raw.exit_code,
-            signal=raw.signal,
-            started=started,
-            timed_out=raw.timed_out,
-            output_limited=raw.output_limited,
-            oom_killed=False,
-            cpu_s=(ru.ru_utime + ru.ru_stime) if ru else None,
-            peak_memory_mb=(ru.ru_maxrss / 1024) if ru else None,
-            wall_s=raw.wall_s,
-        )
-        self._result = classify(ex, self._limits, raw.stdout, raw.stderr, raw.stdout_truncated, raw.stderr_truncated)
-        return self._result
 
 
 class ApptainerBackend(Backend):

@@ -8,7 +8,8 @@
 A backend implements one primitive, `_launch(files, argv, limits)`, returning a `Session` on a
 started sandbox; this base class adds compilation (its own sandbox run under the language's
 compile limits; a failed compile is a `compile_error` result) and the status rules in
-`classify`, so both backends report the same thing for the same program.
+`classify`, so both backends report the same thing for the same program. `ProcessSession` is a Session over
+any command (apptainer; the judge's checker process), killed with its whole process group.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import os
+import shutil
 import signal as _signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from hpcrl.sandbox.languages import get_language
-from hpcrl.sandbox.process import Supervised
+from hpcrl.sandbox.process import Supervised, guard_args, reap_group, setpriv_pdeathsig
 from hpcrl.sandbox.result import ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
@@ -30,6 +33,7 @@ __all__ = [
     "Backend",
     "Session",
     "SupervisedSession",
+    "ProcessSession",
     "Exit",
     "CompileFailed",
     "classify",
@@ -105,6 +109,72 @@ class SupervisedSession(Session):
 
     def alive(self) -> bool:
         return self._result is None and self._proc.poll_alive()
+
+
+class ProcessSession(SupervisedSession):
+    """Any command under `Supervised` (used for apptainer): stdin fed as the program reads, output
+    capped, the wall limit enforced, and at a kill the whole process group killed (apptainer's
+    starter, the container's init and what runs in it share one session). CPU and peak memory
+    come from wait4's rusage of the reaped child."""
+
+    def __init__(self, argv: Sequence[str], limits: Limits, *, env: dict[str, str], cleanup: Sequence[str] = ()):
+        # Dies with this process (its starting thread), SIGKILL included: `setpriv --pdeathsig`
+        # and a check that we are still its parent, or the same from a preexec_fn where setpriv
+        # is too old. That kills apptainer's starter; the container's processes live in its pid
+        # namespace (--containall), whose fate when the starter dies is apptainer's.
+        armed = setpriv_pdeathsig()
+        proc = Supervised(
+            [shutil.which("setpriv") or "setpriv", "--pdeathsig", "KILL", "--", *guard_args(), *argv]
+            if armed
+            else list(argv),
+            env=env,
+            output_cap=limits.output_kb * 1024,
+            deadline=time.monotonic() + limits.wall_s,
+            on_kill=self._kill_group,
+            die_with_parent=not armed,
+        )
+        super().__init__(proc, limits)
+        self._cleanup = list(cleanup)
+        try:
+            proc.start()
+        except BaseException:
+            self._remove()
+            raise
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self._proc.pid, _signal.SIGKILL)  # the child leads its own session
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _remove(self) -> None:
+        for d in self._cleanup:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def finish(self) -> ExecResult:
+        if self._result is not None:
+            return self._result
+        try:
+            raw = self._proc.wait()
+        finally:
+            self._remove()
+            reap_group(self._proc.pid, timeout_s=0.0)  # members orphaned to us, if we are a subreaper
+        ru = raw.rusage
+        # Apptainer exits 255 with FATAL: on stderr when the container never started.
+        started = not (raw.exit_code == 255 and b"FATAL:" in raw.stderr)
+        ex = Exit(
+            exit_code=raw.exit_code,
+            signal=raw.signal,
+            started=started,
+            timed_out=raw.timed_out,
+            output_limited=raw.output_limited,
+            oom_killed=False,
+            cpu_s=(ru.ru_utime + ru.ru_stime) if ru else None,
+            peak_memory_mb=(ru.ru_maxrss / 1024) if ru else None,
+            wall_s=raw.wall_s,
+        )
+        self._result = classify(ex, self._limits, raw.stdout, raw.stderr, raw.stdout_truncated, raw.stderr_truncated)
+        return self._result
 
 
 @dataclass(frozen=True)

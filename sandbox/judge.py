@@ -9,27 +9,38 @@ Two kinds of tests:
   compile once); a case passes when the program exits 0 and its stdout equals the expected
   output up to trailing whitespace. Expected outputs never enter the sandbox.
 * a Python test harness such as HumanEval's `check(candidate)` (`judge_function`): the test
-  code is trusted and runs here, in the judge's process; only the candidate runs in the
-  sandbox, behind a driver (`pyharness.py`) that answers call requests. `check` receives a
-  proxy: each call sends the arguments in, and gets back a freshly decoded plain value.
+  code is trusted and runs in a checker process of its own (`pycheck.py`: this interpreter,
+  under rlimits of the judge's limits, address space and CPU seconds, and the same wall limit
+  as the candidate), never in the judge's process, so a test working on a value the candidate
+  returned (a catastrophic regex, `range(10**15)`, `bytearray(2**40)`) fails at the limit
+  instead of stalling or swelling the server. Only the candidate runs in the sandbox, behind a
+  driver (`pyharness.py`) that answers call requests. The judge relays: each call of the
+  checker's `candidate` proxy comes here, goes to the sandbox, and its answer is checked here
+  (`harness_wire`: plain data only) and rebuilt as a fresh plain value for the checker.
 
-Pass/fail is decided here: for functions, by `check` returning normally while every call got
-an answer; nothing the candidate prints, no exit code and no "passed" marker counts. The
+Pass/fail is decided here: for functions, by the checker reporting that `check` returned
+normally, while every call got an answer; nothing the candidate prints, no exit code and no "passed" marker counts. The
 candidate never shares a process with the test, so overriding `__eq__` (values arrive as
 plain data), patching builtins (they are the sandbox's own), walking the stack (the judge's
 frames are not there) or exiting early (the proxy gets no answer, which fails) cannot pass.
+An exception the candidate raises reaches the test as a `CandidateError` (in the test's
+namespace; `.type_name` is the candidate's type), which is also an instance of the builtin type
+it names except StopIteration and StopAsyncIteration: `all(map(candidate, xs))` cannot end early
+as a pass, and `except StopIteration` in a test does not catch the candidate's.
 """
 
 from __future__ import annotations
 
-import builtins
+import marshal
+import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.sandbox.backend import Backend, Session
+from hpcrl.sandbox.backend import Backend, ProcessSession, Session
 from hpcrl.sandbox.harness_wire import CodecError, decode, load_request, loads, request
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import ExecResult
@@ -44,10 +55,12 @@ __all__ = [
     "judge_io",
     "judge_function",
     "start_harness",
+    "start_checker",
     "HARNESS_LIMITS",
 ]
 
 _HARNESS_SOURCE = (Path(__file__).resolve().parent / "pyharness.py").read_bytes()
+_CHECKER_SOURCE = (Path(__file__).resolve().parent / "pycheck.py").read_text()
 
 
 class JudgeError(RuntimeError):
@@ -158,7 +171,7 @@ def judge_io(
 
 @dataclass(frozen=True)
 class FunctionTask:
-    """A Python function to test. `program` runs in the sandbox; `trusted_prelude` + `test` run here.
+    """A Python function to test. `program` runs in the sandbox; `trusted_prelude` + `test` in the checker.
 
     `test` must define `check(candidate)`; `trusted_prelude` holds helpers the test uses (for
     HumanEval, the prompt, so `poly` or `encode_cyclic` are the task's, not the candidate's).
@@ -181,71 +194,12 @@ class FunctionTask:
         )
 
 
-class CandidateError(Exception):
-    """The candidate raised an exception that is not a builtin one; carries its type name."""
-
-
-class _Abort(BaseException):
-    """No usable answer (timeout, dead sandbox, garbage).
-
-    BaseException: `except Exception` in a test cannot swallow it.
-    """
-
-
-class _Proxy:
-    def __init__(self, session, entry_point: str, deadline: float):
-        self._s = session
-        self._fn = entry_point
-        self._deadline = deadline
-        self._next_id = 0
-        self.broken: str | None = None
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broken:
-            raise _Abort(self.broken)
-        if kwargs:
-            raise JudgeError("keyword arguments are not supported by the function harness")
-        self.calls += 1
-        rid = self._next_id
-        self._next_id += 1
-        try:
-            line = request(rid, self._fn, list(args))
-        except CodecError as exc:
-            raise JudgeError(f"test passes a non-plain argument: {exc}") from None
-        self._s.send(line)
-        line = self._s.read_line(timeout_s=max(0.0, self._deadline - time.monotonic()))
-        if line is None:
-            self._fail("no answer from the candidate (timeout, exit or crash)")
-        try:
-            msg = loads(line)
-            if not isinstance(msg, dict) or msg.get("id") != rid:
-                raise CodecError("answer to another request")
-            if "error" in msg:
-                raise _builtin_exception(str(msg["error"]), str(msg.get("message", "")))
-            return decode(msg["value"])
-        except (CodecError, KeyError, TypeError) as exc:
-            self._fail(f"unusable answer: {exc}")
-
-    def _fail(self, why: str) -> None:
-        self.broken = why
-        raise _Abort(why)
-
-
-def _builtin_exception(name: str, message: str) -> Exception:
-    cls = getattr(builtins, name, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            return cls(message)
-        except Exception:  # exotic constructor signatures (UnicodeError...)
-            pass
-    return CandidateError(f"{name}: {message}")
-
-
 # -S: no site module, ~4 ms less per judged program; the harness puts dist-packages on sys.path itself.
 _HARNESS_COMMAND = ("python3", "-S", "-B")
 _EXIT_GRACE_S = 0.5
 HARNESS_LIMITS = Limits(wall_s=10.0, cpu_s=10.0, memory_mb=512, output_kb=4096)
+# Address space the checker's interpreter takes before the test allocates anything.
+_CHECKER_RESERVE_MB = 128
 
 
 def start_harness(backend: Backend, limits: Limits | None = None) -> Session:
@@ -259,46 +213,112 @@ def start_harness(backend: Backend, limits: Limits | None = None) -> Session:
     return backend.start(spec, command=_HARNESS_COMMAND)
 
 
+def start_checker(limits: Limits | None = None) -> Session:
+    """A process for the trusted test code (pycheck.py), waiting for its test: this interpreter,
+    isolated from the environment (-I -S), under rlimits of `limits` (address space `memory_mb`
+    plus the interpreter's reserve, CPU seconds, file size) and, from outside, its wall limit."""
+    limits = limits or HARNESS_LIMITS
+    cpu = max(1, math.ceil(limits.cpu_s))
+    argv = [
+        "prlimit",
+        f"--as={(limits.memory_mb + _CHECKER_RESERVE_MB) * 1024 * 1024}",
+        f"--data={limits.memory_mb * 1024 * 1024}",
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--fsize={limits.file_size_mb * 1024 * 1024}",
+        "--core=0",
+        "--",
+        sys.executable,
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        _CHECKER_SOURCE,
+    ]
+    return ProcessSession(argv, limits, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"})
+
+
+def _send(session: Session, verb: str, value: Any) -> None:
+    session.send(verb.encode() + b" " + marshal.dumps(value).hex().encode() + b"\n")
+
+
+def _receive(session: Session, deadline: float) -> tuple[str, Any] | None:
+    """The checker's next message, None when it ended or the deadline passed. It is our own trusted
+    process writing marshal (pycheck.py); what is not a message of its verbs is an error."""
+    line = session.read_line(timeout_s=max(0.0, deadline - time.monotonic()))
+    if line is None:
+        return None
+    try:
+        verb, _, payload = line.rstrip(b"\n").partition(b" ")
+        value = marshal.loads(bytes.fromhex(payload.decode()))
+    except (ValueError, EOFError, TypeError, UnicodeDecodeError):
+        raise JudgeError(f"the checker sent a malformed message: {line[:100]!r}") from None
+    if verb not in (b"ready", b"judge_error", b"call", b"done"):
+        raise JudgeError(f"the checker sent an unknown message: {line[:100]!r}")
+    return verb.decode(), value
+
+
 def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None = None, *, warm: Any = None) -> Verdict:
-    """Run `check(candidate)` here against the candidate running in a sandbox; see the module docstring.
+    """Run `check(candidate)` in a checker process against the candidate running in a sandbox; see
+    the module docstring. Both count against one wall limit, `limits.wall_s`.
 
     `warm` (a `hpcrl.sandbox.warm.WarmHarness` of this backend and these limits) hands over a
-    harness sandbox started ahead, so the candidate does not wait for one to start.
+    harness sandbox and a checker started ahead, so the judgement does not wait for them to start.
     """
     t0 = time.monotonic()
     limits = limits or HARNESS_LIMITS
-    namespace: dict[str, Any] = {"__name__": "__judge__"}
+    use_warm = warm is not None and warm.backend is backend and warm.limits == limits
+    checker = warm.take_checker() if use_warm else start_checker(limits)
     try:
-        exec(compile(task.trusted_prelude, f"<{task.name} prelude>", "exec"), namespace)  # trusted test code
-        exec(compile(task.test, f"<{task.name} test>", "exec"), namespace)  # trusted test code
-    except Exception as exc:  # any exception out of check() is a failed test
-        raise JudgeError(f"{task.name}: the test code does not load: {type(exc).__name__}: {exc}") from exc
-    check = namespace.get("check")
-    if not callable(check):
-        raise JudgeError(f"{task.name}: the test code defines no check(candidate)")
-    if warm is not None and warm.backend is backend and warm.limits == limits:
-        s = warm.take()
-    else:
-        s = start_harness(backend, limits)
-    try:
-        s.restart_clock()
+        checker.restart_clock()
         deadline = time.monotonic() + limits.wall_s
-        s.send(load_request(task.program))
-        reason = _drive(s, task, check, namespace, deadline)
-        # Done with the candidate: the driver exits at once (no interpreter shutdown); one that
-        # does not (the candidate took over the channel) is killed within _EXIT_GRACE_S.
-        s.send(b"exit\n")
-        s.close_stdin()
-        s.restart_clock(min(_EXIT_GRACE_S, max(0.0, deadline - time.monotonic())))
-    except BaseException:
-        s.kill()
-        raise
+        load = {
+            "path": [p for p in sys.path if p],
+            "prelude": task.trusted_prelude,
+            "test": task.test,
+            "entry_point": task.entry_point,
+            "name": task.name,
+        }
+        _send(checker, "load", load)
+        first = _receive(checker, deadline)
+        if first is None or first[0] != "ready":
+            if first is not None and first[0] == "judge_error":
+                raise JudgeError(str(first[1]))
+            raise JudgeError(f"{task.name}: the checker did not start: {_checker_end(checker)}")
+        s = warm.take() if use_warm else start_harness(backend, limits)
+        try:
+            s.restart_clock(max(0.0, deadline - time.monotonic()))
+            s.send(load_request(task.program))
+            reason = _drive(s, checker, task, deadline, limits)
+            # Done with the candidate: the driver exits at once (no interpreter shutdown); one that
+            # does not (the candidate took over the channel) is killed within _EXIT_GRACE_S.
+            s.send(b"exit\n")
+            s.close_stdin()
+            s.restart_clock(min(_EXIT_GRACE_S, max(0.0, deadline - time.monotonic())))
+        except BaseException:
+            s.kill()
+            raise
+        finally:
+            result = s.finish()
     finally:
-        result = s.finish()
+        checker.kill()
+        checker.finish()
     return Verdict(reason == "passed", reason, result=result, wall_s=time.monotonic() - t0)
 
 
-def _drive(session, task: FunctionTask, check, namespace: dict, deadline: float) -> str:
+def _checker_end(checker: Session) -> str:
+    """Why the checker stopped talking: its wall limit, or how its process ended."""
+    checker.kill()
+    res = checker.finish()
+    if res.status == "timeout":
+        return "the test did not finish within the time limit"
+    if res.status == "cpu_limit":
+        return "the test ran out of CPU time (its CPU limit)"
+    tail = res.stderr.decode("utf-8", "replace").strip()[-200:]
+    return f"the test's process ended ({res.status})" + (f": {tail}" if tail else "")
+
+
+def _drive(session: Session, checker: Session, task: FunctionTask, deadline: float, limits: Limits) -> str:
+    """Relay the checker's calls to the candidate and the candidate's checked answers back."""
     hello = session.read_line(timeout_s=max(0.0, deadline - time.monotonic()))
     try:
         msg = loads(hello) if hello is not None else None
@@ -308,18 +328,48 @@ def _drive(session, task: FunctionTask, check, namespace: dict, deadline: float)
         if isinstance(msg, dict) and "load_error" in msg:
             return f"candidate does not load: {str(msg['load_error'])[:200]}"
         return "candidate did not start the harness"
-    proxy = _Proxy(session, task.entry_point, deadline)
-    namespace[task.entry_point] = proxy
+    broken: str | None = None
+    rid = 0
+    while True:
+        got = _receive(checker, deadline)
+        if got is None:
+            if time.monotonic() >= deadline:
+                return f"failed: the test did not finish within the time limit ({limits.wall_s:g} s)"
+            return f"failed: {_checker_end(checker)}"
+        verb, value = got
+        if verb == "done":
+            return f"failed: {broken}" if broken and value == "passed" else str(value)
+        if verb == "judge_error":
+            raise JudgeError(str(value))
+        if verb != "call" or not isinstance(value, list):
+            raise JudgeError(f"the checker sent {verb} where a call or its verdict belongs")
+        if broken is None:
+            try:
+                line = request(rid, task.entry_point, value)
+            except CodecError as exc:
+                raise JudgeError(f"{task.name}: test passes a non-plain argument: {exc}") from None
+            session.send(line)
+            verb, value = _answer(session, rid, deadline)
+            rid += 1
+            if verb == "abort":
+                broken = value
+        else:
+            verb, value = "abort", broken
+        _send(checker, verb, value)
+
+
+def _answer(session: Session, rid: int, deadline: float) -> tuple[str, Any]:
+    """The candidate's answer to request `rid`, checked and rebuilt: ("value", v), ("raise", (type
+    name, message)) or ("abort", why) when there is no usable one."""
+    line = session.read_line(timeout_s=max(0.0, deadline - time.monotonic()))
+    if line is None:
+        return "abort", "no answer from the candidate (timeout, exit or crash)"
     try:
-        check(proxy)
-    except _Abort as exc:
-        return f"failed: {exc}"
-    except JudgeError:
-        raise
-    except AssertionError as exc:
-        return f"failed: assertion {str(exc)[:200]}".rstrip()
-    except Exception as exc:
-        return f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-    if proxy.broken:  # a test that swallowed the abort still fails
-        return f"failed: {proxy.broken}"
-    return "passed"
+        msg = loads(line)
+        if not isinstance(msg, dict) or msg.get("id") != rid:
+            raise CodecError("answer to another request")
+        if "error" in msg:
+            return "raise", (str(msg["error"])[:200], str(msg.get("message", ""))[:2000])
+        return "value", decode(msg["value"])
+    except (CodecError, KeyError, TypeError) as exc:
+        return "abort", f"unusable answer: {exc}"

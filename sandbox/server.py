@@ -30,9 +30,10 @@ last (a client retries on a fresh socket), and an id already answered is answere
 a cache, so a retry never runs a program twice within one server's life. Across a server
 restart an id is run again; sandboxed runs have no effects outside, so that is only work.
 
-`judge_function` runs the request's *test* code in this process (the candidate runs in a
-sandbox): only run components holding the run's keys can send requests. With default limits
-it takes harness sandboxes each slot starts ahead (hpcrl.sandbox.warm, two per slot).
+`judge_function` runs the request's *test* code unsandboxed, in a checker process of its own
+under the request's limits (hpcrl.sandbox.judge; the candidate runs in a sandbox): only run
+components holding the run's keys can send requests. With default limits it takes harness
+sandboxes and checkers each slot starts ahead (hpcrl.sandbox.warm, two of each per slot).
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def baseline(cfg, seconds: float) -> dict:
     import torch
 
+    from hpcrl.rl.alphabet import resolve_charset
     from hpcrl.rl.domains import load_domains
     from hpcrl.rl.generator import Generator
     from hpcrl.rl.policy import Policy
@@ -51,10 +52,12 @@ def baseline(cfg, seconds: float) -> dict:
 
     torch.set_num_threads(1)  # as each component does
     domains = load_domains(cfg.domains)
+    cfg = resolve_charset(cfg, domains)  # the tokenizer the pipeline's components build
     if any(d.needs_executor for d in domains.values()):
         raise SystemExit("bench/pipeline.py: use domains without a sandbox (the baseline has no sandbox server)")
     gen = Generator(cfg.generators, Policy.load(cfg.policy, seed=0), domains, run="bench", name="gen-0", seed=0)
-    source = LocalTaskSource(TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, 0))
+    sizes = {name: d.size for name, d in domains.items()}
+    source = LocalTaskSource(TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, 0, sizes))
     count = [0]
 
     def sink(_traj):

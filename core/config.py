@@ -101,10 +101,19 @@ class TinyModelConfig:
     num_heads: int = spec(4, help="attention heads; must divide hidden_size", ge=1)
     intermediate_size: int = spec(256, help="MLP width", ge=8)
     max_context: int = spec(1024, help="longest sequence (prompt + every turn) in tokens", ge=16)
+    charset: str = spec(
+        "auto",
+        help="characters of the character tokenizer (one token each, plus pad, bos, eos, unk); auto: the "
+        "configured domains' alphabet (printable ASCII if a domain declares none); printable: printable ASCII",
+        min_len=1,
+    )
+    tie_embeddings: bool = spec(True, help="share the input embedding and the output projection")
 
     def validate(self):
         if self.hidden_size % self.num_heads:
             yield "num_heads", f"must divide hidden_size ({self.hidden_size}) (got {self.num_heads})"
+        if self.charset not in ("auto", "printable") and len(set(self.charset)) != len(self.charset):
+            yield "charset", f"each character may appear once (got {self.charset!r})"
 
 
 @dataclass(frozen=True)
@@ -128,11 +137,20 @@ class AlgorithmConfig:
         4.0, help="cap on the importance ratio of stale tokens (dual clip; reinforce: truncation)", gt=1
     )
     normalize_std: bool = spec(True, help="divide group-relative advantages by the group's standard deviation")
+    loss_agg: Literal["token", "seq", "constant"] = spec(
+        "token",
+        help="token: mean over the batch's action tokens (DAPO); seq: mean per sequence, then over sequences "
+        "(GRPO); constant: sum / (sequences x loss_len) (Dr. GRPO, no length bias)",
+    )
+    loss_len: int = spec(256, help="loss_agg constant: the fixed length L dividing each sequence's summed loss", ge=1)
+    entropy_coef: float = spec(
+        0.01, help="entropy bonus: the loss subtracts this x the policy's entropy at each action token", ge=0
+    )
 
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    lr: float = spec(1e-3, help="AdamW learning rate", gt=0)
+    lr: float = spec(5e-4, help="AdamW learning rate", gt=0)
     max_staleness: int = spec(2, help="drop trajectories more than this many policy versions behind the learner", ge=0)
     algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig, help="the loss and its importance-ratio clipping")
     group_size: int = spec(8, help="episodes per task instance; advantages are relative within a group", ge=2)
@@ -141,6 +159,23 @@ class LearnerConfig:
     )
     micro_batch: int = spec(128, help="trajectories per forward/backward pass on one rank", ge=1)
     weight_decay: float = spec(0.0, help="AdamW weight decay", ge=0)
+    adam_beta1: float = spec(0.9, help="AdamW beta1 (first-moment decay)", ge=0, lt=1)
+    adam_beta2: float = spec(0.999, help="AdamW beta2 (second-moment decay)", ge=0, lt=1)
+    adam_eps: float = spec(1e-8, help="AdamW epsilon", gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = spec(
+        "constant", help="learning rate after warm-up: constant, or a decay to lr x lr_min_ratio at max_steps"
+    )
+    lr_warmup_steps: int = spec(0, help="linear learning-rate warm-up from 0 over this many optimizer steps", ge=0)
+    lr_min_ratio: float = spec(
+        0.1, help="lr_schedule linear/cosine: the final learning rate as a fraction of lr", ge=0, le=1
+    )
+    skip_empty_steps: bool = spec(
+        True, help="no optimizer update for a batch whose advantages are all 0 (Adam would move on momentum)"
+    )
+    filter_groups: bool = spec(
+        False, help="dynamic sampling: drop groups whose rewards are all equal; new ones are issued in their place"
+    )
+    store_refresh_s: float = spec(0.05, help="how often the learner looks for new trajectory segments, seconds", gt=0)
     grad_clip: float = spec(1.0, help="clip the global gradient norm to this; 0 disables", ge=0)
     max_steps: int = spec(300, help="optimizer steps of the run; the run ends when the learner reaches it", ge=1)
     publish_every: int = spec(1, help="publish weights to the generators every this many optimizer steps", ge=1)

@@ -162,9 +162,10 @@ class SandboxComponent(submitit.helpers.Checkpointable):
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
-    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int):
+    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None):
         self.run_dir, self.cfg, self.seed = Path(run_dir), coordinator_cfg, seed
         self.weights = {d.name: d.weight for d in domains}
+        self.sizes = dict(sizes or {})  # {domain: number of tasks} of domains with a finite list
         self.group_size, self.batch_groups = learner_cfg.group_size, learner_cfg.batch_groups
         self.max_staleness, self.max_steps = learner_cfg.max_staleness, learner_cfg.max_steps
 
@@ -182,6 +183,7 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
             self.max_steps,
             self.seed,
             self.cfg,
+            getattr(self, "sizes", None),  # a component pickled by an older hpcrl has none
         )
         with Node(self.run_dir, "coordinator") as node:
             coord.serve(node, stop)

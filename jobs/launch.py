@@ -37,6 +37,7 @@ from hpcrl.jobs.components import (
     SandboxComponent,
     StoreComponent,
 )
+from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.domains import load_domains
 from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.sbatch import Resources
@@ -81,13 +82,17 @@ def plan(
     run_dir = Path(run_dir)
     if domains is None:
         domains = load_domains(cfg.domains, search_path)
+    cfg = resolve_charset(cfg, domains)  # every component builds the same tokenizer
     needs_sandbox = any(d.needs_executor for d in domains.values())
+    sizes = {name: d.size for name, d in domains.items() if d.size}
     seed = cfg.experiment.seed
     sandboxes = [f"sandbox-{i}" for i in range(cfg.sandbox.servers)] if needs_sandbox else []
     return [
         Role("store", "coordinator", StoreComponent(run_dir, cfg.store)),
         Role(
-            "coordinator", "coordinator", CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed)
+            "coordinator",
+            "coordinator",
+            CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes),
         ),
         *[Role(s, "sandbox", SandboxComponent(run_dir, cfg.sandbox, s)) for s in sandboxes],
         Role("learner", "learner", LearnerComponent(run_dir, cfg.learner, cfg.policy, seed)),

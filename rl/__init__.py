@@ -9,7 +9,9 @@ acknowledged delivery). `domains/` are the task families and their environments 
 `tasks` hands out episodes and `coordinator` leases them across generators with flow control;
 `sampler` and `generator` produce trajectories, `remote` links a generator to the run
 (coordinator, store, sandboxes, policy versions); `batch` groups trajectories, `algorithms`
-holds the losses, `learner` the DeepSpeed engine and `learner_service` its loop; `weights`
+holds the losses (`entropy` their log-probabilities and entropy, `schedule` the learning rate),
+`diagnostics` the per-step statistics of a batch, `alphabet` the tiny model's vocabulary from
+the domains, `learner` the DeepSpeed engine and `learner_service` its loop; `weights`
 publishes policy versions; `inprocess` runs generator and learner in one process for
 debugging; `synth` makes synthetic trajectories for benchmarks and drills.
 """

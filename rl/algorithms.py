@@ -2,14 +2,18 @@
 
     algo = make_algorithm(cfg.learner.algorithm)            # ALGORITHMS.get(name)(cfg)
     adv = algo.advantages(rewards, group_index)             # one value per trajectory
-    loss_sum, stats = algo.token_loss(logprobs, batch)      # summed over the batch's action tokens
+    loss_sum, stats = algo.token_loss(logprobs, batch, entropy)   # weighted sum over action tokens
+    den = algo.denominator([action tokens of each row])     # summed over ranks: loss = loss_sum / den
 
 Samples come from generators that may run a few policy versions behind the learner, so every
 action token carries the log-probability its *behaviour* policy gave it. The ratio
 r = pi_theta(a) / mu(a) = exp(logprob_now - logprob_behaviour) corrects for that staleness:
 
 * `grpo`: per token -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), the PPO surrogate with
-  the behaviour policy as the old policy (as in asynchronous GRPO); a separate upper bound
+  the behaviour policy as the old policy (as in asynchronous GRPO). The clip may be asymmetric:
+  clip_high > clip_low (DAPO's clip-higher) lets a token with a positive advantage gain more
+  probability per update (ratio up to 1 + clip_high) than one with a negative advantage may lose
+  (1 - clip_low), so rare tokens can still rise: a guard against entropy collapse. A separate upper bound
   `max_ratio` caps r for negative advantages too, where the PPO min() would let a very stale
   token's weight grow without bound.
 * `reinforce`: -min(r, max_ratio) A log pi_theta(a) with the weight held constant (truncated
@@ -17,13 +21,27 @@ r = pi_theta(a) / mu(a) = exp(logprob_now - logprob_behaviour) corrects for that
 
 Advantages are group-relative: each trajectory's reward minus the mean of its group (the
 episodes of one task instance), divided by the group's standard deviation when
-`normalize_std` is on. Losses are *sums*; the learner divides by the global action-token count
-so ranks and micro-batches of different sizes weigh every token the same.
+`normalize_std` is on.
+
+Losses are weighted *sums*; the learner divides them by a denominator summed over the whole
+batch (all ranks, all micro-batches), so ranks and micro-batches of different sizes give the
+same gradient as one big batch. `loss_agg` picks the weights and the denominator:
+
+* `token` (DAPO, TRL's default): weight 1 per action token, / the batch's action tokens;
+  every token counts the same, so long answers weigh more.
+* `seq` (the original GRPO): weight 1/|o_i| per token of sequence i, / the batch's sequences;
+  every sequence counts the same (a length bias: short wrong answers are pushed down harder).
+* `constant` (Dr. GRPO): weight 1, / (sequences x loss_len): no division by any length.
+
+`entropy_coef` adds an entropy bonus: each action token's loss gets -entropy_coef x H(pi(.|s_t)),
+with the same weights, so the gradient also spreads probability over the vocabulary (the policy
+keeps exploring prompts it has not solved, instead of answering them deterministically wrong).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,25 +99,52 @@ class Algorithm(abc.ABC):
     def token_losses(self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
         """Per-token losses [B, T-1] (masking happens in token_loss)."""
 
-    def token_loss(self, logprobs: torch.Tensor, batch: TokenBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """(sum of per-token losses over action tokens, statistics summed over those tokens)."""
+    def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """Each action token's weight in the loss sum ([B, T-1]; 0 off the action tokens)."""
+        if self.cfg.loss_agg == "seq":
+            return mask / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        return mask
+
+    def denominator(self, row_tokens: Sequence[int]) -> float:
+        """What rows with these action-token counts add to the batch's loss denominator."""
+        if self.cfg.loss_agg == "token":
+            return float(sum(row_tokens))
+        rows = float(sum(1 for n in row_tokens if n > 0))
+        return rows * self.cfg.loss_len if self.cfg.loss_agg == "constant" else rows
+
+    def token_loss(
+        self, logprobs: torch.Tensor, batch: TokenBatch, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(weighted sum of per-token losses over action tokens, statistics summed over those
+        tokens). `entropy` [B, T-1], each position's policy entropy, adds the entropy bonus
+        (differentiable) and the entropy statistics."""
         mask = batch.action_mask
         # Behaviour logprobs are 0 off the action tokens; mask before exp so padding cannot overflow.
         log_ratio = (logprobs - batch.behaviour_logprobs) * mask
         ratio = torch.exp(log_ratio)
         adv = batch.advantages[:, None].to(logprobs.dtype).expand_as(logprobs)
         losses = self.token_losses(logprobs, ratio, adv)
-        loss_sum = (losses * mask).sum()
+        if entropy is not None and self.cfg.entropy_coef:
+            losses = losses - self.cfg.entropy_coef * entropy
+        loss_sum = (losses * self.token_weights(mask)).sum()
         with torch.no_grad():
             lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
             clipped = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0)) | (ratio > self.cfg.max_ratio)
+            on = mask > 0
             stats = {
                 "tokens": float(mask.sum()),
+                "rows": float(on.any(-1).sum()),
                 "ratio_sum": float((ratio * mask).sum()),
+                "ratio_min": float(ratio[on].min()) if on.any() else 1.0,
+                "ratio_max": float(ratio[on].max()) if on.any() else 1.0,
                 "clipped_sum": float((clipped.float() * mask).sum()),
                 # k3 estimator of KL(mu || pi), non-negative per token
                 "kl_sum": float(((ratio - 1 - log_ratio) * mask).sum()),
             }
+            if entropy is not None:
+                first = on & (mask.cumsum(-1) == 1)  # each row's first action token
+                stats["entropy_sum"] = float((entropy * mask).sum())
+                stats["entropy_first_sum"] = float(entropy[first].sum())
         return loss_sum, stats
 
 

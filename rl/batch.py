@@ -9,6 +9,10 @@ A group is the trajectories of one task instance: same (domain, task). A group i
 when `group_size` of them arrived; then it is eligible if its oldest step's policy version is
 at most `max_staleness` behind the learner (older complete groups are dropped and counted).
 Groups leave in completion order, so training sees data roughly in the order it was made.
+With `filter_zero_variance` (dynamic sampling, as in DAPO) a complete group whose rewards are
+all equal is dropped on arrival (`filtered` counts its trajectories): its advantages would all
+be 0, so it carries no gradient, and the coordinator issues a new group in its place, so every
+batch is made of groups with a learning signal.
 
 One trajectory is one row: for each step its prompt, action and observation tokens, in order;
 only action tokens with loss_mask 1 are trained, each with the log-probability the generator
@@ -20,6 +24,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hpcrl.rl.algorithms import TokenBatch
@@ -33,8 +38,10 @@ class GroupBuffer:
     of trajectories dropped since the last call (stale, duplicate, or late for a closed group),
     so the learner's audit log accounts for every trajectory it read."""
 
-    def __init__(self, group_size: int):
+    def __init__(self, group_size: int, filter_zero_variance: bool = False):
         self.group_size = group_size
+        self.filter_zero_variance = filter_zero_variance
+        self.filtered = 0  # trajectories of zero-variance groups dropped (dynamic sampling)
         self._open: dict[tuple[str, str], dict[int, Trajectory]] = {}
         self._complete: collections.OrderedDict[tuple[str, str], list[Trajectory]] = collections.OrderedDict()
         # Groups already handed out or dropped -> their newest policy version. A late copy of one
@@ -56,7 +63,13 @@ class GroupBuffer:
             return
         group[traj.episode] = traj
         if len(group) == self.group_size:
-            self._complete[key] = list(self._open.pop(key).values())
+            members = list(self._open.pop(key).values())
+            if self.filter_zero_variance and len({t.final_reward for t in members}) == 1:
+                self._close(key, members)
+                self.filtered += len(members)
+                self._dropped.extend(t.id for t in members)
+                return
+            self._complete[key] = members
 
     def _drop(self, trajs, stale: bool) -> None:
         if stale:
@@ -114,7 +127,7 @@ class GroupBuffer:
             "complete": [t.to_dict() for g in self._complete.values() for t in g],
             "closed": [[d, t, v] for (d, t), v in self._closed.items()],
             "dropped": list(self._dropped),
-            "counters": [self.dropped_stale, self.duplicates],
+            "counters": [self.dropped_stale, self.duplicates, self.filtered],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -128,7 +141,8 @@ class GroupBuffer:
             if len(self._open[key]) == self.group_size:
                 self._complete[key] = list(self._open.pop(key).values())
         self._dropped = list(state["dropped"])
-        self.dropped_stale, self.duplicates = state["counters"]
+        self.dropped_stale, self.duplicates, *rest = state["counters"]
+        self.filtered = int(rest[0]) if rest else 0
 
 
 def layout(traj: Trajectory) -> tuple[list[int], list[float], list[float]]:
@@ -156,13 +170,16 @@ def collate(trajs: Sequence[Trajectory], advantages: torch.Tensor, pad_id: int) 
     rows = [layout(t) for t in trajs]
     width = max(len(ids) for ids, _, _ in rows)
     n = len(rows)
-    ids_t = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
-    mask_t = torch.zeros((n, width - 1))
-    behav_t = torch.zeros((n, width - 1))
+    # Filled as numpy arrays, converted once: a torch.as_tensor per row and field cost ~17 ms of
+    # a 256-row batch, ~15 % of the tiny model's training step.
+    ids_a = np.full((n, width), pad_id, dtype=np.int64)
+    attn = np.zeros((n, width), dtype=np.int64)
+    mask_a = np.zeros((n, width - 1), dtype=np.float32)
+    behav_a = np.zeros((n, width - 1), dtype=np.float32)
     for i, (ids, mask, behav) in enumerate(rows):
-        ids_t[i, : len(ids)] = torch.as_tensor(ids)
+        ids_a[i, : len(ids)] = ids
         attn[i, : len(ids)] = 1
-        mask_t[i, : len(mask)] = torch.as_tensor(mask)
-        behav_t[i, : len(behav)] = torch.as_tensor(behav)
-    return TokenBatch(ids_t, attn, mask_t, behav_t, advantages.float())
+        mask_a[i, : len(mask)] = mask
+        behav_a[i, : len(behav)] = behav
+    tensors = (torch.from_numpy(a) for a in (ids_a, attn, mask_a, behav_a))
+    return TokenBatch(*tensors, advantages.float())

@@ -80,10 +80,11 @@ class Coordinator:
         max_steps: int,
         seed: int,
         cfg: CoordinatorConfig,
+        sizes: Mapping[str, int | None] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.cfg = cfg
-        self.sampler = TaskSampler(weights, group_size, seed)
+        self.sampler = TaskSampler(weights, group_size, seed, sizes)  # sizes: domains' task counts
         self.group_size, self.batch_groups, self.max_steps = group_size, batch_groups, max_steps
         self.max_ahead = cfg.max_groups_ahead or max(1, max_staleness) * batch_groups
         self.queue: collections.deque[EpisodeTicket] = collections.deque()  # issued next, re-issues first
@@ -296,7 +297,7 @@ class Coordinator:
             "state": state,
             "started": self.started,
             "updated": time.time(),
-            "learner": {k: v for k, v in self.learner.items() if k != "reward_by_domain"},
+            "learner": {k: v for k, v in self.learner.items() if k not in ("reward_by_domain", "reward_by_prompt")},
             "reward_by_domain": self.learner.get("reward_by_domain", {}),
             "generators": self.generators,
             "leases": len(self.leases),

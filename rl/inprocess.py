@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcrl.core.config import Config, load_config
+from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.domains import SandboxJudge, load_domains
 from hpcrl.rl.generator import Generator
@@ -42,9 +43,10 @@ def train_in_process(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed = cfg.experiment.seed
+    domains = load_domains(cfg.domains)
+    cfg = resolve_charset(cfg, domains)
     learner = Learner(cfg.learner, cfg.policy, run_dir, seed=seed)
     resumed = learner.setup()
-    domains = load_domains(cfg.domains)
     executor = None
     if any(d.needs_executor for d in domains.values()):
         from hpcrl.sandbox.auto import make_backend
@@ -61,11 +63,12 @@ def train_in_process(
         executor=executor,
         weights=WeightStore(run_dir, keep=cfg.learner.keep_weights),
     )
-    sampler = TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, seed)
+    sizes = {name: d.size for name, d in domains.items()}
+    sampler = TaskSampler({d.name: d.weight for d in cfg.domains}, cfg.learner.group_size, seed, sizes)
     if "sampler" in resumed:
         sampler.restore(resumed["sampler"])  # new task instances, not the ones before the checkpoint
     source = LocalTaskSource(sampler)
-    buffer = GroupBuffer(cfg.learner.group_size)
+    buffer = GroupBuffer(cfg.learner.group_size, filter_zero_variance=cfg.learner.filter_groups)
     history: list[dict] = []
     t0 = time.perf_counter()
     try:
@@ -82,6 +85,7 @@ def train_in_process(
             m = learner.train_step(batch)
             m["elapsed_s"] = time.perf_counter() - t0
             m["generator_busy"] = gen.stats.busy_fraction
+            m["generated"], m["filtered"] = gen.stats.trajectories, buffer.filtered
             history.append(m)
             on_step(m)
             if learner.step % cfg.learner.checkpoint_every == 0:

@@ -35,8 +35,11 @@ import torch
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
 from hpcrl.rl.batch import collate
+from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
+from hpcrl.rl.entropy import logprobs_and_entropy
 from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device, token_logprobs
+from hpcrl.rl.schedule import lr_at, set_lr
 from hpcrl.rl.trajectory import Trajectory
 from hpcrl.rl.weights import WeightStore
 
@@ -134,7 +137,13 @@ class Learner:
         # Same seed on every rank: ZeRO-3 partitions one identical model.
         model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
         model.config.use_cache = False
-        opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+            eps=self.cfg.adam_eps,
+        )
         self.engine, *_ = ds.initialize(model=model, optimizer=opt, config=config)
 
         extra: dict[str, Any] = {}
@@ -163,36 +172,49 @@ class Learner:
         rewards = torch.tensor([t.final_reward for t in trajs])
         gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g])
         adv = self.algorithm.advantages(rewards, gidx)
+        # Every advantage 0 (no group with reward variance): no policy gradient, yet an Adam step
+        # would still move every weight on momentum (and on the entropy bonus alone). Skip it:
+        # the step counts, the weights, the optimizer state and the version stay.
+        skip = self.cfg.skip_empty_steps and bool((adv.abs() < 1e-12).all())
 
         mine = list(range(self.rank, len(trajs), self.world))
         # Longest first in each micro-batch keeps padding low; the chunk count is the same on
         # every rank, because each forward pass gathers ZeRO-3 shards collectively.
         mine.sort(key=lambda i: -trajs[i].n_tokens)
         chunks = [mine[i :: self.micro_steps] for i in range(self.micro_steps)]
-        local_tokens = sum(sum(s.loss_mask.sum() for s in trajs[i].steps) for i in mine)
-        total = torch.tensor([float(local_tokens)])
+        local_den = self.algorithm.denominator([int(sum(s.loss_mask.sum() for s in trajs[i].steps)) for i in mine])
+        total = torch.tensor([local_den])
         torch.distributed.all_reduce(total)
-        total_tokens = max(float(total.item()), 1.0)
+        total_den = max(float(total.item()), 1.0)
+        lr = lr_at(self.cfg, self.step)
+        set_lr(self.engine.optimizer, lr)
 
         stats: dict[str, float] = defaultdict(float)
+        ratio_lo, ratio_hi = float("inf"), float("-inf")
         self.engine.train()
-        for chunk in chunks:
+        for chunk in [] if skip else chunks:
             loss_sum, st = self._micro_step(chunk, trajs, adv)
-            # DeepSpeed averages gradients over ranks: scale so the result is the mean over all
-            # action tokens of the whole batch, whatever each rank and micro-batch holds.
-            loss = loss_sum * (self.world / total_tokens)
+            # DeepSpeed averages gradients over ranks: scale so the result is the batch's loss
+            # (loss_agg's weighted sum over the whole batch / its denominator), whatever each
+            # rank and micro-batch holds.
+            loss = loss_sum * (self.world / total_den)
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()
+            ratio_lo, ratio_hi = min(ratio_lo, st.pop("ratio_min")), max(ratio_hi, st.pop("ratio_max"))
             for k, v in st.items():
                 stats[k] += v
             stats["loss_sum"] += float(loss_sum.detach())
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        diag = batch_diagnostics(groups, adv, self.version, self.tokenizer.eos_token_id, decode)
         self.step += 1
-        self.version += 1
-        summed = torch.tensor(
-            [stats["loss_sum"], stats["ratio_sum"], stats["clipped_sum"], stats["kl_sum"], stats["tokens"]]
-        )
+        self.version += 0 if skip else 1
+        keys = ("loss_sum", "ratio_sum", "clipped_sum", "kl_sum", "tokens", "rows", "entropy_sum", "entropy_first_sum")
+        summed = torch.tensor([stats[k] for k in keys])
         torch.distributed.all_reduce(summed)
-        loss_s, ratio_s, clip_s, kl_s, tok = summed.tolist()
+        loss_s, ratio_s, clip_s, kl_s, tok, rows, ent_s, ent1_s = summed.tolist()
+        extremes = torch.tensor([-ratio_lo, ratio_hi])
+        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        nan = float("nan")
         by_domain: dict[str, list[float]] = defaultdict(list)
         for t in trajs:
             by_domain[t.domain].append(t.final_reward)
@@ -200,18 +222,25 @@ class Learner:
         out = {
             "step": self.step,
             "version": self.version,
-            "loss": loss_s / max(tok, 1.0),
+            "loss": loss_s / total_den,
             "reward": float(rewards.mean()),
             "reward_by_domain": {d: sum(v) / len(v) for d, v in by_domain.items()},
-            "ratio_mean": ratio_s / max(tok, 1.0),
-            "clip_fraction": clip_s / max(tok, 1.0),
-            "kl": kl_s / max(tok, 1.0),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "ratio_mean": ratio_s / tok if tok else nan,
+            "ratio_min": -float(extremes[0]) if tok else nan,
+            "ratio_max": float(extremes[1]) if tok else nan,
+            "clip_fraction": clip_s / tok if tok else nan,
+            "kl": kl_s / tok if tok else nan,
+            "entropy": ent_s / tok if tok else nan,
+            "entropy_first": ent1_s / rows if rows else nan,
+            "grad_norm": float(grad_norm) if grad_norm is not None and not skip else nan,
             "action_tokens": int(tok),
-            "staleness_max": max(self.version - 1 - t.min_policy_version for t in trajs),
+            "staleness_max": max(int(k) for k in diag["staleness_hist"]),
+            "lr": lr,
+            "skipped": skip,
+            **diag,
             "step_s": time.perf_counter() - t0,
         }
-        if self.step % self.cfg.publish_every == 0:
+        if not skip and self.step % self.cfg.publish_every == 0:
             self.publish()
         return out
 
@@ -221,7 +250,7 @@ class Learner:
             # collective parameter gathers inside forward stay in step across ranks.
             ids = torch.tensor([[self.pad_id, self.pad_id]], device=self.device)
             lp = token_logprobs(self.engine, ids, torch.ones_like(ids))
-            return (lp * 0.0).sum(), {"tokens": 0.0, "ratio_sum": 0.0, "clipped_sum": 0.0, "kl_sum": 0.0}
+            return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
         tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id)
         tb = type(tb)(
             *(
@@ -229,8 +258,9 @@ class Learner:
                 for x in (tb.input_ids, tb.attention_mask, tb.action_mask, tb.behaviour_logprobs, tb.advantages)
             )
         )
-        lp = token_logprobs(self.engine, tb.input_ids, tb.attention_mask)
-        return self.algorithm.token_loss(lp, tb)
+        grad_entropy = self.cfg.algorithm.entropy_coef > 0
+        lp, entropy = logprobs_and_entropy(self.engine, tb.input_ids, tb.attention_mask, grad_entropy)
+        return self.algorithm.token_loss(lp, tb, entropy)
 
     # -- weights and checkpoints ----------------------------------------------------------
 

@@ -53,9 +53,11 @@ class _Rank0:
         self.pub = VersionPublisher(self.node)
         self.coord = RequestClient(self.node, "coordinator", timeout_s=2.0, retries=1, discover_timeout_s=60.0)
         (run_dir / "trajectories").mkdir(exist_ok=True)
-        self.reader = StoreReader(run_dir / "trajectories")  # staleness is the buffer's call, per group
+        # Staleness is the buffer's call, per group. The refresh interval paces the whole pipeline:
+        # the learner sees a flushed segment only at its next refresh (0.5 s halved throughput).
+        self.reader = StoreReader(run_dir / "trajectories", refresh_s=cfg.store_refresh_s)
         self.reader.load_state_dict(extra.get("reader", {}))
-        self.buffer = GroupBuffer(cfg.group_size)
+        self.buffer = GroupBuffer(cfg.group_size, filter_zero_variance=cfg.filter_groups)
         self.buffer.load_state_dict(extra.get("buffer", {}))
         self.trained_groups = int(extra.get("trained_groups", 0))
         self.life = int(extra.get("life", 0)) + 1
@@ -65,6 +67,7 @@ class _Rank0:
         self.pub.publish(learner.version)
         self._busy = 0.0
         self._meter = BusyMeter()
+        self.wait_s = 0.0  # waiting for data since the last step
 
     def _write(self, rec: dict) -> None:
         self.audit.write(json.dumps(rec) + "\n")
@@ -72,6 +75,13 @@ class _Rank0:
         os.fsync(self.audit.fileno())
 
     def next_groups(self, deadline: float):
+        t0 = time.perf_counter()
+        try:
+            return self._next_groups(deadline)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def _next_groups(self, deadline: float):
         while True:
             got = self.buffer.pop(self.cfg.batch_groups, self.learner.version, self.cfg.max_staleness)
             if got is not None:
@@ -85,10 +95,9 @@ class _Rank0:
             self.pub.tick()
 
     def _counts(self) -> dict:
-        return {
-            "trained_groups": self.trained_groups,
-            "dropped_groups": self.buffer.dropped_stale // self.cfg.group_size,
-        }
+        # Filtered (zero-variance) groups were consumed too: the coordinator issues new ones for them.
+        dropped = (self.buffer.dropped_stale + self.buffer.filtered) // self.cfg.group_size
+        return {"trained_groups": self.trained_groups, "dropped_groups": dropped}
 
     def _progress(self) -> None:
         """While waiting for data, tell the coordinator what was consumed (dropped groups count):
@@ -120,9 +129,12 @@ class _Rank0:
             **self._counts(),
             dropped_stale=self.buffer.dropped_stale,
             duplicates=self.buffer.duplicates,
+            filtered=self.buffer.filtered,
+            wait_s=self.wait_s,
             busy_fraction=self._meter.fraction(self._busy),
             life=self.life,
         )
+        self.wait_s = 0.0
         try:
             self.coord.request("learner", m)
             self._reported = self._counts()

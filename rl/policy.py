@@ -81,8 +81,9 @@ def build_tiny_model(tiny: TinyModelConfig, vocab_size: int, seed: int, pad_id: 
         num_attention_heads=tiny.num_heads,
         num_key_value_heads=tiny.num_heads,
         max_position_embeddings=tiny.max_context,
-        # Untied: the published weight file then holds every parameter exactly once by name.
-        tie_word_embeddings=False,
+        # Tied, the published weight file holds the shared tensor once (full_state_dict), and
+        # load_weights accepts that.
+        tie_word_embeddings=tiny.tie_embeddings,
         pad_token_id=pad_id,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
@@ -150,7 +151,10 @@ class Policy:
 
 def load_tokenizer(cfg: PolicyConfig):
     if cfg.path is None:
-        return build_char_tokenizer()
+        # "auto" is resolved against the run's domains where the run is launched (rl/alphabet.py);
+        # unresolved (a learner or generator built directly) it means printable ASCII.
+        charset = cfg.tiny.charset
+        return build_char_tokenizer(CHARSET if charset in ("auto", "printable") else charset)
     from transformers import AutoTokenizer
 
     path = _local_folder(cfg.path)

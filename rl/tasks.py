@@ -1,6 +1,7 @@
 """Handing out episodes: which domain, which task instance, which episode number.
 
-    sampler = TaskSampler({"arith/max2": 1.0, "code-repair": 0.1}, group_size=8, seed=0)
+    sampler = TaskSampler({"arith/max2": 1.0, "code-repair": 0.1}, group_size=8, seed=0,
+                          sizes={"code-repair": 164})   # domains with a finite list of tasks
     tickets = sampler.next_group()        # 8 EpisodeTickets of one task instance (a GRPO group)
 
     source = LocalTaskSource(sampler)     # what a generator pulls from when run in-process
@@ -10,6 +11,13 @@ A ticket is plain data, so the coordinator can send it to a generator over the w
 one group share (domain, task index); the task id the domain gives that index names the group
 in the trajectory store. Episode numbers are unique within a sampler's life; a resumed sampler
 continues from its saved `state()`.
+
+A domain with a finite list of n tasks (`Domain.size`) is visited in passes: pass p hands out
+indices p x n + perm_p(0..n-1), where perm_p is a permutation seeded by (seed, domain, p). Every
+pass holds each task once, consecutive groups are not neighbours in the list (a batch of one
+domain's first 32 prompts is one corner of the task, `a+b=` with a in 0..3), and since perm_p is
+a pure function of those three, a resumed sampler continues the same order. The domain sees the
+index and takes task index mod n.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ class EpisodeFailed(RuntimeError):
 class TaskSampler:
     """Weighted choice of domain per group; a per-domain counter picks the task instance."""
 
-    def __init__(self, weights: Mapping[str, float], group_size: int, seed: int):
+    def __init__(
+        self, weights: Mapping[str, float], group_size: int, seed: int, sizes: Mapping[str, int | None] | None = None
+    ):
         if not weights:
             raise ValueError("TaskSampler: no domains; list at least one under `domains:` in the config")
         bad = {k: w for k, w in weights.items() if not w > 0}
@@ -52,12 +62,15 @@ class TaskSampler:
         self.group_size = group_size
         self._rng = random.Random(seed)
         self._next_index = {n: 0 for n in self.names}
+        self._seed = seed
+        self._sizes = {n: int(k) for n, k in (sizes or {}).items() if n in self._next_index and k}
+        self._perm: dict[str, tuple[int, list[int]]] = {}  # domain -> (pass, its permutation)
         self._next_episode = 0
         self._next_group = 0
 
     def next_group(self) -> list[EpisodeTicket]:
         domain = self._rng.choices(self.names, self.weights)[0]
-        index = self._next_index[domain]
+        index = self._task_index(domain, self._next_index[domain])
         self._next_index[domain] += 1
         group = self._next_group
         self._next_group += 1
@@ -66,6 +79,18 @@ class TaskSampler:
             out.append(EpisodeTicket(domain, index, self._next_episode, group))
             self._next_episode += 1
         return out
+
+    def _task_index(self, domain: str, position: int) -> int:
+        n = self._sizes.get(domain)
+        if not n:
+            return position
+        p, pos = divmod(position, n)
+        cached = self._perm.get(domain)
+        if cached is None or cached[0] != p:
+            order = list(range(n))
+            random.Random(f"{self._seed}:{domain}:{p}").shuffle(order)  # a str seed: the same in every process
+            cached = self._perm[domain] = (p, order)
+        return p * n + cached[1][pos]
 
     def state(self) -> dict:
         """JSON-able state: enough to continue without repeating an episode number or task index."""

@@ -155,3 +155,139 @@ def test_group_buffer_completes_groups_and_drops_stale_ones():
     again.add(traj("t2", 7, 0.0, versions=(5,)))
     assert again.drained() == ["r/g/7"]
     assert [[t.episode for t in g] for g in again.pop(1, version=5, max_staleness=2)] == [[0, 1]]
+
+
+# -- the researcher's options: loss aggregation, clip-higher, entropy bonus, dynamic sampling ----
+
+
+def two_rows(adv0: float, adv1: float) -> TokenBatch:
+    """Row 0 has one action token (slot 1), row 1 three (slots 1-3); on-policy (ratio 1)."""
+    return TokenBatch(
+        input_ids=torch.zeros(2, 5, dtype=torch.long),
+        attention_mask=torch.ones(2, 5, dtype=torch.long),
+        action_mask=torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]]),
+        behaviour_logprobs=torch.tensor([[0.0, -1.0, 0.0, 0.0], [0.0, -1.0, -1.0, -1.0]]),
+        advantages=torch.tensor([adv0, adv1]),
+    )
+
+
+@pytest.mark.parametrize(
+    "agg, den, g0, g1",
+    [
+        # -A w / den with A = 2 (row 0), -1 (row 1); token (DAPO): every token / 4 tokens in the batch
+        ("token", 4.0, -2.0 / 4, 1.0 / 4),
+        # seq (GRPO): each token / its row's length, / 2 sequences
+        ("seq", 2.0, -2.0 / 1 / 2, 1.0 / 3 / 2),
+        # constant (Dr. GRPO), L = 8: every token / (2 sequences x 8)
+        ("constant", 16.0, -2.0 / 16, 1.0 / 16),
+    ],
+)
+def test_loss_aggregation_gradient_per_token(agg, den, g0, g1):
+    algo = make_algorithm(AlgorithmConfig(name="grpo", loss_agg=agg, loss_len=8, entropy_coef=0.0))
+    assert algo.denominator([1, 3]) == den
+    assert algo.denominator([1]) + algo.denominator([3]) == den  # ranks' shares add up
+    lp = torch.full((2, 4), -1.0, requires_grad=True)
+    loss_sum, stats = algo.token_loss(lp, two_rows(2.0, -1.0))
+    (loss_sum / den).backward()
+    # d(-r A w / den)/d logp at r = 1: -A w / den, 0 off the action tokens
+    expected = torch.tensor([[0.0, g0, 0.0, 0.0], [0.0, g1, g1, g1]])
+    assert torch.allclose(lp.grad, expected, atol=1e-7), lp.grad
+    assert stats["tokens"] == 4.0 and stats["rows"] == 2.0
+
+
+def test_clip_higher_lets_a_rare_good_token_rise_further():
+    # Positive advantage, ratio e^0.22 = 1.246: clipped by a symmetric 0.2, not by clip-higher 0.28.
+    sym = make_algorithm(AlgorithmConfig(name="grpo", clip_low=0.2, clip_high=0.2))
+    high = make_algorithm(AlgorithmConfig(name="grpo", clip_low=0.2, clip_high=0.28))
+    g, _, stats = grad_of(sym, -0.78, -1.0, adv=1.0)
+    assert g == 0.0 and stats["clipped_sum"] == 1.0
+    g, _, stats = grad_of(high, -0.78, -1.0, adv=1.0)
+    assert g == pytest.approx(-np.exp(0.22), rel=1e-5) and stats["clipped_sum"] == 0.0
+    # The lower bound is still 1 - clip_low: a negative advantage at ratio e^-0.25 = 0.78 is clipped.
+    g, _, stats = grad_of(high, -1.25, -1.0, adv=-1.0)
+    assert g == 0.0 and stats["clipped_sum"] == 1.0
+    # Above 1 + clip_high the positive side is clipped again.
+    g, _, _ = grad_of(high, -0.7, -1.0, adv=1.0)
+    assert g == 0.0
+
+
+class _Logits(torch.nn.Module):
+    """A 'model' whose logits are a parameter [1, T, V]: the gradient reaches them directly."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits.clone())
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache):
+        return type("Out", (), {"logits": self.logits})()
+
+
+def test_entropy_bonus_gradient_is_the_entropy_gradient():
+    from hpcrl.rl.entropy import logprobs_and_entropy
+
+    z = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0], [0.0, 0.0, 0.0]]])  # position 1 predicts token 2
+    model = _Logits(z)
+    ids = torch.tensor([[0, 1, 2]])
+    batch = TokenBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        action_mask=torch.tensor([[0.0, 1.0]]),  # only token 2 (predicted at position 1) is an action
+        behaviour_logprobs=torch.zeros(1, 2),
+        advantages=torch.tensor([0.0]),  # no policy gradient: only the bonus acts
+    )
+    c = 0.1
+    algo = make_algorithm(AlgorithmConfig(name="grpo", entropy_coef=c))
+    lp, ent = logprobs_and_entropy(model, ids, batch.attention_mask, grad_entropy=True)
+    loss_sum, stats = algo.token_loss(lp, batch, ent)
+    loss_sum.backward()
+    p = torch.softmax(z[0, 1], -1)
+    h = -(p * p.log()).sum()
+    assert stats["entropy_sum"] == pytest.approx(float(h), rel=1e-6)
+    assert stats["entropy_first_sum"] == pytest.approx(float(h), rel=1e-6)
+    # loss = -c H; dH/dz_k = -p_k (log p_k + H), so d loss/dz_k = c p_k (log p_k + H)
+    assert torch.allclose(model.logits.grad[0, 1], c * p * (p.log() + h), atol=1e-7)
+    assert torch.equal(model.logits.grad[0, 0], torch.zeros(3))  # not an action position
+    # entropy_coef 0: the entropy is measured, detached, and adds no gradient
+    model.logits.grad = None
+    off = make_algorithm(AlgorithmConfig(name="grpo", entropy_coef=0.0))
+    lp, ent = logprobs_and_entropy(model, ids, batch.attention_mask, grad_entropy=False)
+    assert not ent.requires_grad
+    loss_sum, stats = off.token_loss(lp, batch, ent)
+    loss_sum.backward()
+    assert torch.equal(model.logits.grad, torch.zeros_like(z)) and stats["entropy_sum"] > 0
+
+
+def test_dynamic_sampling_drops_zero_variance_groups():
+    buf = GroupBuffer(group_size=2, filter_zero_variance=True)
+    for t in (traj("flat", 0, 1.0), traj("flat", 1, 1.0), traj("good", 2, 1.0), traj("good", 3, 0.0)):
+        buf.add(t)
+    assert buf.complete_groups == 1 and buf.filtered == 2
+    assert buf.drained() == ["r/g/0", "r/g/1"]  # accounted for in the audit log
+    buf.add(traj("flat", 4, 0.0))  # a late copy for the filtered group is refused
+    assert buf.drained() == ["r/g/4"] and buf.duplicates == 1
+    state = json.loads(json.dumps(buf.state_dict()))
+    assert [[t.task for t in g] for g in buf.pop(1, version=0, max_staleness=2)] == [["good", "good"]]
+    again = GroupBuffer(group_size=2, filter_zero_variance=True)
+    again.load_state_dict(state)
+    assert again.filtered == 2 and again.complete_groups == 1
+    keep = GroupBuffer(group_size=2)  # off (the default): all-equal groups are trained
+    keep.add(traj("flat", 0, 1.0))
+    keep.add(traj("flat", 1, 1.0))
+    assert keep.complete_groups == 1 and keep.filtered == 0
+
+
+def test_lr_schedule():
+    from hpcrl.core.config import LearnerConfig
+    from hpcrl.rl.schedule import lr_at, set_lr
+
+    warm = LearnerConfig(lr=1e-3, lr_warmup_steps=4, max_steps=104)
+    assert [lr_at(warm, s) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    cos = LearnerConfig(lr=1e-3, lr_schedule="cosine", lr_warmup_steps=4, lr_min_ratio=0.1, max_steps=104)
+    assert lr_at(cos, 4) == pytest.approx(1e-3)
+    assert lr_at(cos, 54) == pytest.approx(0.55e-3)  # half-way: the mean of lr and lr x min_ratio
+    assert lr_at(cos, 104) == pytest.approx(1e-4) and lr_at(cos, 500) == pytest.approx(1e-4)
+    lin = LearnerConfig(lr=1e-3, lr_schedule="linear", lr_min_ratio=0.0, max_steps=100)
+    assert lr_at(lin, 0) == pytest.approx(1e-3) and lr_at(lin, 25) == pytest.approx(0.75e-3)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    set_lr(opt, 0.25)
+    assert opt.param_groups[0]["lr"] == 0.25

@@ -215,3 +215,48 @@ def test_code_domains_refuse_to_run_without_a_sandbox():
     d = get_domain("code-repair/name-error")
     with pytest.raises(ValueError, match="needs a sandbox"):
         d.make_env(d.task(0))
+
+
+def test_sampler_visits_a_finite_task_list_in_a_seeded_order_per_pass():
+    from hpcrl.rl.tasks import TaskSampler
+
+    def indices(sampler, n):
+        return [sampler.next_group()[0].task_index for _ in range(n)]
+
+    s = TaskSampler({"d": 1.0}, group_size=2, seed=3, sizes={"d": 10})
+    first, second = indices(s, 10), indices(s, 10)
+    assert sorted(first) == list(range(10)) and first != list(range(10))  # a permutation, shuffled
+    assert sorted(second) == list(range(10, 20)) and [i - 10 for i in second] != first  # next pass, new order
+    again = TaskSampler({"d": 1.0}, group_size=2, seed=3, sizes={"d": 10})
+    assert indices(again, 20) == first + second  # a pure function of (seed, domain, pass)
+    # resumed mid-pass from its saved state: the same order goes on
+    a = TaskSampler({"d": 1.0}, group_size=2, seed=3, sizes={"d": 10})
+    indices(a, 7)
+    b = TaskSampler({"d": 1.0}, group_size=2, seed=3, sizes={"d": 10})
+    b.restore(a.state())
+    assert indices(b, 13) == (first + second)[7:]
+    assert indices(TaskSampler({"d": 1.0}, 2, seed=4, sizes={"d": 10}), 10) != first  # the seed matters
+    assert indices(TaskSampler({"d": 1.0}, 2, seed=3), 5) == [0, 1, 2, 3, 4]  # no size: plain counter
+    # the domain maps the index back onto its list
+    d = PromptDomain("q", [(f"{i}?", str(i)) for i in range(10)])
+    assert d.size == 10 and d.task(first[0] + 10).prompt == f"{first[0]}?"
+
+
+def test_charset_auto_is_the_domains_alphabet():
+    from hpcrl.rl.alphabet import domain_charset, resolve_charset
+    from hpcrl.rl.policy import Policy
+
+    sums = PromptDomain("sum", [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)])
+    assert sums.alphabet == "+0123456789="
+    arith = load_domains([DomainConfig(name="arith/copy"), DomainConfig(name="arith/max3-retry2")])
+    cfg = resolve_charset(load_config(None), arith)
+    assert cfg.policy.tiny.charset == "\n 0123456789:acmnopxy"
+    policy = Policy.load(cfg.policy, seed=0, build_model=False)
+    assert len(policy.tokenizer) == 4 + 21
+    for d in arith.values():  # every prompt and feedback is in the vocabulary
+        for i in range(200):
+            assert policy.tokenizer.unk_token_id not in policy.encode(d.task(i).prompt + " no\n")
+    # a domain without an alphabet (code, free text) keeps printable ASCII; explicit charsets stay
+    assert domain_charset({"sum": sums, "synth": get_domain("synth")}) == "printable"
+    assert resolve_charset(load_config(None, ["policy.tiny.charset=0123+="]), arith).policy.tiny.charset == "0123+="
+    assert len(Policy.load(load_config(None).policy, 0, build_model=False).tokenizer) == 4 + 97  # unresolved auto

@@ -203,3 +203,23 @@ def test_checkpoint_resume_restores_model_and_optimizer(setup):
     assert_close(weights(run, 3), w_after_1, atol=0)
     # ... and the same second step from the restored model and optimizer gives the same weights.
     assert_close(weights(run, 4), w_after_2, atol=1e-6)
+
+
+def test_a_batch_without_signal_leaves_weights_and_optimizer_untouched(setup):
+    """skip_empty_steps: every advantage 0 (all rewards equal) -> no update, no Adam step, no new
+    version; training goes on exactly as if the batch had never come."""
+    tmp, cfg, batches = setup
+    b1, b2 = json.loads(batches.read_text())
+    flat = [[dict(t, final_reward=1.0) for t in g] for g in b1]
+    with_flat, without = tmp / "with_flat.json", tmp / "without.json"
+    with_flat.write_text(json.dumps([b1, flat, b2]))
+    without.write_text(json.dumps([b1, b2]))
+    a = run_ranks(1, cfg, tmp / "skip_a", with_flat, tmp / "skip_a")[0]
+    b = run_ranks(1, cfg, tmp / "skip_b", without, tmp / "skip_b")[0]
+    skipped = a["steps"][1]
+    assert skipped["skipped"] and skipped["step"] == 2 and skipped["version"] == 1
+    assert skipped["zero_var_groups"] == 1.0 and skipped["adv_nonzero"] == 0.0
+    assert [s["skipped"] for s in b["steps"]] == [False, False] and a["end_version"] == b["end_version"] == 2
+    # The entropy bonus (on by default) would have moved the weights on that batch; it did not.
+    assert_close(weights(tmp / "skip_a", 2), weights(tmp / "skip_b", 2), atol=0)
+    assert a["steps"][2]["loss"] == pytest.approx(b["steps"][1]["loss"], abs=1e-7)

@@ -61,7 +61,9 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
         domains = load_domains(cfg.domains, search)
     except DomainError as exc:
         raise UsageError(str(exc)) from None
-    return cfg, search, domains
+    from hpcrl.rl.alphabet import resolve_charset
+
+    return resolve_charset(cfg, domains), search, domains
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,9 @@
 Creates the run directory, submits the store writer, coordinator, sandbox servers (when a
 domain executes code), the learner and the generators, shows one progress line (step, reward,
 trajectories/s, busy fraction per role), restarts components that die, and at the end stops
-everything cleanly and writes reward.png into the run directory. Ctrl-C, SIGTERM or SIGHUP
+everything cleanly and writes reward.png and diagnostics.png (entropy, zero-variance groups,
+advantages, importance ratio, staleness, completion length, per-prompt success: jobs/diagnostics.py)
+into the run directory. Ctrl-C, SIGTERM or SIGHUP
 stop the run the same way (the learner checkpoints); if this process is killed outright, its
 jobs notice and stop by themselves. Exit code 0 when the learner reached learner.max_steps.
 """
@@ -37,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from hpcrl.jobs.cli import load_experiment
+    from hpcrl.jobs.diagnostics import write_diagnostics_png
     from hpcrl.jobs.launch import plan
     from hpcrl.jobs.report import progress_line, read_metrics, write_reward_png
     from hpcrl.jobs.rundir import create_run_dir
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             print()
         jobs.shutdown()
     png = write_reward_png(run_dir)
+    diag = write_diagnostics_png(run_dir)
     rows = read_metrics(run_dir)
     if rows:
         first, last = rows[0], rows[-1]
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if png:
         print(f"reward curve: {png}")
+    if diag:
+        print(f"learner diagnostics: {diag}")
     if not ok:
         print(f"run not finished; `hpcrl status {run_dir}` shows where it stopped", file=sys.stderr)
     return 0 if ok else 1

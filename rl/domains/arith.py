@@ -47,6 +47,9 @@ class ArithDomain(Domain):
         self.action = ActionSpec(max_tokens=1)
         self.turns = int(m["t"] or 1)
         self._m = m
+        # The characters of every prompt, answer and feedback of the variant (policy.tiny.charset: auto).
+        words = "copy:" if m["base"] == "copy" else "+mod=" if m["base"].startswith("add") else f"{m['mm']}:"
+        self.alphabet = "".join(sorted(set("0123456789 " + words + (" no\n" if self.turns > 1 else ""))))
 
     def task(self, index: int) -> Task:
         if index < 0:

@@ -49,6 +49,14 @@ class Domain(abc.ABC):
     action: ActionSpec
     #: True when make_env needs an executor (a sandbox)
     needs_executor: bool = False
+    #: how many distinct tasks there are when they form a finite list (task `index` is number
+    #: index mod size); the sampler then visits them in a seeded random order, pass by pass.
+    #: None: every index is a task of its own
+    size: int | None = None
+    #: every character the domain's prompts, observations and right answers use, when it is a
+    #: closed set; `policy.tiny.charset: auto` builds the tiny model's tokenizer from the
+    #: configured domains' alphabets. None: any text (printable ASCII)
+    alphabet: str | None = None
 
     @abc.abstractmethod
     def task(self, index: int) -> Task:
@@ -83,9 +91,12 @@ class PromptDomain(Domain):
         def make_domain(name):
             return PromptDomain(name, prompts=[("2*3=", "6"), ...], reward="exact", max_tokens=4)
 
-    `prompts` is a sequence of (prompt, answer) pairs; task `index` uses pair `index % len`.
+    `prompts` is a sequence of (prompt, answer) pairs; task `index` uses pair `index % len`
+    (`size` is their number, so the sampler goes through them in a seeded random order).
     `reward` is a registered reward's name (rl/domains/rewards.py) or a callable
-    `reward(action, task, feedback)`; it sees the answer as `task.data["answer"]`.
+    `reward(action, task, feedback)`; it sees the answer as `task.data["answer"]`. `alphabet`
+    "auto" is the characters of the prompts and answers; pass the characters when a right
+    answer may use others, or None for any text.
     """
 
     def __init__(
@@ -95,6 +106,7 @@ class PromptDomain(Domain):
         reward: str | Callable[..., float] = "exact",
         max_tokens: int = 16,
         stop: tuple[str, ...] = (),
+        alphabet: str | None = "auto",
     ):
 
         pairs = [tuple(p) for p in prompts]
@@ -112,6 +124,10 @@ class PromptDomain(Domain):
         self.action = ActionSpec(max_tokens, tuple(stop))
         self._pairs = pairs
         self._reward = reward
+        self.size = len(pairs)
+        if alphabet == "auto":
+            alphabet = "".join(sorted({c for p, a in pairs for c in p + str(a)}))
+        self.alphabet = alphabet
 
     def task(self, index: int) -> Task:
         prompt, answer = self._pairs[index % len(self._pairs)]

@@ -265,12 +265,15 @@ def read_shard(path: Path) -> ShardState:
     return ShardState(path, manifest, names, error, sorted(tmps), FENCE_NAME in entries)
 
 
-def list_shards(store: Path) -> list[ShardState]:
-    """Every shard directory under `store` (not quarantine), oldest name first."""
+def list_shards(store: Path, skip: frozenset[str] | set[str] = frozenset()) -> list[ShardState]:
+    """Every shard directory under `store` (not quarantine), oldest name first; the shards named
+    in `skip` (a reader's finalized ones: they never change) are not read again."""
     if not store.is_dir():
         return []
     out = []
     for entry in sorted(os.listdir(store)):
+        if entry in skip:
+            continue
         p = store / entry
         if entry != QUARANTINE_DIR and p.is_dir() and WRITER_NAME_RE.fullmatch(entry.split(".", 1)[0]):
             out.append(read_shard(p))

@@ -120,7 +120,10 @@ class StoreReader:
     def refresh(self) -> None:
         """Rescan the store for new shards and segments (cheap: directory listings only)."""
         self._last_refresh = time.monotonic()
-        for state in list_shards(self.store):
+        # A finalized shard never changes: re-reading every one's listing and manifest made a
+        # refresh cost O(whole store) (67 ms at 5,000 segments, and growing all run).
+        done = {name for name, shard in self._shards.items() if shard.finalized}
+        for state in list_shards(self.store, skip=done):
             shard = self._shards.setdefault(state.name, _Shard(state.path))
             if shard.finalized:
                 continue

@@ -1,0 +1,37 @@
+"""The learner's learning-rate schedule: linear warm-up, then constant, linear or cosine decay.
+
+    lr = lr_at(cfg.learner, step)          # the rate for optimizer step `step` (0-based)
+    set_lr(engine.optimizer, lr)           # every parameter group
+
+Step s < lr_warmup_steps trains at lr x (s + 1) / lr_warmup_steps. After the warm-up,
+`constant` keeps lr; `linear` and `cosine` decay from lr to lr x lr_min_ratio at `max_steps`
+(and stay there if the run goes on). The schedule is a pure function of the step, which the
+learner's checkpoint restores, so a resumed run continues on the same curve.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hpcrl.core.config import LearnerConfig
+
+__all__ = ["lr_at", "set_lr"]
+
+
+def lr_at(cfg: LearnerConfig, step: int) -> float:
+    base, warm = cfg.lr, cfg.lr_warmup_steps
+    if step < warm:
+        return base * (step + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return base
+    frac = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    low = base * cfg.lr_min_ratio
+    if cfg.lr_schedule == "linear":
+        return base - (base - low) * frac
+    return low + 0.5 * (base - low) * (1.0 + math.cos(math.pi * frac))
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """Set `lr` on every parameter group (a torch optimizer or DeepSpeed's wrapper of one)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -85,6 +85,25 @@ class SlurmConfig:
         help="sandbox servers (a job array, one server per task)",
     )
 
+    def validate(self):
+        lr = self.learner
+        if lr.gpus_per_node > 0 and lr.tasks_per_node != lr.gpus_per_node:
+            yield (
+                "learner.tasks_per_node",
+                f"the learner runs one rank per GPU: set slurm.learner.tasks_per_node: {lr.gpus_per_node} to match "
+                f"gpus_per_node: {lr.gpus_per_node} (got {lr.tasks_per_node}; "
+                f"{abs(lr.gpus_per_node - lr.tasks_per_node)} GPU(s) per node would "
+                + ("idle)" if lr.tasks_per_node < lr.gpus_per_node else "be shared)"),
+            )
+        gen = self.generator
+        if gen.gpus_per_node > 1 or gen.tasks_per_node != 1:
+            yield (
+                "generator.gpus_per_node" if gen.gpus_per_node > 1 else "generator.tasks_per_node",
+                "a generator is one process on one GPU: set slurm.generator.gpus_per_node: 1 and tasks_per_node: 1, "
+                f"and generators.count for more (got gpus_per_node: {gen.gpus_per_node}, "
+                f"tasks_per_node: {gen.tasks_per_node})",
+            )
+
     def role(self, name: str) -> SlurmRoleConfig:
         roles = ("coordinator", "learner", "generator", "sandbox")
         if name not in roles:
@@ -117,6 +136,9 @@ class PolicyConfig:
     tiny: TinyModelConfig = spec(factory=TinyModelConfig, help="the model built when path is null")
     dtype: Literal["float32", "bfloat16"] = spec("float32", help="parameter dtype of learner and generators")
     device: Literal["auto", "cpu", "cuda"] = spec("auto", help="auto: cuda when a GPU is visible, else cpu")
+    chat_template: bool = spec(
+        False, help="wrap text prompts and feedback as chat turns with the tokenizer's template (messages always are)"
+    )
 
 
 @dataclass(frozen=True)
@@ -128,6 +150,9 @@ class AlgorithmConfig:
         4.0, help="cap on the importance ratio of stale tokens (dual clip; reinforce: truncation)", gt=1
     )
     normalize_std: bool = spec(True, help="divide group-relative advantages by the group's standard deviation")
+    beta: float = spec(
+        0.0, help="KL penalty to the initial policy (a ZeRO-3 reference model, k3 per action token); 0: none", ge=0
+    )
 
 
 @dataclass(frozen=True)
@@ -151,6 +176,19 @@ class LearnerConfig:
     keep_checkpoints: int = spec(2, help="checkpoints kept; older ones are deleted", ge=1)
     dist_backend: Literal["auto", "gloo", "nccl"] = spec(
         "auto", help="torch.distributed backend; auto: nccl on GPUs, gloo on CPU"
+    )
+    logit_chunk_tokens: int = spec(
+        1024, help="tokens per chunk of log-probabilities and entropy (peak ~4 x chunk x vocab bytes)", ge=1
+    )
+    activation_checkpointing: bool = spec(
+        False, help="recompute each layer's activations in the backward pass instead of keeping them"
+    )
+    offload_optimizer: Literal["none", "cpu"] = spec(
+        "none", help="ZeRO-3 optimizer state (fp32 master weights, Adam moments) on the host: cpu"
+    )
+    offload_params: Literal["none", "cpu"] = spec("none", help="ZeRO-3 parameters on the host between uses: cpu")
+    deepspeed: dict[str, Any] = spec(
+        factory=dict, help="DeepSpeed config merged over hpcrl's (checked: unknown keys are refused)"
     )
 
 

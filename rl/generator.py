@@ -75,6 +75,7 @@ class _Episode:
     pending: Any = None  # (Step fields) while the environment is stepping
     future: cf.Future | None = None
     ready: bool = False  # waiting for the model
+    chat: bool = False  # prompt and feedback are chat turns
 
 
 class Generator:
@@ -181,6 +182,7 @@ class Generator:
             self._fail(ep, source, f"reset: {type(exc).__name__}: {exc}")
             return
         ids = self.policy.prompt_ids(result)
+        ep.chat = self.policy.chat_template or not isinstance(result, str)
         if len(ids) + 1 >= self.max_context:
             self._fail(
                 ep, source, f"prompt of {len(ids)} tokens does not fit the model's {self.max_context}-token context"
@@ -229,7 +231,11 @@ class Generator:
             return
         if not isinstance(result, StepResult):
             result = StepResult(*result)  # a plain 4-tuple from a site environment
-        obs_ids = self.policy.encode(result.observation) if result.observation and not result.done else []
+        obs_ids = (
+            self.policy.observation_ids(result.observation, ep.chat, sample.finish == "eos")
+            if result.observation and not result.done
+            else []
+        )
         fb = result.info.get("feedback") if result.info else None
         n = len(sample.tokens)
         ep.steps.append(

@@ -35,12 +35,15 @@ import torch
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
 from hpcrl.rl.batch import collate
+from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
-from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device, token_logprobs
+from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config
+from hpcrl.rl.logprobs import PolicyHead
+from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device
 from hpcrl.rl.trajectory import Trajectory
 from hpcrl.rl.weights import WeightStore
 
-__all__ = ["Learner", "deepspeed_config", "import_deepspeed"]
+__all__ = ["Learner", "deepspeed_config", "import_deepspeed"]  # deepspeed_config: rl/dsconfig.py
 
 _GATHER_NUMEL = 1 << 26  # gather at most ~64M parameters at once when publishing
 
@@ -60,25 +63,6 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
-def deepspeed_config(cfg: LearnerConfig, policy: PolicyConfig, micro_steps: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch,
-        "gradient_accumulation_steps": micro_steps,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {
-            "stage": 3,
-            # Tiny models would otherwise stay unpartitioned without a word.
-            "stage3_param_persistence_threshold": 0,
-            "contiguous_gradients": True,
-            "overlap_comm": False,
-        },
-        "bf16": {"enabled": policy.dtype == "bfloat16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-
-
 class Learner:
     def __init__(
         self,
@@ -96,6 +80,8 @@ class Learner:
         self.weights = WeightStore(self.run_dir, keep=cfg.keep_weights)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.engine = None
+        self.reference = None
+        self.comm: Collectives | None = None
         self.step = 0
         self.version = 0
 
@@ -110,18 +96,18 @@ class Learner:
         self.dist.export()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.dist.local_rank)
-        backend = (
-            self.cfg.dist_backend
-            if self.cfg.dist_backend != "auto"
-            else ("nccl" if self.device.type == "cuda" else "gloo")
-        )
+            self.device = torch.device("cuda", self.dist.local_rank)
+        backend = resolve_backend(self.cfg.dist_backend, self.device)
         ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         self.rank, self.world = self.dist.rank, self.dist.world_size
+        # Our own collectives on the backend's device (NCCL: CUDA tensors only).
+        self.comm = self.comm or Collectives(backend_device(backend, self.dist.local_rank))
 
         batch = self.cfg.batch_groups * self.cfg.group_size
         per_rank = math.ceil(batch / self.world)
         self.micro_steps = math.ceil(per_rank / self.cfg.micro_batch)
-        config = deepspeed_config(self.cfg, self.policy_cfg, self.micro_steps)
+        check_deepspeed_section(self.cfg.deepspeed)
+        config = self.ds_config = deepspeed_config(self.cfg, self.policy_cfg, self.micro_steps)
         self.tokenizer = load_tokenizer(self.policy_cfg)
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -131,11 +117,11 @@ class Learner:
             from transformers.integrations import HfDeepSpeedConfig
 
             self._hf_ds = HfDeepSpeedConfig(config)
-        # Same seed on every rank: ZeRO-3 partitions one identical model.
-        model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
-        model.config.use_cache = False
-        opt = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
-        self.engine, *_ = ds.initialize(model=model, optimizer=opt, config=config)
+        self.engine = self._build_engine(config)
+        if self.cfg.algorithm.beta > 0:
+            from hpcrl.rl.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(ds, self._initial_model, config, self.cfg.logit_chunk_tokens)
 
         extra: dict[str, Any] = {}
         if (self.ckpt_dir / "latest").exists():
@@ -146,6 +132,25 @@ class Learner:
             self.version = max(int(client["version"]), announced[0] if announced else 0) + 1
         self.publish()
         return extra
+
+    def _initial_model(self):
+        # Same seed on every rank: ZeRO-3 partitions one identical model.
+        model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+        model.config.use_cache = False
+        return model
+
+    def _build_engine(self, config: dict):
+        """The policy as a DeepSpeed engine around a `PolicyHead` (chunked log-probabilities)."""
+        model = self._initial_model()
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        head = PolicyHead(model, self.cfg.logit_chunk_tokens, zero3=True)
+        # A DeepSpeed optimizer from the config (offload: its CPU Adam) or torch's AdamW.
+        opt = None
+        if "optimizer" not in config:
+            opt = torch.optim.AdamW(head.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        engine, *_ = self.ds.initialize(model=head, optimizer=opt, config=config)
+        return engine
 
     # -- training ------------------------------------------------------------------------
 
@@ -170,9 +175,7 @@ class Learner:
         mine.sort(key=lambda i: -trajs[i].n_tokens)
         chunks = [mine[i :: self.micro_steps] for i in range(self.micro_steps)]
         local_tokens = sum(sum(s.loss_mask.sum() for s in trajs[i].steps) for i in mine)
-        total = torch.tensor([float(local_tokens)])
-        torch.distributed.all_reduce(total)
-        total_tokens = max(float(total.item()), 1.0)
+        total_tokens = max(self.comm.sum([float(local_tokens)])[0], 1.0)
 
         stats: dict[str, float] = defaultdict(float)
         self.engine.train()
@@ -188,11 +191,8 @@ class Learner:
             stats["loss_sum"] += float(loss_sum.detach())
         self.step += 1
         self.version += 1
-        summed = torch.tensor(
-            [stats["loss_sum"], stats["ratio_sum"], stats["clipped_sum"], stats["kl_sum"], stats["tokens"]]
-        )
-        torch.distributed.all_reduce(summed)
-        loss_s, ratio_s, clip_s, kl_s, tok = summed.tolist()
+        keys = ("loss_sum", "ratio_sum", "clipped_sum", "kl_sum", "tokens", "entropy_sum", "ref_kl_sum")
+        loss_s, ratio_s, clip_s, kl_s, tok, ent_s, ref_kl_s = self.comm.sum([stats[k] for k in keys])
         by_domain: dict[str, list[float]] = defaultdict(list)
         for t in trajs:
             by_domain[t.domain].append(t.final_reward)
@@ -206,6 +206,8 @@ class Learner:
             "ratio_mean": ratio_s / max(tok, 1.0),
             "clip_fraction": clip_s / max(tok, 1.0),
             "kl": kl_s / max(tok, 1.0),
+            "entropy": ent_s / max(tok, 1.0),
+            **({"ref_kl": ref_kl_s / max(tok, 1.0)} if self.reference is not None else {}),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "action_tokens": int(tok),
             "staleness_max": max(self.version - 1 - t.min_policy_version for t in trajs),
@@ -220,8 +222,11 @@ class Learner:
             # This rank has fewer rows than another: run a masked dummy row anyway, so the
             # collective parameter gathers inside forward stay in step across ranks.
             ids = torch.tensor([[self.pad_id, self.pad_id]], device=self.device)
-            lp = token_logprobs(self.engine, ids, torch.ones_like(ids))
-            return (lp * 0.0).sum(), {"tokens": 0.0, "ratio_sum": 0.0, "clipped_sum": 0.0, "kl_sum": 0.0}
+            lp, _ = self.engine(ids, torch.ones_like(ids))
+            if self.reference is not None:
+                self.reference.logprobs(ids, torch.ones_like(ids))
+            zero = {"tokens": 0.0, "ratio_sum": 0.0, "clipped_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+            return (lp * 0.0).sum(), zero
         tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id)
         tb = type(tb)(
             *(
@@ -229,15 +234,27 @@ class Learner:
                 for x in (tb.input_ids, tb.attention_mask, tb.action_mask, tb.behaviour_logprobs, tb.advantages)
             )
         )
-        lp = token_logprobs(self.engine, tb.input_ids, tb.attention_mask)
-        return self.algorithm.token_loss(lp, tb)
+        lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
+        loss_sum, stats = self.algorithm.token_loss(lp, tb)
+        stats = dict(stats, entropy_sum=float((entropy.detach() * tb.action_mask).sum()))
+        if self.reference is not None:
+            loss_sum, stats = self._add_reference_kl(loss_sum, stats, lp, tb)
+        return loss_sum, stats
+
+    def _add_reference_kl(self, loss_sum: torch.Tensor, stats: dict, lp: torch.Tensor, tb):
+        """loss + beta x KL(pi || reference) over the micro-batch's action tokens."""
+        from hpcrl.rl.reference import kl_penalty
+
+        ref_lp = self.reference.logprobs(tb.input_ids, tb.attention_mask)
+        kl_sum, kl_stats = kl_penalty(lp, ref_lp, tb.action_mask)
+        return loss_sum + self.cfg.algorithm.beta * kl_sum, {**stats, **kl_stats}
 
     # -- weights and checkpoints ----------------------------------------------------------
 
     def gathered_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights from the ZeRO-3 shards (on rank 0; other ranks get {}). Every rank
         must call it: gathering is collective. Parameters are gathered in bounded chunks."""
-        module = self.engine.module
+        module = self.engine.module.lm
         named = list(module.named_parameters())
         out: dict[str, torch.Tensor] = {}
         i = 0
@@ -269,7 +286,7 @@ class Learner:
         tag = f"step{self.step:08d}"
         client = {"step": self.step, "version": self.version, "extra": extra or {}}
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
-        torch.distributed.barrier()
+        self.comm.barrier()
         if self.rank == 0:
             tags = sorted(p for p in self.ckpt_dir.glob("step*") if p.is_dir())
             for old in tags[: -self.cfg.keep_checkpoints]:
@@ -279,11 +296,14 @@ class Learner:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # All ranks leave together: a rank tearing gloo down while a peer still talks to it
             # can abort the peer at exit ("terminate called without an active exception").
-            torch.distributed.barrier()
+            self.comm.barrier()
             # Release the engine (ZeRO-3 hooks, optimizer, its references to process groups)
             # while the interpreter is whole: groups that survive until interpreter teardown
             # join their gloo threads in arbitrary destructor order, which aborted a rank at
             # exit once in a loaded test run.
+            if self.reference is not None:
+                self.reference.close()
+                self.reference = None
             if self.engine is not None:
                 self.engine.destroy()
                 self.engine = None

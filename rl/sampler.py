@@ -8,8 +8,10 @@ Rows are left-padded to one length, prefilled in one forward pass, then decoded 
 with the cache. Positions count real tokens only (as `token_logprobs` does), so the learner
 recomputes the same log-probabilities from the same tokens. Sampling is from the model's own
 distribution (temperature 1): the recorded log-probabilities are exactly the behaviour
-policy's, which the learner's importance ratio needs. Rows that finish early drop out of the
-batch (and its cache) once fewer than half remain.
+policy's, which the learner's importance ratio needs. Text is exact: an action's text is its
+tokens decoded in the company of the context before them, and stop strings are matched on
+text produced incrementally (`IncrementalText`), never on tokens decoded one by one. Rows that
+finish early drop out of the batch (and its cache) once fewer than half remain.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ class Sampler:
         self.policy = policy
         self.gen = torch.Generator(device=policy.device)
         self.gen.manual_seed(seed)
-        self._piece: dict[int, str] = {}
         # transformers 5 renamed past_key_values to cache; speak whichever this version speaks.
         params = inspect.signature(policy.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -52,12 +53,6 @@ class Sampler:
         out = self.policy.model(use_cache=True, **self._last_only, **kw)
         past = out.cache if hasattr(out, "cache") else out.past_key_values
         return past, out.logits[:, -1, :]
-
-    def _text(self, tok: int) -> str:
-        piece = self._piece.get(tok)
-        if piece is None:
-            piece = self._piece[tok] = self.policy.tokenizer.decode([tok], skip_special_tokens=True)
-        return piece
 
     @torch.no_grad()
     def sample(
@@ -91,6 +86,9 @@ class Sampler:
         limit = [int(m) for m in max_new]
         # A stop string can only complete on a token containing its last character.
         last_chars = [{s[-1] for s in st if s} for st in stops]
+        eos = pol.eos_ids
+        # Only rows with stop strings need their text while sampling (incrementally, exactly).
+        detok = [IncrementalText(pol, contexts[r]) if last_chars[r] else None for r in range(n)]
 
         for _ in range(max(limit)):
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -104,13 +102,13 @@ class Sampler:
                 t = tok_list[b]
                 toks[r].append(t)
                 lps[r].append(tok_lp[b])
-                if t == pol.eos_id:
+                if t in eos:
                     finish[r] = "eos"
                 else:
-                    piece = self._text(t)
+                    piece = detok[r].push(t) if detok[r] is not None else ""
                     texts[r] += piece
                     if (
-                        last_chars[r]
+                        piece
                         and any(ch in piece for ch in last_chars[r])
                         and any(s in texts[r][-len(s) - len(piece) :] for s in stops[r])
                     ):
@@ -130,4 +128,30 @@ class Sampler:
             mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
             past, logits = self._forward(input_ids=tok, attention_mask=mask, position_ids=next_pos, cache=past)
             next_pos = next_pos + 1
-        return [Sample(tuple(toks[r]), tuple(lps[r]), texts[r], finish[r] or "length") for r in range(n)]
+        return [
+            Sample(tuple(toks[r]), tuple(lps[r]), pol.decode_after(contexts[r], toks[r]), finish[r] or "length")
+            for r in range(n)
+        ]
+
+
+class IncrementalText:
+    """Text of a growing token sequence, exactly, one token at a time: decode a short window of
+    recent tokens and hand out only what it adds once it no longer ends in a partial character
+    (byte-level BPE splits multi-byte characters across tokens; SentencePiece words carry their
+    leading space on the first piece). The same method as vLLM's incremental detokenizer."""
+
+    def __init__(self, policy: Policy, context: Sequence[int]):
+        self.policy = policy
+        self.ids = list(context[-4:])
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # tokens already turned into text
+
+    def push(self, tok: int) -> str:
+        self.ids.append(int(tok))
+        dec = self.policy.decode
+        before = dec(self.ids[self.prefix : self.read])
+        now = dec(self.ids[self.prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before) :]
+        return ""

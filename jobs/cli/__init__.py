@@ -19,7 +19,7 @@ from hpcrl.core.schema import ConfigError
 from hpcrl.jobs.rundir import RunDirError
 
 # Verb modules in the order `--help` lists them.
-VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim")
+VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim", "model")
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None:

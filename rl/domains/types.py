@@ -17,7 +17,7 @@ class Task:
 
     domain: str
     id: str
-    prompt: str
+    prompt: str | tuple[Mapping[str, str], ...]  # text, or chat messages ({role, content}, ...)
     data: Mapping[str, Any] = field(default_factory=dict)
 
 

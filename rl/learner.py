@@ -112,11 +112,6 @@ class Learner:
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         )
-        if self.policy_cfg.path is not None:
-            # Keeps transformers' ZeRO-3 integration on, so from_pretrained loads straight into shards.
-            from transformers.integrations import HfDeepSpeedConfig
-
-            self._hf_ds = HfDeepSpeedConfig(config)
         self.engine = self._build_engine(config)
         if self.cfg.algorithm.beta > 0:
             from hpcrl.rl.reference import ReferencePolicy
@@ -135,7 +130,21 @@ class Learner:
 
     def _initial_model(self):
         # Same seed on every rank: ZeRO-3 partitions one identical model.
-        model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+        if self.policy_cfg.path is None:
+            model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+        else:
+            # transformers' ZeRO-3 integration, on while this model loads: from_pretrained creates
+            # it inside zero.Init and loads the weights straight into the shards. Off again after,
+            # so a generator built in this process (hpcrl.rl.inprocess) gets a whole model.
+            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            keep = HfDeepSpeedConfig(self.ds_config)
+            try:
+                model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+            finally:
+                unset_hf_deepspeed_config()
+                del keep
         model.config.use_cache = False
         return model
 

@@ -49,6 +49,7 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
     from hpcrl.rl.domains import DomainError, load_domains
 
     cfg = load_config(args.config, args.overrides)
+    check_experiment(cfg)
     if slurm and cfg.executor != "slurm":
         raise UsageError(
             f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
@@ -62,6 +63,15 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
     except DomainError as exc:
         raise UsageError(str(exc)) from None
     return cfg, search, domains
+
+
+def check_experiment(cfg) -> None:
+    """Checks a config needs beyond its schema, at load time: `learner.deepspeed` against
+    DeepSpeed's own schemas (ConfigError naming the dotted key)."""
+    if cfg.learner.deepspeed:
+        from hpcrl.rl.dsconfig import check_deepspeed_section
+
+        check_deepspeed_section(cfg.learner.deepspeed)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,8 @@ def _chunk_stats(hidden, weight, bias, targets, softcap: float | None, scale: fl
     lse = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     p = torch.softmax(logits, dim=-1)
-    entropy = lse - (p * logits).sum(-1)
+    # H = lse - sum(p * logits), the sum as a batched dot product: no third [chunk, V] tensor.
+    entropy = lse - torch.bmm(p.unsqueeze(1), logits.unsqueeze(2)).reshape(lse.shape)
     return lp, entropy
 
 

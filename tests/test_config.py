@@ -345,7 +345,8 @@ def test_one_learner_rank_per_gpu_is_checked_at_load(tmp_path):
 @pytest.mark.parametrize(
     "override, path, fragment",
     [
-        ("learner.deepspeed={zero_optimisation: {stage: 3}}", "learner.deepspeed.zero_optimisation", "zero_optimization"),
+        ("learner.deepspeed={zero_optimisation: {stage: 3}}", "learner.deepspeed.zero_optimisation",
+         "zero_optimization"),
         ("learner.deepspeed={train_micro_batch_size_per_gpu: 4}", "learner.deepspeed.train_micro_batch_size_per_gpu",
          "learner.micro_batch"),
         ("learner.deepspeed={zero_optimization: {offload_optimizer: {devic: cpu}}}",

@@ -8,6 +8,7 @@ dies the other would block in a collective forever.
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import os
 import socket
@@ -203,3 +204,46 @@ def test_checkpoint_resume_restores_model_and_optimizer(setup):
     assert_close(weights(run, 3), w_after_1, atol=0)
     # ... and the same second step from the restored model and optimizer gives the same weights.
     assert_close(weights(run, 4), w_after_2, atol=1e-6)
+
+
+def test_every_collective_of_the_learner_is_on_its_backends_device(setup):
+    """NCCL reduces CUDA tensors only; CI has gloo. With the meta device standing in for the
+    backend's device, a learner step, publish, checkpoint and close hand torch.distributed no
+    tensor of hpcrl's off that device, and the bug this guards against is caught."""
+    tmp, cfg, batches = setup
+    r = run_ranks(1, cfg, tmp / "meta", batches, tmp / "meta-out", "--device-collectives", "--checkpoint-after", "1")[0]
+    assert len(r["steps"]) == 2 and r["steps"][0]["action_tokens"] > 0
+    kinds = {c.split()[0] for c in r["checked_collectives"]}
+    assert kinds == {"all_reduce", "broadcast_object_list"}, r["checked_collectives"]
+    assert all("rl/collectives.py" in c for c in r["checked_collectives"]), r["checked_collectives"]
+    with pytest.raises(AssertionError, match="a cpu tensor handed to a backend that reduces meta tensors only"):
+        run_ranks(1, cfg, tmp / "meta-bug", batches, tmp / "meta-bug-out", "--device-collectives",
+                  "--inject-cpu-collective")  # fmt: skip
+
+
+def test_hf_model_bf16_checkpointing_and_reference_kl_on_two_ranks(setup, tmp_path):
+    """A Qwen2 folder (tied embeddings: the head's weight is the embedding's, used outside
+    lm_head's forward) on two ZeRO-3 ranks in bf16 with activation checkpointing and a KL
+    penalty to the reference model, itself sharded the same way."""
+    from hpcrl.core.config import dump_config
+    from hpcrl.rl.models import build_tiny_hf
+
+    tmp, _, batches = setup
+    model = build_tiny_hf(tmp_path / "qwen2", arch="qwen2", vocab=1024, max_chars=300_000)
+    extra = [
+        f"policy.path={model}",
+        "policy.dtype=bfloat16",
+        "learner.algorithm.beta=0.5",
+        "learner.activation_checkpointing=true",
+        "learner.logit_chunk_tokens=16",
+    ]
+    cfg = tmp_path / "hf.yaml"
+    cfg.write_text(dump_config(load_config(None, OVERRIDES + extra)))
+    r = run_ranks(2, cfg, tmp_path / "run", batches, tmp_path / "out")
+    steps = r[0]["steps"]
+    assert all(x["partitioned"] for x in r) and r[0]["local_numel"] < r[0]["full_numel"]
+    assert steps[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert steps[1]["ref_kl"] > 0 and all(math.isfinite(s["loss"]) and s["entropy"] > 0 for s in steps)
+    w0, w2 = weights(tmp_path / "run", 0), weights(tmp_path / "run", 2)
+    assert all(t.dtype == torch.bfloat16 for t in w2.values())  # published in the policy dtype
+    assert "lm_head.weight" not in w2 and any(not torch.equal(w0[k], w2[k]) for k in w0)

@@ -60,8 +60,9 @@ def main() -> int:
     out = {"vocab": a.vocab, "batch": a.batch, "tokens": a.tokens, "chunk": a.chunk}
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for variant in ("full", "chunked"):
-        args = [sys.executable, __file__, "--child", variant, *sum(
-            ([f"--{k}", str(getattr(a, k))] for k in ("vocab", "batch", "tokens", "chunk")), [])]  # fmt: skip
+        args = [sys.executable, __file__, "--child", variant]
+        for k in ("vocab", "batch", "tokens", "chunk"):
+            args += [f"--{k}", str(getattr(a, k))]
         res = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
         out[f"{variant}_peak_mib"] = round(json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"], 1)
     logits_mib = a.batch * a.tokens * a.vocab * 4 / 2**20

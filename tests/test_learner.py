@@ -8,8 +8,8 @@ dies the other would block in a collective forever.
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 import os
 import socket
 import subprocess
@@ -228,7 +228,7 @@ def test_hf_model_bf16_checkpointing_and_reference_kl_on_two_ranks(setup, tmp_pa
     from hpcrl.core.config import dump_config
     from hpcrl.rl.models import build_tiny_hf
 
-    tmp, _, batches = setup
+    _, _, batches = setup
     model = build_tiny_hf(tmp_path / "qwen2", arch="qwen2", vocab=1024, max_chars=300_000)
     extra = [
         f"policy.path={model}",

@@ -136,6 +136,9 @@ class PolicyConfig:
     tiny: TinyModelConfig = spec(factory=TinyModelConfig, help="the model built when path is null")
     dtype: Literal["float32", "bfloat16"] = spec("float32", help="parameter dtype of learner and generators")
     device: Literal["auto", "cpu", "cuda"] = spec("auto", help="auto: cuda when a GPU is visible, else cpu")
+    weight_sync: Literal["file", "direct"] = spec(
+        "file", help="file: sharded safetensors per version; direct: also sent over torch.distributed (NCCL/gloo)"
+    )
     chat_template: bool = spec(
         False, help="wrap text prompts and feedback as chat turns with the tokenizer's template (messages always are)"
     )

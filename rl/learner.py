@@ -41,7 +41,7 @@ from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config
 from hpcrl.rl.logprobs import PolicyHead
 from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device
 from hpcrl.rl.trajectory import Trajectory
-from hpcrl.rl.weights import WeightStore
+from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
 
 __all__ = ["Learner", "deepspeed_config", "import_deepspeed"]  # deepspeed_config: rl/dsconfig.py
 
@@ -81,6 +81,8 @@ class Learner:
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.engine = None
         self.reference = None
+        self.publisher: ShardPublisher | None = None
+        self.direct = None  # DirectSender on rank 0 with policy.weight_sync: direct
         self.comm: Collectives | None = None
         self.step = 0
         self.version = 0
@@ -117,6 +119,11 @@ class Learner:
             from hpcrl.rl.reference import ReferencePolicy
 
             self.reference = ReferencePolicy(ds, self._initial_model, config, self.cfg.logit_chunk_tokens)
+        self.publisher = ShardPublisher(self.weights, self.rank, self.world)
+        if self.policy_cfg.weight_sync == "direct" and self.rank == 0:
+            from hpcrl.rl.weight_direct import DirectSender
+
+            self.direct = DirectSender(self.run_dir, backend)
 
         extra: dict[str, Any] = {}
         if (self.ckpt_dir / "latest").exists():
@@ -260,11 +267,15 @@ class Learner:
 
     # -- weights and checkpoints ----------------------------------------------------------
 
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights from the ZeRO-3 shards (on rank 0; other ranks get {}). Every rank
-        must call it: gathering is collective. Parameters are gathered in bounded chunks."""
+    def gathered_state_dict(self, everything_on_rank0: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights from the ZeRO-3 shards, on the host in the policy dtype. Every rank must
+        call it (gathering is collective); parameters are gathered in bounded chunks. Each rank
+        keeps the tensors `owned_names` gives it; rank 0 all of them if `everything_on_rank0`."""
         module = self.engine.module.lm
         named = list(module.named_parameters())
+        owners = owned_names([n for n, _ in named], [_numel(p) for _, p in named], self.world)
+        mine = set(owners[self.rank]) if not (everything_on_rank0 and self.rank == 0) else {n for n, _ in named}
+        dtype = torch.bfloat16 if self.policy_cfg.dtype == "bfloat16" else torch.float32
         out: dict[str, torch.Tensor] = {}
         i = 0
         while i < len(named):
@@ -274,9 +285,9 @@ class Learner:
                 numel += _numel(named[i][1])
                 i += 1
             with self.ds.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
-                if self.rank == 0:
-                    for name, p in chunk:
-                        out[name] = p.detach().to("cpu", copy=True).contiguous()
+                for name, p in chunk:
+                    if name in mine:
+                        out[name] = p.detach().to("cpu", dtype, copy=True).contiguous()
         if self.rank == 0:
             persistent = set(module.state_dict().keys())
             for name, b in module.named_buffers():
@@ -285,10 +296,16 @@ class Learner:
         return out
 
     def publish(self) -> None:
-        """Write the current weights as policy version `self.version` (rank 0 writes)."""
-        state = self.gathered_state_dict()
-        if self.rank == 0:
-            self.weights.publish(state, self.version)
+        """Policy version `self.version`: every rank gathers and keeps its share on the host, a
+        thread writes its shard (rank 0 then announces); training goes on meanwhile."""
+        direct = self.direct is not None
+        state = self.gathered_state_dict(everything_on_rank0=direct)
+        if direct:
+            self.direct.send(self.version, state)
+            named = [n for n, _ in self.engine.module.lm.named_parameters()]
+            mine = set(owned_names(named, [state[n].numel() for n in named], self.world)[0])
+            state = {k: v for k, v in state.items() if k in mine or k not in named}
+        self.publisher.submit(self.version, state)
 
     def checkpoint(self, extra: dict[str, Any] | None = None) -> None:
         """Model, optimizer, step, version and `extra` (e.g. the store cursor). Every rank calls it."""
@@ -310,6 +327,10 @@ class Learner:
             # while the interpreter is whole: groups that survive until interpreter teardown
             # join their gloo threads in arbitrary destructor order, which aborted a rank at
             # exit once in a loaded test run.
+            if self.publisher is not None:
+                self.publisher.flush()  # the last version is written and announced before we go
+            if self.direct is not None:
+                self.direct.flush()
             if self.reference is not None:
                 self.reference.close()
                 self.reference = None

@@ -35,6 +35,7 @@ __all__ = [
     "full_state_dict",
     "save_weights",
     "load_weights",
+    "copy_state",
     "resolve_device",
 ]
 
@@ -322,25 +323,30 @@ def load_weights(model, path: str | os.PathLike) -> int:
     """Copy the weights in `path` into `model` (in place, keeping its device and dtype); return
     their version. Names must match exactly, except tied weights which are stored once."""
     state, version = read_weights(path)
+    copy_state(model, state, str(path))
+    return version
+
+
+def copy_state(model, state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Copy a full state (as `full_state_dict` names it) into `model`, checking names and shapes."""
     own = model.state_dict()
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise ValueError(
-            f"{path}: weights for {unknown[:5]} do not exist in the model; was it saved from another architecture?"
+            f"{where}: weights for {unknown[:5]} do not exist in the model; was it saved from another architecture?"
         )
     expected = set(full_state_dict_names(model))
     missing = sorted(expected - set(state))
     if missing:
-        raise ValueError(f"{path}: no weights for {missing[:5]}; the file is incomplete or from another architecture")
+        raise ValueError(f"{where}: no weights for {missing[:5]}; the file is incomplete or from another architecture")
     with torch.no_grad():
         for name, tensor in state.items():
             target = own[name]
             if target.shape != tensor.shape:
                 raise ValueError(
-                    f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                    f"{where}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
-            target.copy_(tensor.to(target.dtype))
-    return version
+            target.copy_(tensor.to(target.dtype), non_blocking=True)
 
 
 def full_state_dict_names(model) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from hpcrl.core.config import load_config
 from hpcrl.rl.domains import load_domains
 from hpcrl.rl.generator import Generator
-from hpcrl.rl.policy import Policy, read_weights
+from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.weights import WeightStore
 
@@ -139,9 +139,7 @@ def run_ranks(world: int, cfg: Path, run_dir: Path, batches: Path, out: Path, *e
 
 
 def weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
-    state, v = read_weights(WeightStore(run_dir).path_of(version))
-    assert v == version
-    return state
+    return WeightStore(run_dir).read(version)
 
 
 def assert_close(a: dict, b: dict, atol: float) -> None:

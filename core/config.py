@@ -198,10 +198,21 @@ class LearnerConfig:
 @dataclass(frozen=True)
 class GeneratorConfig:
     count: int = spec(1, help="number of rollout generator processes", ge=1)
-    episodes_in_flight: int = spec(256, help="episodes each generator keeps open at once (one sampling batch)", ge=1)
+    episodes_in_flight: int = spec(
+        256, help="episodes each generator keeps open at once (rows of its continuous batch)", ge=1
+    )
     max_new_tokens: int = spec(256, help="cap on one action's tokens (a domain may ask for fewer)", ge=1)
     max_turns: int = spec(8, help="cap on steps per episode; longer episodes end truncated (max_steps)", ge=1)
     env_threads: int = spec(8, help="threads stepping environments, so sandbox waits overlap sampling", ge=1)
+    max_context: int | None = spec(
+        None, help="longest context (prompt + every turn), tokens; null: the model's max_position_embeddings", ge=16
+    )
+    kv_cache_gb: float = spec(
+        2.0, help="KV cache kept for episodes between turns, GB per generator; 0: re-prefill every turn", ge=0
+    )
+    weight_swap: Literal["continue", "restart"] = spec(
+        "continue", help="new weights: actions in flight continue under them, or restart (exactly on-policy)"
+    )
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,25 @@ class SlurmConfig:
         help="sandbox servers (a job array, one server per task)",
     )
 
+    def validate(self):
+        lr = self.learner
+        if lr.gpus_per_node > 0 and lr.tasks_per_node != lr.gpus_per_node:
+            yield (
+                "learner.tasks_per_node",
+                f"the learner runs one rank per GPU: set slurm.learner.tasks_per_node: {lr.gpus_per_node} to match "
+                f"gpus_per_node: {lr.gpus_per_node} (got {lr.tasks_per_node}; "
+                f"{abs(lr.gpus_per_node - lr.tasks_per_node)} GPU(s) per node would "
+                + ("idle)" if lr.tasks_per_node < lr.gpus_per_node else "be shared)"),
+            )
+        gen = self.generator
+        if gen.gpus_per_node > 1 or gen.tasks_per_node != 1:
+            yield (
+                "generator.gpus_per_node" if gen.gpus_per_node > 1 else "generator.tasks_per_node",
+                "a generator is one process on one GPU: set slurm.generator.gpus_per_node: 1 and tasks_per_node: 1, "
+                f"and generators.count for more (got gpus_per_node: {gen.gpus_per_node}, "
+                f"tasks_per_node: {gen.tasks_per_node})",
+            )
+
     def role(self, name: str) -> SlurmRoleConfig:
         roles = ("coordinator", "learner", "generator", "sandbox")
         if name not in roles:
@@ -126,6 +145,12 @@ class PolicyConfig:
     tiny: TinyModelConfig = spec(factory=TinyModelConfig, help="the model built when path is null")
     dtype: Literal["float32", "bfloat16"] = spec("float32", help="parameter dtype of learner and generators")
     device: Literal["auto", "cpu", "cuda"] = spec("auto", help="auto: cuda when a GPU is visible, else cpu")
+    weight_sync: Literal["file", "direct"] = spec(
+        "file", help="file: sharded safetensors per version; direct: also sent over torch.distributed (NCCL/gloo)"
+    )
+    chat_template: bool = spec(
+        False, help="wrap text prompts and feedback as chat turns with the tokenizer's template (messages always are)"
+    )
 
 
 @dataclass(frozen=True)
@@ -145,6 +170,9 @@ class AlgorithmConfig:
     loss_len: int = spec(256, help="loss_agg constant: the fixed length L dividing each sequence's summed loss", ge=1)
     entropy_coef: float = spec(
         0.01, help="entropy bonus: the loss subtracts this x the policy's entropy at each action token", ge=0
+    )
+    beta: float = spec(
+        0.0, help="KL penalty to the initial policy (a ZeRO-3 reference model, k3 per action token); 0: none", ge=0
     )
 
 
@@ -187,15 +215,39 @@ class LearnerConfig:
     dist_backend: Literal["auto", "gloo", "nccl"] = spec(
         "auto", help="torch.distributed backend; auto: nccl on GPUs, gloo on CPU"
     )
+    logit_chunk_tokens: int = spec(
+        1024, help="tokens per chunk of log-probabilities and entropy (peak ~4 x chunk x vocab bytes)", ge=1
+    )
+    activation_checkpointing: bool = spec(
+        False, help="recompute each layer's activations in the backward pass instead of keeping them"
+    )
+    offload_optimizer: Literal["none", "cpu"] = spec(
+        "none", help="ZeRO-3 optimizer state (fp32 master weights, Adam moments) on the host: cpu"
+    )
+    offload_params: Literal["none", "cpu"] = spec("none", help="ZeRO-3 parameters on the host between uses: cpu")
+    deepspeed: dict[str, Any] = spec(
+        factory=dict, help="DeepSpeed config merged over hpcrl's (checked: unknown keys are refused)"
+    )
 
 
 @dataclass(frozen=True)
 class GeneratorConfig:
     count: int = spec(1, help="number of rollout generator processes", ge=1)
-    episodes_in_flight: int = spec(256, help="episodes each generator keeps open at once (one sampling batch)", ge=1)
+    episodes_in_flight: int = spec(
+        256, help="episodes each generator keeps open at once (rows of its continuous batch)", ge=1
+    )
     max_new_tokens: int = spec(256, help="cap on one action's tokens (a domain may ask for fewer)", ge=1)
     max_turns: int = spec(8, help="cap on steps per episode; longer episodes end truncated (max_steps)", ge=1)
     env_threads: int = spec(8, help="threads stepping environments, so sandbox waits overlap sampling", ge=1)
+    max_context: int | None = spec(
+        None, help="longest context (prompt + every turn), tokens; null: the model's max_position_embeddings", ge=16
+    )
+    kv_cache_gb: float = spec(
+        2.0, help="KV cache kept for episodes between turns, GB per generator; 0: re-prefill every turn", ge=0
+    )
+    weight_swap: Literal["continue", "restart"] = spec(
+        "continue", help="new weights: actions in flight continue under them, or restart (exactly on-policy)"
+    )
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,11 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 if any(d.needs_executor for d in domains.values())
                 else None
             )
+            weights = AnnouncedWeights(WeightStore(self.run_dir, background=True), node)
+            if self.policy.weight_sync == "direct":
+                from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
+
+                weights = DirectWeights(weights, DirectReceiver(self.run_dir, self.name, device=policy.device))
             gen = Generator(
                 self.cfg,
                 policy,
@@ -265,7 +270,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 name=self.name,
                 seed=self.seed,
                 executor=judge,
-                weights=AnnouncedWeights(WeightStore(self.run_dir), node),
+                weights=weights,
             )
             busy, sandbox = BusyMeter(), BusyMeter()
 

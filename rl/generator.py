@@ -31,8 +31,8 @@ import numpy as np
 
 from hpcrl.core.config import GeneratorConfig
 from hpcrl.rl.domains import Domain, Environment, ExecFeedback, StepResult
+from hpcrl.rl.engine import ContextTooLong, DecodeEngine, SamplingSpec
 from hpcrl.rl.policy import Policy
-from hpcrl.rl.sampler import Sampler
 from hpcrl.rl.tasks import EpisodeTicket, TaskSource
 from hpcrl.rl.trajectory import SandboxOutcome, Step, Trajectory
 
@@ -62,7 +62,7 @@ class GeneratorStats:
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # an episode is itself: the decode engine keys its cache by it
 class _Episode:
     ticket: EpisodeTicket
     domain: Domain
@@ -75,6 +75,9 @@ class _Episode:
     pending: Any = None  # (Step fields) while the environment is stepping
     future: cf.Future | None = None
     ready: bool = False  # waiting for the model
+    sampling: bool = False  # a row in the decode engine
+    version: int = -1  # the policy version its current action started under
+    chat: bool = False  # prompt and feedback are chat turns
 
 
 class Generator:
@@ -96,8 +99,11 @@ class Generator:
         # With a weight store, nothing is sampled before the learner's first weights arrived
         # (version -1 = none yet); without one (benchmarks, tests) the local weights are v0.
         self.version = -1 if weights is not None else 0
-        self.sampler = Sampler(policy, seed)
-        self.max_context = int(getattr(policy.model.config, "max_position_embeddings", 1 << 30))
+        model_max = int(getattr(policy.model.config, "max_position_embeddings", 1 << 30))
+        self.max_context = min(cfg.max_context or model_max, model_max)
+        self.engine = DecodeEngine(policy, seed, int(cfg.kv_cache_gb * 2**30), self.max_context)
+        self.weight_swap = cfg.weight_swap
+        self._multi_turn: set[str] = set()  # domains whose episodes were seen to continue
         self.pool = cf.ThreadPoolExecutor(max_workers=cfg.env_threads, thread_name_prefix=f"{name}-env")
         self.episodes: list[_Episode] = []
         self.stats = GeneratorStats()
@@ -117,6 +123,13 @@ class Generator:
             return False
         self.version = v
         self.stats.weight_loads += 1
+        if self.weight_swap == "restart":
+            # Nothing sampled or cached under the old weights goes on: actions in flight start
+            # over and every context is prefilled again by the new weights (exactly on-policy).
+            for ep in self.episodes:
+                if ep.sampling:
+                    ep.sampling, ep.ready = False, True
+            self.engine.clear()
         return True
 
     # -- the loop ------------------------------------------------------------------------
@@ -142,12 +155,14 @@ class Generator:
             self.stats.wall_s += time.perf_counter() - last
 
     def _iterate(self, source: TaskSource, sink) -> bool:
-        """One round: new episodes, finished environment steps, one sampling batch. False when idle."""
+        """One round: new episodes, finished environment steps, rows into the decode engine and
+        one decode step for all of them. False when idle."""
         self._fill(source)
         self._collect(source, sink, timeout=0.0)
-        ready = [e for e in self.episodes if e.ready]
-        if ready:
-            self._act(ready, source, sink)
+        for ep in [e for e in self.episodes if e.ready]:
+            self._submit(ep, source)
+        if self.engine.busy:
+            self._decode(source, sink)
         elif any(e.future is not None for e in self.episodes):
             self._collect(source, sink, timeout=0.05)
         return bool(self.episodes)
@@ -181,26 +196,51 @@ class Generator:
             self._fail(ep, source, f"reset: {type(exc).__name__}: {exc}")
             return
         ids = self.policy.prompt_ids(result)
+        ep.chat = self.policy.chat_template or not isinstance(result, str)
         if len(ids) + 1 >= self.max_context:
             self._fail(
-                ep, source, f"prompt of {len(ids)} tokens does not fit the model's {self.max_context}-token context"
+                ep,
+                source,
+                f"prompt of {len(ids)} tokens does not fit max_context {self.max_context} "
+                "(generators.max_context, or the model's max_position_embeddings)",
             )
             return
         ep.context, ep.prompt, ep.ready = list(ids), list(ids), True
 
-    def _act(self, ready: list[_Episode], source: TaskSource, sink) -> None:
-        room = [self.max_context - len(e.context) for e in ready]
-        max_new = [min(self.cfg.max_new_tokens, e.domain.action.max_tokens, r) for e, r in zip(ready, room)]
+    def _submit(self, ep: _Episode, source: TaskSource) -> None:
+        a = ep.domain.action
+        room = self.max_context - len(ep.context)
+        spec = SamplingSpec(a.temperature, a.top_p, a.top_k, a.stop, self._eos_ids(a.eos))
+        max_new = min(self.cfg.max_new_tokens, a.max_tokens, room)
+        # Keep the cache for its next turn only where episodes of this domain do have one.
+        keep = ep.domain.name in self._multi_turn and len(ep.steps) + 1 < self.cfg.max_turns
+        try:
+            self.engine.submit(ep, ep.context, max_new, spec, keep=keep)
+        except ContextTooLong as exc:
+            self._fail(ep, source, str(exc))
+            return
+        ep.ready, ep.sampling, ep.version = False, True, self.version
+
+    def _eos_ids(self, names: tuple[str, ...]) -> frozenset[int]:
+        out = set()
+        for n in names:
+            i = self.policy.tokenizer.convert_tokens_to_ids(n)
+            if i is None or i == self.policy.tokenizer.unk_token_id:
+                raise ValueError(f"domain eos token {n!r} is not a token of the policy's tokenizer")
+            out.add(int(i))
+        return frozenset(out)
+
+    def _decode(self, source: TaskSource, sink) -> None:
         t0 = time.perf_counter()
-        samples = self.sampler.sample([e.context for e in ready], max_new, [e.domain.action.stop for e in ready])
-        dt = time.perf_counter() - t0
-        self.stats.busy_s += dt
+        rows = len(self.engine.rows) + len(self.engine.pending)
+        finished = self.engine.step()
+        self.stats.busy_s += time.perf_counter() - t0
         self.stats.batches += 1
-        self.stats.batch_rows += len(ready)
-        for ep, s in zip(ready, samples):
-            ep.ready = False
+        self.stats.batch_rows += rows
+        for ep, s in finished:
+            ep.sampling = False
             self.stats.action_tokens += len(s.tokens)
-            ep.pending = (self.version, ep.prompt, s, dt)
+            ep.pending = (ep.version, ep.prompt, s, s.seconds)
             ep.context.extend(s.tokens)
             if ep.domain.needs_executor:
                 ep.future = self.pool.submit(_timed, ep.env.step, s.text)
@@ -229,7 +269,11 @@ class Generator:
             return
         if not isinstance(result, StepResult):
             result = StepResult(*result)  # a plain 4-tuple from a site environment
-        obs_ids = self.policy.encode(result.observation) if result.observation and not result.done else []
+        obs_ids = (
+            self.policy.observation_ids(result.observation, ep.chat, sample.finish == "eos")
+            if result.observation and not result.done
+            else []
+        )
         fb = result.info.get("feedback") if result.info else None
         n = len(sample.tokens)
         ep.steps.append(
@@ -260,10 +304,12 @@ class Generator:
         if result.done:
             self._finish(ep, truncation, source, sink)
         else:
+            self._multi_turn.add(ep.domain.name)
             ep.ready = True
 
     def _finish(self, ep: _Episode, truncation: str, source: TaskSource, sink) -> None:
         self.episodes.remove(ep)
+        self.engine.forget(ep)
         _close(ep.env)
         reward = float(sum(s.reward for s in ep.steps))
         traj = Trajectory(
@@ -287,6 +333,7 @@ class Generator:
 
     def _fail(self, ep: _Episode, source: TaskSource, reason: str) -> None:
         self.episodes.remove(ep)
+        self.engine.forget(ep)
         _close(ep.env)
         self.stats.failed += 1
         log.warning("generator %s: episode %d (%s) failed: %s", self.name, ep.ticket.episode, ep.ticket.domain, reason)
@@ -299,6 +346,7 @@ class Generator:
                 ep.future.cancel()
             _close(ep.env)
         self.episodes.clear()
+        self.engine.clear()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def in_flight(self) -> list[EpisodeTicket]:

@@ -12,6 +12,7 @@ the learning test's loop. Code domains get a local sandbox backend.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -54,7 +55,8 @@ def train_in_process(
         executor = SandboxJudge(make_backend(cfg.sandbox))
     policy = Policy.load(cfg.policy, seed=seed)
     gen = Generator(
-        cfg.generators,
+        # Synchronous and exactly on-policy: nothing sampled under old weights goes on.
+        dataclasses.replace(cfg.generators, weight_swap="restart"),
         policy,
         domains,
         run=run_dir.name or "run",

@@ -35,15 +35,17 @@ import torch
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
 from hpcrl.rl.batch import collate
+from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
-from hpcrl.rl.entropy import logprobs_and_entropy
-from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device, token_logprobs
+from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config
+from hpcrl.rl.logprobs import PolicyHead
+from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device
 from hpcrl.rl.schedule import lr_at, set_lr
 from hpcrl.rl.trajectory import Trajectory
-from hpcrl.rl.weights import WeightStore
+from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
 
-__all__ = ["Learner", "deepspeed_config", "import_deepspeed"]
+__all__ = ["Learner", "deepspeed_config", "import_deepspeed"]  # deepspeed_config: rl/dsconfig.py
 
 _GATHER_NUMEL = 1 << 26  # gather at most ~64M parameters at once when publishing
 
@@ -63,25 +65,6 @@ def import_deepspeed(device: torch.device):
     return deepspeed
 
 
-def deepspeed_config(cfg: LearnerConfig, policy: PolicyConfig, micro_steps: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch,
-        "gradient_accumulation_steps": micro_steps,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {
-            "stage": 3,
-            # Tiny models would otherwise stay unpartitioned without a word.
-            "stage3_param_persistence_threshold": 0,
-            "contiguous_gradients": True,
-            "overlap_comm": False,
-        },
-        "bf16": {"enabled": policy.dtype == "bfloat16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-
-
 class Learner:
     def __init__(
         self,
@@ -99,6 +82,10 @@ class Learner:
         self.weights = WeightStore(self.run_dir, keep=cfg.keep_weights)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.engine = None
+        self.reference = None
+        self.publisher: ShardPublisher | None = None
+        self.direct = None  # DirectSender on rank 0 with policy.weight_sync: direct
+        self.comm: Collectives | None = None
         self.step = 0
         self.version = 0
 
@@ -113,38 +100,32 @@ class Learner:
         self.dist.export()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.dist.local_rank)
-        backend = (
-            self.cfg.dist_backend
-            if self.cfg.dist_backend != "auto"
-            else ("nccl" if self.device.type == "cuda" else "gloo")
-        )
+            self.device = torch.device("cuda", self.dist.local_rank)
+        backend = resolve_backend(self.cfg.dist_backend, self.device)
         ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         self.rank, self.world = self.dist.rank, self.dist.world_size
+        # Our own collectives on the backend's device (NCCL: CUDA tensors only).
+        self.comm = self.comm or Collectives(backend_device(backend, self.dist.local_rank))
 
         batch = self.cfg.batch_groups * self.cfg.group_size
         per_rank = math.ceil(batch / self.world)
         self.micro_steps = math.ceil(per_rank / self.cfg.micro_batch)
-        config = deepspeed_config(self.cfg, self.policy_cfg, self.micro_steps)
+        check_deepspeed_section(self.cfg.deepspeed)
+        config = self.ds_config = deepspeed_config(self.cfg, self.policy_cfg, self.micro_steps)
         self.tokenizer = load_tokenizer(self.policy_cfg)
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         )
-        if self.policy_cfg.path is not None:
-            # Keeps transformers' ZeRO-3 integration on, so from_pretrained loads straight into shards.
-            from transformers.integrations import HfDeepSpeedConfig
+        self.engine = self._build_engine(config)
+        if self.cfg.algorithm.beta > 0:
+            from hpcrl.rl.reference import ReferencePolicy
 
-            self._hf_ds = HfDeepSpeedConfig(config)
-        # Same seed on every rank: ZeRO-3 partitions one identical model.
-        model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
-        model.config.use_cache = False
-        opt = torch.optim.AdamW(
-            model.parameters(),
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
-            eps=self.cfg.adam_eps,
-        )
-        self.engine, *_ = ds.initialize(model=model, optimizer=opt, config=config)
+            self.reference = ReferencePolicy(ds, self._initial_model, config, self.cfg.logit_chunk_tokens)
+        self.publisher = ShardPublisher(self.weights, self.rank, self.world)
+        if self.policy_cfg.weight_sync == "direct" and self.rank == 0:
+            from hpcrl.rl.weight_direct import DirectSender
+
+            self.direct = DirectSender(self.run_dir, backend)
 
         extra: dict[str, Any] = {}
         if (self.ckpt_dir / "latest").exists():
@@ -155,6 +136,45 @@ class Learner:
             self.version = max(int(client["version"]), announced[0] if announced else 0) + 1
         self.publish()
         return extra
+
+    def _initial_model(self):
+        # Same seed on every rank: ZeRO-3 partitions one identical model.
+        if self.policy_cfg.path is None:
+            model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+        else:
+            # transformers' ZeRO-3 integration, on while this model loads: from_pretrained creates
+            # it inside zero.Init and loads the weights straight into the shards. Off again after,
+            # so a generator built in this process (hpcrl.rl.inprocess) gets a whole model.
+            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            keep = HfDeepSpeedConfig(self.ds_config)
+            try:
+                model = build_policy_model(self.policy_cfg, self.tokenizer, self.seed)
+            finally:
+                unset_hf_deepspeed_config()
+                del keep
+        model.config.use_cache = False
+        return model
+
+    def _build_engine(self, config: dict):
+        """The policy as a DeepSpeed engine around a `PolicyHead` (chunked log-probabilities)."""
+        model = self._initial_model()
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        head = PolicyHead(model, self.cfg.logit_chunk_tokens, zero3=True)
+        # A DeepSpeed optimizer from the config (offload: its CPU Adam) or torch's AdamW.
+        opt = None
+        if "optimizer" not in config:
+            opt = torch.optim.AdamW(
+                head.parameters(),
+                lr=self.cfg.lr,
+                weight_decay=self.cfg.weight_decay,
+                betas=(self.cfg.adam_beta1, self.cfg.adam_beta2),
+                eps=self.cfg.adam_eps,
+            )
+        engine, *_ = self.ds.initialize(model=head, optimizer=opt, config=config)
+        return engine
 
     # -- training ------------------------------------------------------------------------
 
@@ -183,9 +203,7 @@ class Learner:
         mine.sort(key=lambda i: -trajs[i].n_tokens)
         chunks = [mine[i :: self.micro_steps] for i in range(self.micro_steps)]
         local_den = self.algorithm.denominator([int(sum(s.loss_mask.sum() for s in trajs[i].steps)) for i in mine])
-        total = torch.tensor([local_den])
-        torch.distributed.all_reduce(total)
-        total_den = max(float(total.item()), 1.0)
+        total_den = max(self.comm.sum([float(local_den)])[0], 1.0)
         lr = lr_at(self.cfg, self.step)
         set_lr(self.engine.optimizer, lr)
 
@@ -208,12 +226,12 @@ class Learner:
         diag = batch_diagnostics(groups, adv, self.version, self.tokenizer.eos_token_id, decode)
         self.step += 1
         self.version += 0 if skip else 1
-        keys = ("loss_sum", "ratio_sum", "clipped_sum", "kl_sum", "tokens", "rows", "entropy_sum", "entropy_first_sum")
-        summed = torch.tensor([stats[k] for k in keys])
-        torch.distributed.all_reduce(summed)
-        loss_s, ratio_s, clip_s, kl_s, tok, rows, ent_s, ent1_s = summed.tolist()
-        extremes = torch.tensor([-ratio_lo, ratio_hi])
-        torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX)
+        keys = (
+            "loss_sum", "ratio_sum", "clipped_sum", "kl_sum", "tokens", "rows", "entropy_sum", "entropy_first_sum",
+            "ref_kl_sum",
+        )  # fmt: skip
+        loss_s, ratio_s, clip_s, kl_s, tok, rows, ent_s, ent1_s, ref_kl_s = self.comm.sum([stats[k] for k in keys])
+        neg_lo, ratio_hi = self.comm.max([-ratio_lo, ratio_hi])
         nan = float("nan")
         by_domain: dict[str, list[float]] = defaultdict(list)
         for t in trajs:
@@ -226,12 +244,13 @@ class Learner:
             "reward": float(rewards.mean()),
             "reward_by_domain": {d: sum(v) / len(v) for d, v in by_domain.items()},
             "ratio_mean": ratio_s / tok if tok else nan,
-            "ratio_min": -float(extremes[0]) if tok else nan,
-            "ratio_max": float(extremes[1]) if tok else nan,
+            "ratio_min": -neg_lo if tok else nan,
+            "ratio_max": ratio_hi if tok else nan,
             "clip_fraction": clip_s / tok if tok else nan,
             "kl": kl_s / tok if tok else nan,
             "entropy": ent_s / tok if tok else nan,
             "entropy_first": ent1_s / rows if rows else nan,
+            **({"ref_kl": ref_kl_s / tok if tok else nan} if self.reference is not None else {}),
             "grad_norm": float(grad_norm) if grad_norm is not None and not skip else nan,
             "action_tokens": int(tok),
             "staleness_max": max(int(k) for k in diag["staleness_hist"]),
@@ -249,7 +268,9 @@ class Learner:
             # This rank has fewer rows than another: run a masked dummy row anyway, so the
             # collective parameter gathers inside forward stay in step across ranks.
             ids = torch.tensor([[self.pad_id, self.pad_id]], device=self.device)
-            lp = token_logprobs(self.engine, ids, torch.ones_like(ids))
+            lp, _ = self.engine(ids, torch.ones_like(ids))
+            if self.reference is not None:
+                self.reference.logprobs(ids, torch.ones_like(ids))
             return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
         tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id)
         tb = type(tb)(
@@ -258,17 +279,33 @@ class Learner:
                 for x in (tb.input_ids, tb.attention_mask, tb.action_mask, tb.behaviour_logprobs, tb.advantages)
             )
         )
-        grad_entropy = self.cfg.algorithm.entropy_coef > 0
-        lp, entropy = logprobs_and_entropy(self.engine, tb.input_ids, tb.attention_mask, grad_entropy)
-        return self.algorithm.token_loss(lp, tb, entropy)
+        lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
+        if not self.cfg.algorithm.entropy_coef:
+            entropy = entropy.detach()  # measured for the diagnostics only
+        loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy)
+        if self.reference is not None:
+            loss_sum, stats = self._add_reference_kl(loss_sum, stats, lp, tb)
+        return loss_sum, stats
+
+    def _add_reference_kl(self, loss_sum: torch.Tensor, stats: dict, lp: torch.Tensor, tb):
+        """loss + beta x KL(pi || reference) over the micro-batch's action tokens."""
+        from hpcrl.rl.reference import kl_penalty
+
+        ref_lp = self.reference.logprobs(tb.input_ids, tb.attention_mask)
+        kl_sum, kl_stats = kl_penalty(lp, ref_lp, tb.action_mask)
+        return loss_sum + self.cfg.algorithm.beta * kl_sum, {**stats, **kl_stats}
 
     # -- weights and checkpoints ----------------------------------------------------------
 
-    def gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights from the ZeRO-3 shards (on rank 0; other ranks get {}). Every rank
-        must call it: gathering is collective. Parameters are gathered in bounded chunks."""
-        module = self.engine.module
+    def gathered_state_dict(self, everything_on_rank0: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights from the ZeRO-3 shards, on the host in the policy dtype. Every rank must
+        call it (gathering is collective); parameters are gathered in bounded chunks. Each rank
+        keeps the tensors `owned_names` gives it; rank 0 all of them if `everything_on_rank0`."""
+        module = self.engine.module.lm
         named = list(module.named_parameters())
+        owners = owned_names([n for n, _ in named], [_numel(p) for _, p in named], self.world)
+        mine = set(owners[self.rank]) if not (everything_on_rank0 and self.rank == 0) else {n for n, _ in named}
+        dtype = torch.bfloat16 if self.policy_cfg.dtype == "bfloat16" else torch.float32
         out: dict[str, torch.Tensor] = {}
         i = 0
         while i < len(named):
@@ -278,9 +315,9 @@ class Learner:
                 numel += _numel(named[i][1])
                 i += 1
             with self.ds.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
-                if self.rank == 0:
-                    for name, p in chunk:
-                        out[name] = p.detach().to("cpu", copy=True).contiguous()
+                for name, p in chunk:
+                    if name in mine:
+                        out[name] = p.detach().to("cpu", dtype, copy=True).contiguous()
         if self.rank == 0:
             persistent = set(module.state_dict().keys())
             for name, b in module.named_buffers():
@@ -289,17 +326,23 @@ class Learner:
         return out
 
     def publish(self) -> None:
-        """Write the current weights as policy version `self.version` (rank 0 writes)."""
-        state = self.gathered_state_dict()
-        if self.rank == 0:
-            self.weights.publish(state, self.version)
+        """Policy version `self.version`: every rank gathers and keeps its share on the host, a
+        thread writes its shard (rank 0 then announces); training goes on meanwhile."""
+        direct = self.direct is not None
+        state = self.gathered_state_dict(everything_on_rank0=direct)
+        if direct:
+            self.direct.send(self.version, state)
+            named = [n for n, _ in self.engine.module.lm.named_parameters()]
+            mine = set(owned_names(named, [state[n].numel() for n in named], self.world)[0])
+            state = {k: v for k, v in state.items() if k in mine or k not in named}
+        self.publisher.submit(self.version, state)
 
     def checkpoint(self, extra: dict[str, Any] | None = None) -> None:
         """Model, optimizer, step, version and `extra` (e.g. the store cursor). Every rank calls it."""
         tag = f"step{self.step:08d}"
         client = {"step": self.step, "version": self.version, "extra": extra or {}}
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
-        torch.distributed.barrier()
+        self.comm.barrier()
         if self.rank == 0:
             tags = sorted(p for p in self.ckpt_dir.glob("step*") if p.is_dir())
             for old in tags[: -self.cfg.keep_checkpoints]:
@@ -309,11 +352,18 @@ class Learner:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # All ranks leave together: a rank tearing gloo down while a peer still talks to it
             # can abort the peer at exit ("terminate called without an active exception").
-            torch.distributed.barrier()
+            self.comm.barrier()
             # Release the engine (ZeRO-3 hooks, optimizer, its references to process groups)
             # while the interpreter is whole: groups that survive until interpreter teardown
             # join their gloo threads in arbitrary destructor order, which aborted a rank at
             # exit once in a loaded test run.
+            if self.publisher is not None:
+                self.publisher.flush()  # the last version is written and announced before we go
+            if self.direct is not None:
+                self.direct.flush()
+            if self.reference is not None:
+                self.reference.close()
+                self.reference = None
             if self.engine is not None:
                 self.engine.destroy()
                 self.engine = None

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.batch import GroupBuffer
@@ -184,7 +182,7 @@ def run_learner(
             msg: list = [None]
             if rank0 is not None:
                 msg[0] = "stop" if stop.is_set() else rank0.next_groups(time.monotonic() + _WAIT_S)
-            torch.distributed.broadcast_object_list(msg, src=0)
+            msg = [learner.comm.broadcast_object(msg[0], src=0)]
             if msg[0] == "stop":
                 break
             if msg[0] is None:
@@ -206,8 +204,7 @@ def run_learner(
 
 def _checkpoint(learner: Learner, rank0: _Rank0 | None) -> None:
     # Every rank saves the same client state: whichever rank's file DeepSpeed reads back, it holds rank 0's cursor.
-    box = [rank0.extra() if rank0 is not None else None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    learner.checkpoint(box[0])
+    extra = learner.comm.broadcast_object(rank0.extra() if rank0 is not None else None, src=0)
+    learner.checkpoint(extra)
     if rank0 is not None:
-        rank0.write_cursor(box[0])
+        rank0.write_cursor(extra)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hpcrl.core.config import PolicyConfig, TinyModelConfig
+from hpcrl.rl.logprobs import token_logprobs
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -34,6 +35,7 @@ __all__ = [
     "full_state_dict",
     "save_weights",
     "load_weights",
+    "copy_state",
     "resolve_device",
 ]
 
@@ -111,19 +113,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Policy:
     """A causal LM, its tokenizer and the ids the generator and learner need."""
 
-    def __init__(self, model, tokenizer, device: torch.device):
+    def __init__(self, model, tokenizer, device: torch.device, chat_template: bool = False, extra_eos=()):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         if tokenizer.eos_token_id is None:
             raise ValueError("policy tokenizer has no eos token; set eos_token in its tokenizer_config.json")
         self.eos_id: int = int(tokenizer.eos_token_id)
+        # Every id that ends a sequence: the tokenizer's eos, the model's generation_config and
+        # config (chat models list several: end of turn and end of text).
+        self.eos_ids: frozenset[int] = frozenset({self.eos_id, *(int(i) for i in extra_eos)})
         self.pad_id: int = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
         self.bos_id: int | None = None if tokenizer.bos_token_id is None else int(tokenizer.bos_token_id)
+        self.chat_template = bool(chat_template)
+        if self.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("policy.chat_template is true but the tokenizer has no chat template")
         # The built-in character tokenizer maps each character to one id: a dict lookup is ~30x
         # faster than the tokenizers call, and the generator encodes every prompt and observation.
         self._chars: dict[str, int] | None = getattr(tokenizer, "hpcrl_char_ids", None)
         self._unk = tokenizer.unk_token_id
+        self._turn: tuple[str, str] | None = None
 
     @classmethod
     def load(cls, cfg: PolicyConfig, seed: int, device: str | torch.device | None = None, build_model: bool = True):
@@ -132,7 +141,7 @@ class Policy:
         dev = resolve_device(cfg.device) if device is None else torch.device(device)
         tokenizer = load_tokenizer(cfg)
         model = build_policy_model(cfg, tokenizer, seed).to(dev) if build_model else None
-        return cls(model, tokenizer, dev)
+        return cls(model, tokenizer, dev, chat_template=cfg.chat_template, extra_eos=model_eos_ids(cfg, model))
 
     def encode(self, text: str) -> list[int]:
         if self._chars is not None:
@@ -141,12 +150,90 @@ class Policy:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """A task prompt as the first turn sees it: bos (when the tokenizer has one) + text."""
-        ids = self.encode(text)
+    def decode_after(self, context, ids) -> str:
+        """The text `ids` add after `context` (token ids), exactly: decoded together with the
+        last few context tokens, so a token that continues a multi-byte character or a
+        SentencePiece word decodes as it does in place (each token on its own would not)."""
+        ids = [int(i) for i in ids if int(i) not in self.eos_ids]
+        if not ids:
+            return ""
+        if self._chars is not None:
+            return self.decode(ids)
+        tail = list(context[-4:])
+        before = self.decode(tail)
+        both = self.decode(tail + ids)
+        if both.startswith(before):
+            return both[len(before) :]
+        return self.decode(ids)  # the context's tail itself decodes differently in company: rare
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """A task prompt as the first turn sees it. Chat messages ([{role, content}, ...]) go
+        through the tokenizer's chat template, with the assistant turn opened; text does too
+        when `policy.chat_template` is on (as one user message), else it is bos + text."""
+        if not isinstance(prompt, str):
+            messages = [dict(m) for m in prompt]
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(
+                    "a domain gave chat messages as its prompt but the policy's tokenizer has no chat template"
+                )
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        if self.chat_template:
+            return self.prompt_ids([{"role": "user", "content": prompt}])
+        ids = self.encode(prompt)
         return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+    def observation_ids(self, text: str, chat: bool, action_ended_with_eos: bool) -> list[int]:
+        """An environment's feedback as the next context tokens. In a chat episode it becomes a
+        user turn (closing the assistant's turn first, then opening the next one), rendered by
+        the tokenizer's own template; otherwise it is the text's tokens as they are."""
+        if not chat:
+            return self.encode(text)
+        close, open_user = self._turn_pieces()
+        if action_ended_with_eos and close.startswith(self.tokenizer.decode([self.eos_id])):
+            close = close[len(self.tokenizer.decode([self.eos_id])) :]
+        user_open, user_close = open_user.split("\x00")
+        return self.encode(close + user_open) + self.encode(text) + self.encode(user_close)
+
+    def _turn_pieces(self) -> tuple[str, str]:
+        """(what closes an assistant turn, a user turn + the next assistant opening with a NUL
+        where the user's text goes), derived from the chat template by rendering around markers."""
+        if self._turn is None:
+            tpl = self.tokenizer
+            first = [{"role": "user", "content": "\x01"}, {"role": "assistant", "content": "\x02"}]
+            a = tpl.apply_chat_template(first, tokenize=False)
+            b = tpl.apply_chat_template(
+                first + [{"role": "user", "content": "\x00"}], tokenize=False, add_generation_prompt=True
+            )
+            if not b.startswith(a) or "\x02" not in a:
+                raise ValueError(
+                    "the tokenizer's chat template does not render turns incrementally; cannot continue a chat episode"
+                )
+            close = a[a.index("\x02") + 1 :]
+            self._turn = (close, b[len(a) :])
+        return self._turn
+
+
+def model_eos_ids(cfg: PolicyConfig, model=None) -> list[int]:
+    """End-of-sequence ids the model folder declares (generation_config.json, config.json)."""
+    ids: list[int] = []
+    sources = []
+    if model is not None:
+        sources += [getattr(model, "generation_config", None), model.config]
+    elif cfg.path is not None:
+        import json
+
+        for name in ("generation_config.json", "config.json"):
+            f = _local_folder(cfg.path) / name
+            if f.is_file():
+                sources.append(json.loads(f.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id") if isinstance(src, dict) else getattr(src, "eos_token_id", None)
+        if value is None:
+            continue
+        ids += [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    return ids
 
 
 def load_tokenizer(cfg: PolicyConfig):
@@ -192,22 +279,6 @@ def _local_folder(path: str) -> Path:
             "(hpcrl never downloads), or set policy.path: null for the tiny built-in model"
         )
     return p
-
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """log p(input_ids[:, t] | input_ids[:, <t]) for t >= 1, shape [B, T-1], float32.
-
-    Padding may be on either side: positions are counted over real tokens only, which is
-    what the generator's left-padded, KV-cached sampling used, so both sides agree.
-    """
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    logits = out.logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    # log_softmax then gather: exact, and for a ~100-token vocabulary cheaper than a fused CE.
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
@@ -256,25 +327,30 @@ def load_weights(model, path: str | os.PathLike) -> int:
     """Copy the weights in `path` into `model` (in place, keeping its device and dtype); return
     their version. Names must match exactly, except tied weights which are stored once."""
     state, version = read_weights(path)
+    copy_state(model, state, str(path))
+    return version
+
+
+def copy_state(model, state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Copy a full state (as `full_state_dict` names it) into `model`, checking names and shapes."""
     own = model.state_dict()
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise ValueError(
-            f"{path}: weights for {unknown[:5]} do not exist in the model; was it saved from another architecture?"
+            f"{where}: weights for {unknown[:5]} do not exist in the model; was it saved from another architecture?"
         )
     expected = set(full_state_dict_names(model))
     missing = sorted(expected - set(state))
     if missing:
-        raise ValueError(f"{path}: no weights for {missing[:5]}; the file is incomplete or from another architecture")
+        raise ValueError(f"{where}: no weights for {missing[:5]}; the file is incomplete or from another architecture")
     with torch.no_grad():
         for name, tensor in state.items():
             target = own[name]
             if target.shape != tensor.shape:
                 raise ValueError(
-                    f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                    f"{where}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
-            target.copy_(tensor.to(target.dtype))
-    return version
+            target.copy_(tensor.to(target.dtype), non_blocking=True)
 
 
 def full_state_dict_names(model) -> list[str]:

@@ -228,6 +228,7 @@ class AnnouncedWeights:
         self._sub = None
         self._instance = None
         self._checked = 0.0
+        self._announced = -1  # newest version announced so far
 
     def _subscriber(self):
         from hpcrl.core.rpc import VersionSubscriber
@@ -251,6 +252,10 @@ class AnnouncedWeights:
             self._checked = now
             self._subscriber()
         announced = self._sub.poll(0.0) if self._sub is not None else None
-        if (announced is not None and announced > have) or due or have < 0:
+        if announced is not None:
+            self._announced = max(self._announced, announced)
+        # Announced but not loaded yet: the files may still be being written (or read on a
+        # thread), so look again on every call until it is in; a stat each time.
+        if self._announced > have or due or have < 0:
             return self.store.load_if_newer(model, have)
         return None

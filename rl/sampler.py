@@ -1,63 +1,37 @@
-"""Batched sampling with a KV cache, returning every sampled token's log-probability.
+"""Batched sampling to completion, returning every sampled token's log-probability.
 
     sampler = Sampler(policy, seed=0)
     out = sampler.sample([[1, 40, 41], [1, 42]], max_new=[1, 64], stops=[(), ("# end",)])
     out[1].tokens, out[1].logprobs, out[1].text, out[1].finish   # finish: eos | stop | length
 
-Rows are left-padded to one length, prefilled in one forward pass, then decoded token by token
-with the cache. Positions count real tokens only (as `token_logprobs` does), so the learner
-recomputes the same log-probabilities from the same tokens. Sampling is from the model's own
+The rows go through rl/engine.py's continuous-batching engine (prefilled together, decoded
+token by token with the KV cache, each leaving the batch when it finishes). Positions count
+real tokens only (as `token_logprobs` does), so the learner recomputes the same
+log-probabilities from the same tokens. Sampling is from the model's own
 distribution (temperature 1): the recorded log-probabilities are exactly the behaviour
-policy's, which the learner's importance ratio needs. Rows that finish early drop out of the
-batch (and its cache) once fewer than half remain.
+policy's, which the learner's importance ratio needs. Text is exact: an action's text is its
+tokens decoded in the company of the context before them, and stop strings are matched on
+text produced incrementally (`IncrementalText`), never on tokens decoded one by one.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from hpcrl.rl.engine import DecodeEngine, IncrementalText, Sample, SamplingSpec
 from hpcrl.rl.policy import Policy
 
-__all__ = ["Sample", "Sampler"]
-
-
-@dataclass(frozen=True)
-class Sample:
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    text: str
-    finish: Literal["eos", "stop", "length"]
+__all__ = ["Sample", "Sampler", "IncrementalText"]
 
 
 class Sampler:
+    """A batch of contexts sampled to completion: `DecodeEngine` (rl/engine.py) run until done."""
+
     def __init__(self, policy: Policy, seed: int):
         self.policy = policy
-        self.gen = torch.Generator(device=policy.device)
-        self.gen.manual_seed(seed)
-        self._piece: dict[int, str] = {}
-        # transformers 5 renamed past_key_values to cache; speak whichever this version speaks.
-        params = inspect.signature(policy.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-    def _forward(self, **kw):
-        cache = kw.pop("cache", None)
-        if cache is not None:
-            kw[self._cache_kw] = cache
-        out = self.policy.model(use_cache=True, **self._last_only, **kw)
-        past = out.cache if hasattr(out, "cache") else out.past_key_values
-        return past, out.logits[:, -1, :]
-
-    def _text(self, tok: int) -> str:
-        piece = self._piece.get(tok)
-        if piece is None:
-            piece = self._piece[tok] = self.policy.tokenizer.decode([tok], skip_special_tokens=True)
-        return piece
+        self.engine = DecodeEngine(policy, seed)
 
     @torch.no_grad()
     def sample(
@@ -66,68 +40,11 @@ class Sampler:
         n = len(contexts)
         if not (n == len(max_new) == len(stops)):
             raise ValueError(f"Sampler.sample: {n} contexts, {len(max_new)} max_new, {len(stops)} stops; need one each")
-        if n == 0:
-            return []
-        if min(len(c) for c in contexts) == 0:
+        if n and min(len(c) for c in contexts) == 0:
             raise ValueError("Sampler.sample: every context needs at least one token (e.g. bos)")
-        dev, pol = self.policy.device, self.policy
-        pol.model.eval()
-        width = max(len(c) for c in contexts)
-        ids = torch.full((n, width), pol.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c) :] = torch.as_tensor(c, dtype=torch.long)
-            mask[i, width - len(c) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        past, logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos)
-        next_pos = mask.sum(-1, keepdim=True)  # [n, 1]
-
-        rows = list(range(n))  # batch position -> original row
-        toks: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[float]] = [[] for _ in range(n)]
-        texts = ["" for _ in range(n)]
-        finish: list[str | None] = [None] * n
-        limit = [int(m) for m in max_new]
-        # A stop string can only complete on a token containing its last character.
-        last_chars = [{s[-1] for s in st if s} for st in stops]
-
-        for _ in range(max(limit)):
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            tok = torch.multinomial(logp.exp(), 1, generator=self.gen)  # [b, 1]
-            tok_lp = logp.gather(-1, tok).squeeze(-1).tolist()
-            tok_list = tok.squeeze(-1).tolist()
-            keep = []
-            for b, r in enumerate(rows):
-                if finish[r] is not None:
-                    continue  # done earlier; still in the batch until it shrinks
-                t = tok_list[b]
-                toks[r].append(t)
-                lps[r].append(tok_lp[b])
-                if t == pol.eos_id:
-                    finish[r] = "eos"
-                else:
-                    piece = self._text(t)
-                    texts[r] += piece
-                    if (
-                        last_chars[r]
-                        and any(ch in piece for ch in last_chars[r])
-                        and any(s in texts[r][-len(s) - len(piece) :] for s in stops[r])
-                    ):
-                        finish[r] = "stop"
-                    elif len(toks[r]) >= limit[r]:
-                        finish[r] = "length"
-                if finish[r] is None:
-                    keep.append(b)
-            if not keep:
-                break
-            if len(keep) < len(rows) // 2:
-                # Most rows are done: shrink the batch and its cache instead of computing for them.
-                sel = torch.as_tensor(keep, device=dev)
-                past.batch_select_indices(sel)
-                tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
-                rows = [rows[b] for b in keep]
-            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
-            past, logits = self._forward(input_ids=tok, attention_mask=mask, position_ids=next_pos, cache=past)
-            next_pos = next_pos + 1
-        return [Sample(tuple(toks[r]), tuple(lps[r]), texts[r], finish[r] or "length") for r in range(n)]
+        for i in range(n):
+            self.engine.submit(i, contexts[i], max_new[i], SamplingSpec(stops=tuple(stops[i])), keep=False)
+        out: dict[int, Sample] = {}
+        while self.engine.busy:
+            out.update(self.engine.step())
+        return [out[i] for i in range(n)]

@@ -211,22 +211,13 @@ def test_clip_higher_lets_a_rare_good_token_rise_further():
     assert g == 0.0
 
 
-class _Logits(torch.nn.Module):
-    """A 'model' whose logits are a parameter [1, T, V]: the gradient reaches them directly."""
-
-    def __init__(self, logits: torch.Tensor):
-        super().__init__()
-        self.logits = torch.nn.Parameter(logits.clone())
-
-    def forward(self, input_ids, attention_mask, position_ids, use_cache):
-        return type("Out", (), {"logits": self.logits})()
-
-
 def test_entropy_bonus_gradient_is_the_entropy_gradient():
-    from hpcrl.rl.entropy import logprobs_and_entropy
+    """Through the learner's own head (chunked, recomputed in backward): with an identity output
+    projection the hidden states are the logits, so the gradient reaches them directly."""
+    from hpcrl.rl.logprobs import chunked_logprobs
 
-    z = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0], [0.0, 0.0, 0.0]]])  # position 1 predicts token 2
-    model = _Logits(z)
+    z = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]])  # position 1 predicts token 2
+    hidden = torch.nn.Parameter(z.clone())
     ids = torch.tensor([[0, 1, 2]])
     batch = TokenBatch(
         input_ids=ids,
@@ -237,7 +228,7 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient():
     )
     c = 0.1
     algo = make_algorithm(AlgorithmConfig(name="grpo", entropy_coef=c))
-    lp, ent = logprobs_and_entropy(model, ids, batch.attention_mask, grad_entropy=True)
+    lp, ent = chunked_logprobs(hidden, torch.eye(3), ids[:, 1:], chunk_tokens=1)
     loss_sum, stats = algo.token_loss(lp, batch, ent)
     loss_sum.backward()
     p = torch.softmax(z[0, 1], -1)
@@ -245,16 +236,15 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient():
     assert stats["entropy_sum"] == pytest.approx(float(h), rel=1e-6)
     assert stats["entropy_first_sum"] == pytest.approx(float(h), rel=1e-6)
     # loss = -c H; dH/dz_k = -p_k (log p_k + H), so d loss/dz_k = c p_k (log p_k + H)
-    assert torch.allclose(model.logits.grad[0, 1], c * p * (p.log() + h), atol=1e-7)
-    assert torch.equal(model.logits.grad[0, 0], torch.zeros(3))  # not an action position
-    # entropy_coef 0: the entropy is measured, detached, and adds no gradient
-    model.logits.grad = None
+    assert torch.allclose(hidden.grad[0, 1], c * p * (p.log() + h), atol=1e-6)
+    assert torch.equal(hidden.grad[0, 0], torch.zeros(3))  # not an action position
+    # entropy_coef 0: the learner detaches the entropy; it is measured and adds no gradient
+    hidden.grad = None
     off = make_algorithm(AlgorithmConfig(name="grpo", entropy_coef=0.0))
-    lp, ent = logprobs_and_entropy(model, ids, batch.attention_mask, grad_entropy=False)
-    assert not ent.requires_grad
-    loss_sum, stats = off.token_loss(lp, batch, ent)
+    lp, ent = chunked_logprobs(hidden, torch.eye(3), ids[:, 1:], chunk_tokens=1)
+    loss_sum, stats = off.token_loss(lp, batch, ent.detach())
     loss_sum.backward()
-    assert torch.equal(model.logits.grad, torch.zeros_like(z)) and stats["entropy_sum"] > 0
+    assert torch.equal(hidden.grad, torch.zeros_like(z)) and stats["entropy_sum"] > 0
 
 
 def test_dynamic_sampling_drops_zero_variance_groups():

@@ -135,6 +135,7 @@ def test_overrides_go_through_the_schema():
             "learner.lr=3e-4",
             "executor=slurm",
             "slurm.learner.gpus_per_node=2",
+            "slurm.learner.tasks_per_node=2",
             "slurm.account=proj42",
             "domains.0.weight=2.5",
             "slurm.setup=[module load cuda]",
@@ -218,7 +219,8 @@ def test_cli_validate_ok_and_print():
             "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness, "
             "algorithm, group_size, batch_groups, micro_batch, weight_decay, adam_beta1, adam_beta2, adam_eps, "
             "lr_schedule, lr_warmup_steps, lr_min_ratio, skip_empty_steps, filter_groups, store_refresh_s, "
-            "grad_clip, max_steps, publish_every, keep_weights, checkpoint_every, keep_checkpoints, dist_backend "
+            "grad_clip, max_steps, publish_every, keep_weights, checkpoint_every, keep_checkpoints, dist_backend, "
+            "logit_chunk_tokens, activation_checkpointing, offload_optimizer, offload_params, deepspeed "
             "[from override learner.lrr=1]",
         ),
         (["oops"], "config error: override 'oops': expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4"),
@@ -327,3 +329,48 @@ def test_a_reused_run_id_is_one_line_exit_2(tmp_path):
     (tmp_path / "runs" / "taken").mkdir(parents=True)
     r = hpcrl("run", "config.yaml", f"experiment.run_root={tmp_path / 'runs'}", "--run-id", "taken")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "already exists" in r.stderr, r.stderr[-2000:]
+
+
+def test_one_learner_rank_per_gpu_is_checked_at_load(tmp_path):
+    err = error_of(tmp_path, "slurm:\n  learner: {gpus_per_node: 8, tasks_per_node: 1}\n")
+    assert err.path == "slurm.learner.tasks_per_node"
+    assert "set slurm.learner.tasks_per_node: 8" in str(err) and "7 GPU(s) per node would idle" in str(err)
+    cfg = load_config(write(tmp_path, "slurm:\n  learner: {gpus_per_node: 8, tasks_per_node: 8, nodes: 2}\n"))
+    assert cfg.slurm.learner.tasks_per_node == 8
+    assert load_config(None, ["slurm.learner.gpus_per_node=0", "slurm.learner.tasks_per_node=2"])  # CPU ranks
+    err = error_of(tmp_path, "slurm:\n  generator: {gpus_per_node: 4}\n")
+    assert err.path == "slurm.generator.gpus_per_node" and "generators.count" in str(err)
+    r = hpcrl("validate", "config.yaml", "slurm.learner.gpus_per_node=8")
+    assert r.returncode == 2 and "tasks_per_node: 8" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "override, path, fragment",
+    [
+        ("learner.deepspeed={zero_optimisation: {stage: 3}}", "learner.deepspeed.zero_optimisation",
+         "zero_optimization"),
+        ("learner.deepspeed={train_micro_batch_size_per_gpu: 4}", "learner.deepspeed.train_micro_batch_size_per_gpu",
+         "learner.micro_batch"),
+        ("learner.deepspeed={zero_optimization: {offload_optimizer: {devic: cpu}}}",
+         "learner.deepspeed.zero_optimization.offload_optimizer.devic", "unknown key"),
+        ("learner.deepspeed={bf16: {enabled: maybe}}", "learner.deepspeed.bf16.enabled", "bool"),
+    ],
+)  # fmt: skip
+def test_deepspeed_passthrough_is_checked_with_dotted_paths(override, path, fragment):
+    r = hpcrl("validate", "config.yaml", override)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"config error: {path}:" in r.stderr and fragment in r.stderr, r.stderr
+
+
+def test_deepspeed_passthrough_merges_over_the_defaults():
+    from hpcrl.rl.dsconfig import deepspeed_config
+
+    over = {"zero_optimization": {"stage3_prefetch_bucket_size": 5e8}, "comms_logger": {"enabled": True}}
+    cfg = load_config(None, [f"learner.deepspeed={over}", "learner.offload_optimizer=cpu", "policy.dtype=bfloat16"])
+    ds = deepspeed_config(cfg.learner, cfg.policy, micro_steps=2)
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_param_persistence_threshold"] == 0  # defaults kept
+    assert zero["stage3_prefetch_bucket_size"] == 5e8 and ds["comms_logger"] == {"enabled": True}
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert ds["optimizer"]["type"] == "AdamW" and ds["bf16"] == {"enabled": True}
+    assert ds["gradient_accumulation_steps"] == 2 and ds["train_micro_batch_size_per_gpu"] == cfg.learner.micro_batch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from hpcrl.core.config import load_config
 from hpcrl.rl.domains import load_domains
 from hpcrl.rl.generator import Generator
-from hpcrl.rl.policy import Policy, read_weights
+from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.weights import WeightStore
 
@@ -138,9 +139,7 @@ def run_ranks(world: int, cfg: Path, run_dir: Path, batches: Path, out: Path, *e
 
 
 def weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
-    state, v = read_weights(WeightStore(run_dir).path_of(version))
-    assert v == version
-    return state
+    return WeightStore(run_dir).read(version)
 
 
 def assert_close(a: dict, b: dict, atol: float) -> None:
@@ -223,3 +222,46 @@ def test_a_batch_without_signal_leaves_weights_and_optimizer_untouched(setup):
     # The entropy bonus (on by default) would have moved the weights on that batch; it did not.
     assert_close(weights(tmp / "skip_a", 2), weights(tmp / "skip_b", 2), atol=0)
     assert a["steps"][2]["loss"] == pytest.approx(b["steps"][1]["loss"], abs=1e-7)
+
+
+def test_every_collective_of_the_learner_is_on_its_backends_device(setup):
+    """NCCL reduces CUDA tensors only; CI has gloo. With the meta device standing in for the
+    backend's device, a learner step, publish, checkpoint and close hand torch.distributed no
+    tensor of hpcrl's off that device, and the bug this guards against is caught."""
+    tmp, cfg, batches = setup
+    r = run_ranks(1, cfg, tmp / "meta", batches, tmp / "meta-out", "--device-collectives", "--checkpoint-after", "1")[0]
+    assert len(r["steps"]) == 2 and r["steps"][0]["action_tokens"] > 0
+    kinds = {c.split()[0] for c in r["checked_collectives"]}
+    assert kinds == {"all_reduce", "broadcast_object_list"}, r["checked_collectives"]
+    assert all("rl/collectives.py" in c for c in r["checked_collectives"]), r["checked_collectives"]
+    with pytest.raises(AssertionError, match="a cpu tensor handed to a backend that reduces meta tensors only"):
+        run_ranks(1, cfg, tmp / "meta-bug", batches, tmp / "meta-bug-out", "--device-collectives",
+                  "--inject-cpu-collective")  # fmt: skip
+
+
+def test_hf_model_bf16_checkpointing_and_reference_kl_on_two_ranks(setup, tmp_path):
+    """A Qwen2 folder (tied embeddings: the head's weight is the embedding's, used outside
+    lm_head's forward) on two ZeRO-3 ranks in bf16 with activation checkpointing and a KL
+    penalty to the reference model, itself sharded the same way."""
+    from hpcrl.core.config import dump_config
+    from hpcrl.rl.models import build_tiny_hf
+
+    _, _, batches = setup
+    model = build_tiny_hf(tmp_path / "qwen2", arch="qwen2", vocab=1024, max_chars=300_000)
+    extra = [
+        f"policy.path={model}",
+        "policy.dtype=bfloat16",
+        "learner.algorithm.beta=0.5",
+        "learner.activation_checkpointing=true",
+        "learner.logit_chunk_tokens=16",
+    ]
+    cfg = tmp_path / "hf.yaml"
+    cfg.write_text(dump_config(load_config(None, OVERRIDES + extra)))
+    r = run_ranks(2, cfg, tmp_path / "run", batches, tmp_path / "out")
+    steps = r[0]["steps"]
+    assert all(x["partitioned"] for x in r) and r[0]["local_numel"] < r[0]["full_numel"]
+    assert steps[0]["ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert steps[1]["ref_kl"] > 0 and all(math.isfinite(s["loss"]) and s["entropy"] > 0 for s in steps)
+    w0, w2 = weights(tmp_path / "run", 0), weights(tmp_path / "run", 2)
+    assert all(t.dtype == torch.bfloat16 for t in w2.values())  # published in the policy dtype
+    assert "lm_head.weight" not in w2 and any(not torch.equal(w0[k], w2[k]) for k in w0)

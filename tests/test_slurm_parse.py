@@ -158,6 +158,7 @@ def test_role_resources_become_submitit_parameters():
             "slurm.setup=[module load cuda]",
             "slurm.extra_directives={reservation: rl}",
             "slurm.learner.gpus_per_node=4",
+            "slurm.learner.tasks_per_node=4",
             "slurm.learner.extra_directives={constraint: a100}",
             "slurm.learner.mem_gb=1.5",
         ],

@@ -19,7 +19,7 @@ from hpcrl.core.schema import ConfigError
 from hpcrl.jobs.rundir import RunDirError
 
 # Verb modules in the order `--help` lists them.
-VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim")
+VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim", "model")
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None:
@@ -49,6 +49,7 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
     from hpcrl.rl.domains import DomainError, load_domains
 
     cfg = load_config(args.config, args.overrides)
+    check_experiment(cfg)
     if slurm and cfg.executor != "slurm":
         raise UsageError(
             f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
@@ -64,6 +65,15 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
     from hpcrl.rl.alphabet import resolve_charset
 
     return resolve_charset(cfg, domains), search, domains
+
+
+def check_experiment(cfg) -> None:
+    """Checks a config needs beyond its schema, at load time: `learner.deepspeed` against
+    DeepSpeed's own schemas (ConfigError naming the dotted key)."""
+    if cfg.learner.deepspeed:
+        from hpcrl.rl.dsconfig import check_deepspeed_section
+
+        check_deepspeed_section(cfg.learner.deepspeed)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,8 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpcrl.core.config import dump_config, load_config
+    from hpcrl.jobs.cli import check_experiment
 
     cfg = load_config(args.config, args.overrides)
+    check_experiment(cfg)
     if args.print_resolved:
         print(dump_config(cfg), end="")
     else:

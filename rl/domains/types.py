@@ -17,7 +17,7 @@ class Task:
 
     domain: str
     id: str
-    prompt: str
+    prompt: str | tuple[Mapping[str, str], ...]  # text, or chat messages ({role, content}, ...)
     data: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -30,14 +30,27 @@ class StepResult(NamedTuple):
 
 @dataclass(frozen=True)
 class ActionSpec:
-    """How long one action may be, and which strings end it early (kept in the action)."""
+    """How one action is sampled: its length limit, the strings that end it early (kept in the
+    action), extra end-of-sequence tokens (by name, beyond the model's own), and the sampling
+    parameters (temperature 0: greedy; top_p 1 and top_k 0: no truncation). The recorded
+    log-probabilities stay the model's own, so these shape exploration, not the loss."""
 
     max_tokens: int
     stop: tuple[str, ...] = ()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"ActionSpec.max_tokens: must be an int >= 1 (got {self.max_tokens!r})")
+        if not self.temperature >= 0:
+            raise ValueError(f"ActionSpec.temperature: must be >= 0 (got {self.temperature!r})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"ActionSpec.top_p: must be in (0, 1] (got {self.top_p!r})")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"ActionSpec.top_k: must be an int >= 0 (got {self.top_k!r})")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""Seconds per policy version for the two weight paths, against the raw transport (issue 13).
+
+    python bench/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--dtype bfloat16] [--rounds 3] [--json]
+
+A Llama of >= 100M parameters (random init, built here), its weights in the policy dtype:
+
+* file_s: `WeightStore.publish` (the learner's shard write) + a generator's `load_if_newer`
+  (read + swap into its model), per version;
+* file_copy_s: the same bytes as one flat buffer written to a file and read back into a tensor
+  (what any file path costs at least);
+* direct_s: `DirectSender.send` to a `DirectReceiver` in another process until that process
+  has swapped the version into its model (gloo over loopback on this machine);
+* broadcast_raw_s: one flat buffer of the same bytes broadcast over a two-process gloo group.
+
+Medians of `--rounds`. Files go to --dir (default: a temporary folder, i.e. the page cache of
+this machine's disk; a parallel filesystem is slower to write and faster to read in parallel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def build(hidden: int, layers: int, vocab: int, dtype):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
+                      tie_word_embeddings=False)  # fmt: skip
+    with torch.device("cpu"):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).to(dtype)
+
+
+def receiver(run_dir: str, hidden: int, layers: int, vocab: int, dtype_name: str, rounds: int) -> None:
+    """Child: receive `rounds` versions directly, swap each into a model, say when done."""
+    import torch
+
+    from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
+    from hpcrl.rl.weights import WeightStore
+
+    model = build(hidden, layers, vocab, getattr(torch, dtype_name))
+    recv = DirectReceiver(run_dir, "bench", timeout_s=600)
+    weights = DirectWeights(WeightStore(run_dir), recv)
+    recv.connected.wait(120)
+    print("ready", flush=True)
+    have = 0
+    while have < rounds:
+        v = weights.load_if_newer(model, have)
+        if v is not None and v > have:
+            have = v
+            print(f"swapped {v}", flush=True)
+        else:
+            time.sleep(0.001)
+    recv.close()
+    os._exit(0)  # the receiving thread is parked in a gloo call; nothing to tear down
+
+
+def raw_peer(port: int, nbytes: int, rounds: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=600))
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for _ in range(rounds):
+        pg.broadcast([buf], opts).wait()
+        pg.barrier().wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", help="folder for the files (default: a temporary one)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        if a.child[0] == "recv":
+            receiver(a.child[1], a.hidden, a.layers, a.vocab, a.dtype, a.rounds)
+        else:
+            raw_peer(int(a.child[1]), int(a.child[2]), a.rounds)
+        return 0
+
+    import torch
+    import torch.distributed as dist
+
+    from hpcrl.rl.policy import full_state_dict
+    from hpcrl.rl.weight_direct import DirectSender
+    from hpcrl.rl.weights import WeightStore
+
+    torch.set_num_threads(1)
+    dtype = getattr(torch, a.dtype)
+    model = build(a.hidden, a.layers, a.vocab, dtype)
+    state = full_state_dict(model)
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    gen_model = build(a.hidden, a.layers, a.vocab, dtype)
+    root = Path(a.dir or tempfile.mkdtemp(prefix="hpcrl-wsync-"))
+    child = [sys.executable, __file__, "--hidden", str(a.hidden), "--layers", str(a.layers), "--vocab", str(a.vocab),
+             "--dtype", a.dtype, "--rounds", str(a.rounds), "--child"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    # File path: the learner's write, then a generator's read and swap.
+    store, watch = WeightStore(root / "file", keep=2), WeightStore(root / "file")
+    file_s, write_s, read_s = [], [], []
+    for v in range(1, a.rounds + 1):
+        t0 = time.perf_counter()
+        store.publish(state, v)
+        t1 = time.perf_counter()
+        assert watch.load_if_newer(gen_model, v - 1) == v
+        t2 = time.perf_counter()
+        file_s.append(t2 - t0)
+        write_s.append(t1 - t0)
+        read_s.append(t2 - t1)
+
+    # The same bytes, plainly: one buffer to a file and back.
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
+    copy_s = []
+    back = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(a.rounds):
+        path = root / "plain.bin"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(flat.numpy().data)
+        with open(path, "rb") as f:
+            f.readinto(back.numpy().data)
+        copy_s.append(time.perf_counter() - t0)
+        path.unlink()
+
+    # Direct path: to a generator process that swaps each version into its model.
+    direct_dir = root / "direct"
+    sender = DirectSender(direct_dir, "gloo", host="127.0.0.1", timeout_s=600)
+    proc = subprocess.Popen(child + ["recv", str(direct_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    direct_s = []
+    for v in range(1, a.rounds + 1):
+        t0 = time.perf_counter()
+        sender.send(v, state)
+        line = proc.stdout.readline().strip()
+        assert line == f"swapped {v}", line
+        direct_s.append(time.perf_counter() - t0)
+    proc.wait(60)
+
+    # Raw broadcast of one buffer of the same size.
+    tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    peer = subprocess.Popen(child + ["raw", str(tcp.port), str(nbytes)], env=env)
+    pg = dist.ProcessGroupGloo(tcp, 0, 2, datetime.timedelta(seconds=600))
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    raw_s = []
+    for _ in range(a.rounds):
+        t0 = time.perf_counter()
+        pg.broadcast([flat], opts).wait()
+        pg.barrier().wait()
+        raw_s.append(time.perf_counter() - t0)
+    peer.wait(60)
+
+    med = statistics.median
+    out = {
+        "params": params,
+        "bytes": nbytes,
+        "dtype": a.dtype,
+        "file_s": round(med(file_s), 3),
+        "file_write_s": round(med(write_s), 3),
+        "file_read_swap_s": round(med(read_s), 3),
+        "file_copy_s": round(med(copy_s), 3),
+        "direct_s": round(med(direct_s), 3),
+        "broadcast_raw_s": round(med(raw_s), 3),
+    }
+    if a.json:
+        print(json.dumps(out))
+    else:
+        gb = nbytes / 1e9
+        print(f"{params / 1e6:.0f}M parameters, {gb:.2f} GB in {a.dtype}, median of {a.rounds}")
+        for k in ("file_s", "file_copy_s", "direct_s", "broadcast_raw_s"):
+            print(f"  {k:16s} {out[k]:7.3f} s   {gb / out[k]:6.2f} GB/s")
+        print(f"  (file: write {out['file_write_s']:.3f} s, read + swap {out['file_read_swap_s']:.3f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

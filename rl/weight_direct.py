@@ -1,0 +1,216 @@
+"""The direct weight path (`policy.weight_sync: direct`): learner rank 0 sends each version to
+every generator over torch.distributed, a process group of its own (NCCL on GPUs, gloo on
+CPU), beside the learner's training group and unknown to it.
+
+    sender = DirectSender(run_dir, backend="gloo")       # learner rank 0
+    sender.send(12, state)                               # returns at once; a thread sends
+    recv = DirectReceiver(run_dir, "gen-0", backend="gloo", device=cpu)   # a generator
+    recv.take()                                          # (12, state) once received, else None
+
+Rendezvous: rank 0 starts a TCPStore and writes its address to `weights/direct.json`; a
+generator (whenever it starts, also after a restart) joins by number and both sides build a
+two-member group under a prefix of its own (`pair/<n>`). Pairs, not one group of all, so a
+generator can come and go without the others or the learner rebuilding anything; a pair whose
+generator is gone fails on the next send and is dropped. Per version: a header (JSON: version,
+names, dtypes, shapes) then each tensor, broadcast from rank 0 of the pair. Files are still
+written (restarts and late joiners read them); a generator takes whichever is newer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from hpcrl.core.files import atomic_write_json
+
+__all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "pair_group"]
+
+log = logging.getLogger("hpcrl.weights")
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+
+
+def pair_group(backend: str, store, rank: int, timeout_s: float):
+    """A two-member process group on `store`, outside torch.distributed's default group."""
+    dist = torch.distributed
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _bcast(pg, t: torch.Tensor) -> None:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([t], opts).wait()
+
+
+class DirectSender:
+    def __init__(self, run_dir: str | Path, backend: str, device=None, timeout_s: float = 600.0, host=None):
+        dist = torch.distributed
+        self.backend, self.timeout_s = backend, timeout_s
+        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        # Advertised as the run's other endpoints are (core/transport.py): this host's name.
+        host = host or socket.gethostname()
+        bind = host if host in ("127.0.0.1", "localhost") else "0.0.0.0"
+        wait = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=wait)
+        self.info = {"host": host, "port": self.store.port, "backend": backend, "instance": f"{time.time():.6f}"}
+        (Path(run_dir) / "weights").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(run_dir) / "weights" / "direct.json", self.info)
+        self.members: dict[int, object] = {}
+        self._joined = 0
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-send", daemon=True)
+        self._thread.start()
+        self.sent_s = 0.0
+
+    def _accept(self) -> None:
+        n = self.store.add("joins", 0)
+        while self._joined < n:
+            self._joined += 1
+            try:
+                pg = pair_group(self.backend, torch.distributed.PrefixStore(f"pair/{self._joined}", self.store), 0, 60)
+                self.members[self._joined] = pg
+            except Exception as exc:  # the generator went away while joining
+                log.warning("direct weights: generator %d could not join: %s", self._joined, exc)
+
+    def send(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Queue `state` for every member (waits while the previous version is still going out)."""
+        self._q.put((version, dict(state)))
+
+    def flush(self) -> None:
+        self._q.join()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                version, state = self._q.get(timeout=0.2)
+            except queue.Empty:
+                self._accept()  # generators join between versions too, so a send finds them ready
+                continue
+            try:
+                t0 = time.perf_counter()
+                self._accept()
+                for n, pg in list(self.members.items()):
+                    try:
+                        self._send_one(pg, version, state)
+                    except Exception as exc:
+                        log.warning("direct weights: generator %d dropped (%s)", n, exc)
+                        self.members.pop(n, None)
+                self.sent_s = time.perf_counter() - t0
+            finally:
+                self._q.task_done()
+
+    def _send_one(self, pg, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        header = json.dumps(
+            {"version": version, "tensors": [[k, str(v.dtype), list(v.shape)] for k, v in state.items()]}
+        ).encode()
+        _bcast(pg, torch.tensor([len(header)], dtype=torch.int64, device=self.device))
+        _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
+        for t in state.values():
+            _bcast(pg, t.to(self.device).contiguous())
+
+
+class DirectReceiver:
+    """A generator's side: a thread joins the learner's store and receives every version."""
+
+    def __init__(self, run_dir: str | Path, name: str, device=None, timeout_s: float = 600.0):
+        self.path = Path(run_dir) / "weights" / "direct.json"
+        self.name, self.timeout_s = name, timeout_s
+        self.device = device
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._stop = threading.Event()
+        self.connected = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-recv", daemon=True)
+        self._thread.start()
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The version received last, if any; its tensors are valid until `release()`."""
+        return self._staged
+
+    def release(self) -> None:
+        """The taken version was copied out: its staging buffers may take the next one."""
+        self._staged = None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        seen = None
+        while not self._stop.is_set():
+            try:
+                info = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.5)
+                continue
+            if info["instance"] == seen:
+                time.sleep(0.5)  # the learner we had is gone and no new one announced itself yet
+                continue
+            seen = info["instance"]
+            try:
+                self._serve(info)
+            except Exception as exc:  # the learner restarted or the link broke: join again
+                log.warning("direct weights: link to the learner lost (%s); rejoining", exc)
+                self.connected.clear()
+                seen = None if self._stop.is_set() else seen
+                time.sleep(0.5)
+
+    def _serve(self, info: dict) -> None:
+        dist = torch.distributed
+        store = dist.TCPStore(info["host"], int(info["port"]), is_master=False, timeout=datetime.timedelta(seconds=60))
+        n = store.add("joins", 1)
+        pg = pair_group(info["backend"], dist.PrefixStore(f"pair/{n}", store), 1, self.timeout_s)
+        dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
+        self.connected.set()
+        buffers: dict[str, torch.Tensor] = {}  # one staging set, reused while shapes stay
+        while not self._stop.is_set():
+            size = torch.zeros(1, dtype=torch.int64, device=dev)
+            _bcast(pg, size)
+            raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+            _bcast(pg, raw)
+            header = json.loads(raw.cpu().numpy().tobytes().decode())
+            # The staging set is ours again only once the last version was swapped in.
+            while self._staged is not None and not self._stop.is_set():
+                time.sleep(0.001)
+            state = {}
+            for name, dtype, shape in header["tensors"]:
+                t = buffers.get(name)
+                if t is None or t.dtype != _DTYPES[dtype] or list(t.shape) != shape:
+                    t = buffers[name] = torch.empty(shape, dtype=_DTYPES[dtype], device=dev)
+                _bcast(pg, t)
+                state[name] = t
+            self._staged = (int(header["version"]), state)
+
+
+class DirectWeights:
+    """`load_if_newer` for a generator: the newest of what came directly and what the files hold."""
+
+    def __init__(self, files, receiver: DirectReceiver):
+        self.files, self.receiver = files, receiver
+        self.last_swap_s = 0.0
+
+    def load_if_newer(self, model, have: int) -> int | None:
+        got = self.receiver.take()
+        if got is not None:
+            try:
+                if got[0] > have:
+                    from hpcrl.rl.policy import copy_state
+
+                    t0 = time.perf_counter()
+                    copy_state(model, got[1], f"weights v{got[0]} (direct)")
+                    self.last_swap_s = time.perf_counter() - t0
+                    return got[0]
+            finally:
+                self.receiver.release()
+        return self.files.load_if_newer(model, have)

@@ -1,0 +1,173 @@
+"""The decode engine: continuous batching (a finished row's slot is taken at the next step), KV
+caches kept across an episode's turns (only the new tokens are prefilled, the same
+log-probabilities come out), per-domain sampling parameters, and max_context."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
+from hpcrl.rl.domains import ActionSpec, PromptDomain, get_domain
+from hpcrl.rl.engine import ContextTooLong, DecodeEngine, SamplingSpec
+from hpcrl.rl.generator import Generator
+from hpcrl.rl.logprobs import token_logprobs
+from hpcrl.rl.policy import Policy
+from hpcrl.rl.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
+
+TINY = PolicyConfig(
+    tiny=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_context=256), device="cpu"
+)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    p = Policy.load(TINY, seed=0)
+    p.eos_ids = frozenset()  # rows end by length only: lengths are what these tests control
+    return p
+
+
+def run_to_end(engine):
+    out = {}
+    while engine.busy:
+        out.update(engine.step())
+    return out
+
+
+def test_a_finished_row_is_refilled_at_the_next_step(policy):
+    e = DecodeEngine(policy, seed=0)
+    e.submit("short", policy.prompt_ids("a"), max_new=2)
+    e.submit("long", policy.prompt_ids("bb"), max_new=12)
+    assert e.step() == [] and len(e.rows) == 2
+    assert [k for k, _ in e.step()] == ["short"] and [r.key for r in e.rows] == ["long"]
+    e.submit("next", policy.prompt_ids("a longer prompt"), max_new=3)
+    e.step()  # decodes "long" and admits "next" in the same step
+    assert [r.key for r in e.rows] == ["long", "next"]
+    out = run_to_end(e)
+    assert len(out["long"].tokens) == 12 and len(out["next"].tokens) == 3
+    for key, ctx in (("long", "bb"), ("next", "a longer prompt")):
+        c = policy.prompt_ids(ctx)
+        ref = token_logprobs(policy.model, torch.tensor([c + list(out[key].tokens)]))[0, len(c) - 1 :]
+        assert torch.allclose(ref, torch.tensor(out[key].logprobs), atol=1e-4)
+
+
+def test_kept_cache_prefills_only_the_new_tokens_and_gives_the_same_logprobs(policy):
+    e = DecodeEngine(policy, seed=0, kv_keep_bytes=1 << 30)
+    ctx = {k: policy.prompt_ids(f"episode {k}:" * (k + 1)) for k in range(3)}
+    for k, c in ctx.items():
+        e.submit(k, c, max_new=5)
+    first = run_to_end(e)
+    assert set(e.kept) == {0, 1, 2}
+    prefilled = e.prefilled_tokens
+    obs = policy.encode(" no, again:")
+    for k in ctx:
+        ctx[k] = ctx[k] + list(first[k].tokens) + obs
+        e.submit(k, ctx[k], max_new=4)
+    second = run_to_end(e)
+    # Only the last action token (never fed yet) and the observation went through prefill.
+    assert e.prefilled_tokens - prefilled == 3 * (1 + len(obs))
+    for k, c in ctx.items():
+        ref = token_logprobs(policy.model, torch.tensor([c + list(second[k].tokens)]))[0, len(c) - 1 :]
+        assert torch.allclose(ref, torch.tensor(second[k].logprobs), atol=1e-4), k
+    e.forget(0)
+    assert 0 not in e.kept and e.kept_bytes == sum(s for _, _, s in e.kept.values())
+    # A budget too small for a row keeps nothing: that episode re-prefills its context.
+    small = DecodeEngine(policy, seed=0, kv_keep_bytes=1)
+    small.submit(0, ctx[0], max_new=2)
+    run_to_end(small)
+    assert not small.kept
+
+
+def test_sampling_parameters(policy):
+    ctx = policy.prompt_ids("x")
+    e = DecodeEngine(policy, seed=0)
+    greedy = [SamplingSpec(temperature=0.0), SamplingSpec(top_k=1), SamplingSpec(top_p=1e-6, temperature=2.0)]
+    for i, spec in enumerate(greedy):
+        e.submit(i, ctx, max_new=6, spec=spec)
+    e.submit("free", ctx, max_new=6)
+    out = run_to_end(e)
+    tokens = {k: out[k].tokens for k in out}
+    assert tokens[0] == tokens[1] == tokens[2]  # all three are argmax decoding
+    full = token_logprobs(policy.model, torch.tensor([ctx + list(tokens[0])]))[0, len(ctx) - 1 :]
+    assert torch.allclose(full, torch.tensor(out[0].logprobs), atol=1e-4)  # the model's own logprobs
+    # top_k=3 only ever draws one of the 3 likeliest tokens
+    e.submit("k3", ctx, max_new=1, spec=SamplingSpec(top_k=3))
+    for _ in range(20):
+        e.submit("k3", ctx, max_new=1, spec=SamplingSpec(top_k=3, temperature=5.0))
+        t = run_to_end(e)["k3"].tokens[0]
+        logits = policy.model(torch.tensor([ctx])).logits[0, -1]
+        assert t in logits.topk(3).indices.tolist()
+    with pytest.raises(ValueError, match="top_p"):
+        ActionSpec(4, top_p=0)
+
+
+def test_context_longer_than_max_context_is_a_clear_error(policy):
+    e = DecodeEngine(policy, seed=0, max_context=32)
+    with pytest.raises(ContextTooLong, match="does not fit max_context 32 .generators.max_context"):
+        e.submit(0, list(range(5, 40)), max_new=4)
+    e.submit(1, policy.prompt_ids("x" * 28), max_new=50)  # clamped to the room left
+    assert len(run_to_end(e)[1].tokens) == 32 - 29
+    gen = Generator(
+        GeneratorConfig(max_context=20),
+        policy,
+        {"long": PromptDomain("long", [("x" * 40, "1")])},
+        run="r",
+        name="g",
+        seed=0,
+    )
+    with pytest.raises(EpisodeFailed, match="does not fit max_context 20"):
+        gen.run(LocalTaskSource(TaskSampler({"long": 1.0}, 2, 0), max_attempts=1), lambda t: None)
+    gen.close()
+
+
+def test_weight_swap_restart_drops_actions_in_flight(tmp_path):
+    from hpcrl.rl.policy import full_state_dict
+    from hpcrl.rl.weights import WeightStore
+
+    store = WeightStore(tmp_path)
+    p = Policy.load(TINY, seed=0)
+    store.publish(full_state_dict(p.model), 0)
+    dom = PromptDomain("slow", [("go:", "1")], max_tokens=40)
+    gen = Generator(GeneratorConfig(weight_swap="restart", episodes_in_flight=4), p, {"slow": dom},
+                    run="r", name="g", seed=0, weights=store)  # fmt: skip
+    source = LocalTaskSource(TaskSampler({"slow": 1.0}, 2, 0))
+    gen.run(source, lambda t: None, stop=lambda: gen.engine.rows and len(gen.engine.rows[0].toks) > 3)
+    store.publish(full_state_dict(p.model), 1)
+    assert gen.maybe_update_weights() and not gen.engine.busy and all(e.ready for e in gen.episodes)
+    trajs = []
+    gen.run(source, trajs.append, stop=lambda: len(trajs) >= 4)
+    gen.close()
+    assert all(t.policy_versions == (1,) for t in trajs[:4])
+
+
+def test_multi_turn_generator_keeps_caches_and_matches_full_recompute():
+    p = Policy.load(TINY, seed=0)
+    domains = {"arith/max3-retry4": get_domain("arith/max3-retry4")}
+    runs = {}
+    for gb in (0.0, 1.0):
+        gen = Generator(GeneratorConfig(episodes_in_flight=16, kv_cache_gb=gb), p, domains, run="r", name="g", seed=0)
+        trajs: list = []
+        gen.run(LocalTaskSource(TaskSampler({n: 1.0 for n in domains}, 4, 0)), trajs.append,
+                stop=lambda trajs=trajs: len(trajs) >= 48)  # fmt: skip
+        gen.close()
+        runs[gb] = (trajs, gen.engine.prefilled_tokens)
+    assert runs[1.0][1] < runs[0.0][1]  # kept caches: fewer tokens prefilled for the same work
+    multi = [t for t in runs[1.0][0] if len(t.steps) > 2]
+    assert multi
+    import numpy as np
+
+    for t in multi[:5]:
+        ids = np.concatenate(
+            [np.concatenate([s.prompt_tokens, s.action_tokens, s.observation_tokens]) for s in t.steps]
+        )
+        lp = token_logprobs(p.model, torch.tensor(ids[None].astype(np.int64)))[0]
+        pos, got = 0, []
+        for s in t.steps:
+            pos += len(s.prompt_tokens)
+            got.extend(lp[pos - 1 : pos - 1 + len(s.action_tokens)].tolist())
+            pos += len(s.action_tokens) + len(s.observation_tokens)
+        assert np.allclose(got, np.concatenate([s.action_logprobs for s in t.steps]), atol=1e-4)

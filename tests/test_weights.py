@@ -1,0 +1,143 @@
+"""Weight sync: sharded versions in the policy dtype written by every rank off the training
+step, generators reading on a thread and pausing only for the swap, and the direct path over a
+process group of its own (gloo here, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import threading
+
+import pytest
+import torch
+
+from hpcrl.core.config import PolicyConfig, TinyModelConfig
+from hpcrl.rl.policy import Policy, full_state_dict
+from hpcrl.rl.weight_direct import DirectReceiver, DirectSender, DirectWeights
+from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
+
+from conftest import wait_for
+
+TINY = PolicyConfig(
+    tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=64), device="cpu"
+)
+
+
+def state_of(seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) for k, v in full_state_dict(Policy.load(TINY, seed=seed).model).items()}
+
+
+def test_owned_names_split_contiguously_by_size():
+    parts = owned_names(["a", "b", "c", "d"], [100, 1, 1, 100], 2)
+    assert parts == [["a", "b"], ["c", "d"]]  # 101 and 101 elements
+    assert owned_names(["a"], [5], 3) == [["a"], [], []]
+
+
+def test_every_rank_writes_its_shard_and_rank0_announces_when_all_are_there(tmp_path):
+    state = state_of(0, torch.bfloat16)
+    names = list(state)
+    parts = owned_names(names, [state[n].numel() for n in names], 2)
+    store = WeightStore(tmp_path, keep=2)
+    gate = threading.Event()
+    real = store.write_shard
+
+    def slow_write(st, version, rank):  # rank 1's filesystem is slow
+        if rank == 1:
+            gate.wait(30)
+        return real(st, version, rank)
+
+    store.write_shard = slow_write
+    pubs = [ShardPublisher(store, r, 2) for r in range(2)]
+    for r, pub in enumerate(pubs):
+        pub.submit(5, {n: state[n] for n in parts[r]})  # returns at once: the training step goes on
+    wait_for(lambda: (store.version_dir(5) / "shard-00000.done").exists(), 30, 0.01, "rank 0's shard")
+    assert store.latest() is None  # rank 1's shard is missing: nothing announced yet
+    gate.set()
+    for pub in pubs:
+        pub.flush()
+    assert store.latest()[0] == 5
+    got = WeightStore(tmp_path).read(5)
+    assert got.keys() == state.keys() and all(got[k].dtype == torch.bfloat16 for k in got)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    for v in (6, 7):
+        store.publish(state, v)
+    assert sorted(p.name for p in (tmp_path / "weights").glob("v*")) == ["v00000006", "v00000007"]
+
+
+def test_background_reader_swaps_without_blocking(tmp_path):
+    WeightStore(tmp_path).publish(state_of(1), 3)
+    policy = Policy.load(TINY, seed=0)
+    watch = WeightStore(tmp_path, background=True)
+    got = [watch.load_if_newer(policy.model, have=2)]
+    assert got[0] is None  # the read started on a thread; sampling goes on meanwhile
+    got.append(wait_for(lambda: watch.load_if_newer(policy.model, have=2), 30, 0.01, "staged weights"))
+    assert got[1] == 3 and watch.last_swap_s > 0
+    assert all(torch.equal(v, full_state_dict(policy.model)[k]) for k, v in state_of(1).items())
+    assert watch.load_if_newer(policy.model, have=3) is None
+
+
+def test_direct_path_sends_each_version_to_every_generator(tmp_path):
+    sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
+    receivers = [DirectReceiver(tmp_path, f"gen-{i}", timeout_s=60) for i in range(2)]
+    for r in receivers:
+        assert r.connected.wait(30)
+    want = state_of(2, torch.bfloat16)
+    sender.send(1, want)
+    sender.flush()
+    for r in receivers:
+        version, got = wait_for(r.take, 30, 0.01, "version 1")
+        assert version == 1 and all(torch.equal(got[k], want[k]) and got[k].dtype == torch.bfloat16 for k in want)
+        r.release()
+    # A generator that goes away is dropped; the others keep receiving; a new one can join.
+    receivers[0].close()
+    late = DirectReceiver(tmp_path, "gen-9", timeout_s=60)
+    assert late.connected.wait(30)
+    policy = Policy.load(TINY, seed=0)
+    weights = DirectWeights(WeightStore(tmp_path), late)
+    sender.send(2, state_of(3))
+    sender.flush()
+    assert wait_for(lambda: weights.load_if_newer(policy.model, have=1), 30, 0.01, "direct v2") == 2
+    assert all(torch.equal(v, full_state_dict(policy.model)[k]) for k, v in state_of(3).items())
+    assert wait_for(lambda: (receivers[1].take() or (0,))[0] == 2, 30, 0.01, "v2 at gen-1")
+
+
+@pytest.mark.parametrize("sync", ["file", "direct"])
+def test_learner_publishes_with_either_path(tmp_path, sync):
+    """A one-rank learner in a subprocess publishes v0.. as shards; with direct a receiver here gets them."""
+    import subprocess
+    import sys
+
+    from hpcrl.core.config import dump_config, load_config
+
+    cfg = tmp_path / "c.yaml"
+    overrides = ["policy.device=cpu", "policy.tiny.hidden_size=32", "policy.tiny.num_heads=2"]
+    cfg.write_text(dump_config(load_config(None, [*overrides, f"policy.weight_sync={sync}"])))
+    recv = DirectReceiver(tmp_path / "run", "gen-0", timeout_s=60) if sync == "direct" else None
+    code = (
+        "import sys; from hpcrl.core.config import load_config; from hpcrl.rl.learner import Learner\n"
+        "c = load_config(sys.argv[1]); l = Learner(c.learner, c.policy, sys.argv[2], seed=0); l.setup()\n"
+        "import time; t = time.time() + 60\n"
+        "while l.direct is not None and not l.direct.members and time.time() < t:\n"
+        "    time.sleep(0.05)\n"
+        "l.version = 1; l.publish(); l.close()\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([sys.executable, "-c", code, str(cfg), str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = WeightStore(tmp_path / "run")
+    assert store.latest()[0] == 1 and store.read(0).keys() == store.read(1).keys()
+    if recv is not None:
+        got = wait_for(recv.take, 30, 0.01, "direct version")
+        assert got[0] == 1 and got[1].keys() == store.read(1).keys()
+        recv.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

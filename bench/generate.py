@@ -95,8 +95,10 @@ def hpcrl_rollout(policy, prompts, turns, action, feedback):
             self.turn += 1
             return StepResult(feedback, 0.0, self.turn >= self.n, {})
 
+    spec = ActionSpec(max_tokens=action)  # the class body below cannot read `action` (it binds that name)
+
     class Dom(Domain):
-        name, action = "bench", ActionSpec(max_tokens=action)
+        name, action = "bench", spec
 
         def task(self, index):
             return Task("bench", str(index), "", {"i": index % len(prompts)})

@@ -7,7 +7,7 @@ a `vocab`-token head, scored as the learner scores it: `full` is the old path (f
 log_softmax over [B, T, V], kept for backward), `chunked` is rl/logprobs.py (`chunk` tokens at a
 time, recomputed in backward). Each variant runs in its own process; the figure is its peak
 resident memory (ru_maxrss) above the same process's after the model was built, in MiB. On a
-GPU the same difference shows in torch.cuda.max_memory_allocated (bench/gpu_check.py).
+GPU the figure to compare would be torch.cuda.max_memory_allocated (not measured here: no GPU).
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ this machine's disk; a parallel filesystem is slower to write and faster to read
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -113,6 +115,8 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     gen_model = build(a.hidden, a.layers, a.vocab, dtype)
     root = Path(a.dir or tempfile.mkdtemp(prefix="hpcrl-wsync-"))
+    if a.dir is None:  # ~600 MB per run: gone at exit, an error included
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
     child = [sys.executable, __file__, "--hidden", str(a.hidden), "--layers", str(a.layers), "--vocab", str(a.vocab),
              "--dtype", a.dtype, "--rounds", str(a.rounds), "--child"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -207,7 +207,7 @@ class LearnerConfig:
     grad_clip: float = spec(1.0, help="clip the global gradient norm to this; 0 disables", ge=0)
     max_steps: int = spec(300, help="optimizer steps of the run; the run ends when the learner reaches it", ge=1)
     publish_every: int = spec(1, help="publish weights to the generators every this many optimizer steps", ge=1)
-    keep_weights: int = spec(3, help="published weight files kept in the run directory", ge=1)
+    keep_weights: int = spec(3, help="published weight versions (folders) kept in the run directory", ge=1)
     checkpoint_every: int = spec(
         50, help="save a DeepSpeed checkpoint (model, optimizer, store cursor) every this many steps", ge=1
     )

@@ -9,13 +9,14 @@ acknowledged delivery). `domains/` are the task families and their environments 
 `tasks` hands out episodes and `coordinator` leases them across generators with flow control.
 `models` builds local Hugging Face checkpoints and tokenizers, `policy` loads them; `alphabet`
 is the tiny model's vocabulary from the domains. `engine` decodes with continuous batching and
-KV caches, `sampler` and `generator` produce trajectories, `remote` links a generator to the run
-(coordinator, store, sandboxes, policy versions). `batch` groups trajectories, `algorithms`
-holds the losses, `logprobs` the chunked log-probabilities and entropy they use, `reference`
-the KL penalty's reference model, `schedule` the learning rate, `diagnostics` the per-step
-statistics of a batch; `learner` is the DeepSpeed engine (`dsconfig` its config, `collectives`
-its reductions on the backend's device, `distenv` its ranks) and `learner_service` its loop.
-`weights` publishes policy versions as per-rank shards, `weight_direct` also sends them over
-torch.distributed; `meter` measures busy fractions; `inprocess` runs generator and learner in one process for
-debugging; `synth` makes synthetic trajectories for benchmarks and drills.
+KV caches (`sampler` is a one-call batch sampler over it), `generator` produces trajectories,
+`remote` links a generator to the run (coordinator, store, sandboxes, policy versions).
+`batch` groups trajectories, `algorithms` holds the losses, `logprobs` the chunked
+log-probabilities and entropy they use, `reference` the KL penalty's reference model,
+`schedule` the learning rate, `diagnostics` the per-step statistics of a batch; `learner` is
+the DeepSpeed engine (`dsconfig` its config, `collectives` its reductions on the backend's
+device, `distenv` its ranks) and `learner_service` its loop. `weights` publishes policy
+versions as per-rank shards, `weight_direct` also sends them over torch.distributed; `meter`
+measures busy fractions; `inprocess` runs generator and learner in one process for debugging;
+`synth` makes synthetic trajectories for benchmarks and drills.
 """

@@ -135,8 +135,8 @@ class Algorithm(abc.ABC):
                 "tokens": float(mask.sum()),
                 "rows": float(on.any(-1).sum()),
                 "ratio_sum": float((ratio * mask).sum()),
-                "ratio_min": float(ratio[on].min()) if on.any() else 1.0,
-                "ratio_max": float(ratio[on].max()) if on.any() else 1.0,
+                "ratio_min": float(ratio[on].min()) if on.any() else float("inf"),  # no tokens: no extreme
+                "ratio_max": float(ratio[on].max()) if on.any() else float("-inf"),
                 "clipped_sum": float((clipped.float() * mask).sum()),
                 # k3 estimator of KL(mu || pi), non-negative per token
                 "kl_sum": float(((ratio - 1 - log_ratio) * mask).sum()),

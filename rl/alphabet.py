@@ -25,13 +25,18 @@ __all__ = ["domain_charset", "resolve_charset"]
 
 
 def domain_charset(domains: Mapping[str, Any]) -> str:
-    """The sorted union of the domains' alphabets, or "printable" if one of them has none."""
+    """The sorted union of the domains' alphabets and the characters of their stop strings and
+    one-character eos tokens, or "printable" if a domain has no alphabet."""
     chars: set[str] = set()
     for d in domains.values():
         alphabet = getattr(d, "alphabet", None)
         if not alphabet:
             return "printable"
         chars |= set(alphabet)
+        # A stop string or a one-character eos made of unknown characters would never match.
+        action = getattr(d, "action", None)
+        if action is not None:
+            chars |= set("".join(action.stop)) | {e for e in action.eos if len(e) == 1}
     return "".join(sorted(chars))
 
 

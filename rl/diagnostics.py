@@ -1,6 +1,6 @@
 """Per-step statistics of a training batch: what a researcher looks at when learning stalls.
 
-    m.update(batch_diagnostics(groups, adv, version, eos_id, decode))   # into the step's metrics
+    m.update(batch_diagnostics(groups, adv, version, eos_ids, decode))   # into the step's metrics
 
 The learner adds these to each step's metrics (and so to the run's `metrics.jsonl`):
 
@@ -10,7 +10,7 @@ The learner adds these to each step's metrics (and so to the run's `metrics.json
 * `adv_abs_mean`, `adv_min`, `adv_max`, `adv_nonzero` (fraction of trajectories with A != 0).
 * `staleness_hist`: {policy versions behind the learner: trajectories}, by each one's oldest step.
 * `completion_len`: mean action tokens per trajectory; `eos_fraction`: the share whose last
-  action ended with eos (the rest hit the length limit).
+  action ended with one of the model's eos ids (the rest hit the length limit or a stop string).
 * `reward_by_prompt`: {"domain:prompt": mean reward of its group}, the per-prompt success (a
   prompt that appears in several groups of the batch gets their mean).
 
@@ -21,7 +21,7 @@ Token-level statistics (entropy, importance ratio, clip fraction) come from the 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ def batch_diagnostics(
     groups: Sequence[Sequence[Trajectory]],
     adv: torch.Tensor,
     version: int,
-    eos_id: int | None,
+    eos_ids: Collection[int],
     decode: Callable[[list[int]], str],
 ) -> dict:
     """Statistics of one batch; `adv` holds the trajectories' advantages in group order, `version`
@@ -53,7 +53,7 @@ def batch_diagnostics(
     stds = [_std([t.final_reward for t in g]) for g in groups]
     stale = collections.Counter(version - t.min_policy_version for t in trajs)
     lengths = [sum(len(s.action_tokens) for s in t.steps) for t in trajs]
-    ended = sum(1 for t in trajs if len(t.steps[-1].action_tokens) and int(t.steps[-1].action_tokens[-1]) == eos_id)
+    ended = sum(1 for t in trajs if len(t.steps[-1].action_tokens) and int(t.steps[-1].action_tokens[-1]) in eos_ids)
     by_prompt: dict[str, list[float]] = collections.defaultdict(list)
     for g in groups:
         first = g[0]

@@ -33,6 +33,8 @@ OWNED_KEYS = {
     "train_micro_batch_size_per_gpu": "learner.micro_batch",
     "gradient_accumulation_steps": "learner.micro_batch (micro-steps follow from the batch)",
     "gradient_clipping": "learner.grad_clip",
+    # The learner sets the learning rate of every param group at each step (learner.lr_schedule).
+    "scheduler": "learner.lr_schedule, learner.lr_warmup_steps and learner.lr_min_ratio",
 }
 
 
@@ -63,9 +65,18 @@ def deepspeed_config(cfg: LearnerConfig, policy: PolicyConfig, micro_steps: int)
         # per site into TORCH_EXTENSIONS_DIR) is the one built for that.
         base["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8},
+            "params": {
+                "lr": cfg.lr,
+                "weight_decay": cfg.weight_decay,
+                "betas": [cfg.adam_beta1, cfg.adam_beta2],
+                "eps": cfg.adam_eps,
+            },
         }
-    return merge(base, dict(cfg.deepspeed))
+    out = merge(base, dict(cfg.deepspeed))
+    if "optimizer" in out:
+        # learner.lr wins: the learner sets every param group's rate at each step (lr_schedule).
+        out["optimizer"].setdefault("params", {})["lr"] = cfg.lr
+    return out
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict:
@@ -81,7 +92,7 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict:
 
 # DeepSpeed's top-level keys (its config documentation, 0.15-0.19), other than the owned ones.
 KNOWN_TOP = {
-    "optimizer", "scheduler", "fp16", "bf16", "amp", "torch_autocast", "prescale_gradients",
+    "optimizer", "fp16", "bf16", "amp", "torch_autocast", "prescale_gradients",
     "gradient_predivide_factor", "sparse_gradients", "zero_optimization", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "activation_checkpointing", "flops_profiler", "wall_clock_breakdown",
     "memory_breakdown", "steps_per_print", "dump_state", "tensorboard", "wandb", "csv_monitor", "comet",

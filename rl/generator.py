@@ -12,7 +12,8 @@ the generator keeps sampling for the other episodes while one waits for the sand
 step inline, which is cheaper than a thread hop. A finished episode becomes a `Trajectory`
 (every step tagged with the policy version that sampled it) passed to `sink`.
 
-Tokens: the first step's prompt is bos + the task prompt; each observation is appended to the
+Tokens: the first step's prompt is the task prompt as `policy.prompt_ids` encodes it (bos +
+text, or the chat template's turns); each observation is appended to the
 context, and the next step's prompt is empty (the context is prompt, action, observation, ...,
 exactly what the learner rebuilds from the steps). The trajectory's final reward is the sum of
 its step rewards.
@@ -104,6 +105,8 @@ class Generator:
         self.engine = DecodeEngine(policy, seed, int(cfg.kv_cache_gb * 2**30), self.max_context)
         self.weight_swap = cfg.weight_swap
         self._multi_turn: set[str] = set()  # domains whose episodes were seen to continue
+        # Resolved once, so a domain eos that is no token stops the generator at start, not mid-run.
+        self._domain_eos = {d.name: self._eos_ids(d.action.eos) for d in self.domains.values()}
         self.pool = cf.ThreadPoolExecutor(max_workers=cfg.env_threads, thread_name_prefix=f"{name}-env")
         self.episodes: list[_Episode] = []
         self.stats = GeneratorStats()
@@ -210,7 +213,7 @@ class Generator:
     def _submit(self, ep: _Episode, source: TaskSource) -> None:
         a = ep.domain.action
         room = self.max_context - len(ep.context)
-        spec = SamplingSpec(a.temperature, a.top_p, a.top_k, a.stop, self._eos_ids(a.eos))
+        spec = SamplingSpec(a.temperature, a.top_p, a.top_k, a.stop, self._domain_eos[ep.domain.name])
         max_new = min(self.cfg.max_new_tokens, a.max_tokens, room)
         # Keep the cache for its next turn only where episodes of this domain do have one.
         keep = ep.domain.name in self._multi_turn and len(ep.steps) + 1 < self.cfg.max_turns

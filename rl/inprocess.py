@@ -85,6 +85,7 @@ def train_in_process(
 
             gen.run(source, buffer.add, stop=ready)
             m = learner.train_step(batch)
+            learner.publisher.flush()  # announced before the next round samples: exactly on-policy
             m["elapsed_s"] = time.perf_counter() - t0
             m["generator_busy"] = gen.stats.busy_fraction
             m["generated"], m["filtered"] = gen.stats.trajectories, buffer.filtered

@@ -40,7 +40,7 @@ from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
 from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config
 from hpcrl.rl.logprobs import PolicyHead
-from hpcrl.rl.policy import build_policy_model, load_tokenizer, resolve_device
+from hpcrl.rl.policy import build_policy_model, load_tokenizer, model_eos_ids, resolve_device
 from hpcrl.rl.schedule import lr_at, set_lr
 from hpcrl.rl.trajectory import Trajectory
 from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
@@ -116,6 +116,8 @@ class Learner:
         self.pad_id = (
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         )
+        # What ends an action, for the diagnostics' eos_fraction (the model folder may declare several).
+        self.eos_ids = frozenset({self.tokenizer.eos_token_id, *model_eos_ids(self.policy_cfg)} - {None})
         self.engine = self._build_engine(config)
         if self.cfg.algorithm.beta > 0:
             from hpcrl.rl.reference import ReferencePolicy
@@ -134,6 +136,9 @@ class Learner:
             extra = dict(client.get("extra") or {})
             announced = self.weights.latest()
             self.version = max(int(client["version"]), announced[0] if announced else 0) + 1
+            if self.rank == 0:
+                self.weights.discard_above(self.version - 1)
+            self.comm.barrier()  # no rank writes a shard of the new version before that
         self.publish()
         return extra
 
@@ -198,10 +203,12 @@ class Learner:
         skip = self.cfg.skip_empty_steps and bool((adv.abs() < 1e-12).all())
 
         mine = list(range(self.rank, len(trajs), self.world))
-        # Longest first in each micro-batch keeps padding low; the chunk count is the same on
-        # every rank, because each forward pass gathers ZeRO-3 shards collectively.
+        # Rows of similar length together (contiguous runs of the sorted rows) keep padding low;
+        # the chunk count is the same on every rank (possibly an empty chunk), because each
+        # forward pass gathers ZeRO-3 shards collectively.
         mine.sort(key=lambda i: -trajs[i].n_tokens)
-        chunks = [mine[i :: self.micro_steps] for i in range(self.micro_steps)]
+        size = max(1, math.ceil(len(mine) / self.micro_steps))
+        chunks = [mine[i * size : (i + 1) * size] for i in range(self.micro_steps)]
         local_den = self.algorithm.denominator([int(sum(s.loss_mask.sum() for s in trajs[i].steps)) for i in mine])
         total_den = max(self.comm.sum([float(local_den)])[0], 1.0)
         lr = lr_at(self.cfg, self.step)
@@ -223,7 +230,7 @@ class Learner:
                 stats[k] += v
             stats["loss_sum"] += float(loss_sum.detach())
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
-        diag = batch_diagnostics(groups, adv, self.version, self.tokenizer.eos_token_id, decode)
+        diag = batch_diagnostics(groups, adv, self.version, self.eos_ids, decode)
         self.step += 1
         self.version += 0 if skip else 1
         keys = (
@@ -292,7 +299,7 @@ class Learner:
         from hpcrl.rl.reference import kl_penalty
 
         ref_lp = self.reference.logprobs(tb.input_ids, tb.attention_mask)
-        kl_sum, kl_stats = kl_penalty(lp, ref_lp, tb.action_mask)
+        kl_sum, kl_stats = kl_penalty(lp, ref_lp, tb.action_mask, self.algorithm.token_weights(tb.action_mask))
         return loss_sum + self.cfg.algorithm.beta * kl_sum, {**stats, **kl_stats}
 
     # -- weights and checkpoints ----------------------------------------------------------

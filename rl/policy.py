@@ -9,9 +9,8 @@ keeps on its parallel filesystem); it is read with `local_files_only=True`. With
 a tiny Llama (a few layers, hidden 64-128) and a character-level tokenizer are built from code,
 deterministically from the seed: that is the CPU configuration CI and laptops train.
 
-Weights travel between learner and generators as one safetensors file per policy version
-(`save_weights` writes it atomically; `load_weights` reads it back into a model and returns
-the version stored in its metadata).
+Weights travel between learner and generators as sharded versions (rl/weights.py);
+`copy_state` copies one into a model, checking names and shapes.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ __all__ = [
     "Policy",
     "token_logprobs",
     "full_state_dict",
-    "save_weights",
-    "load_weights",
     "copy_state",
     "resolve_device",
 ]
@@ -84,7 +81,7 @@ def build_tiny_model(tiny: TinyModelConfig, vocab_size: int, seed: int, pad_id: 
         num_key_value_heads=tiny.num_heads,
         max_position_embeddings=tiny.max_context,
         # Tied, the published weight file holds the shared tensor once (full_state_dict), and
-        # load_weights accepts that.
+        # copy_state accepts that.
         tie_word_embeddings=tiny.tie_embeddings,
         pad_token_id=pad_id,
         bos_token_id=bos_id,
@@ -295,40 +292,6 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
         if name in persistent and name not in out:
             out[name] = b.detach().to("cpu").contiguous().clone()
     return out
-
-
-def save_weights(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, version: int) -> Path:
-    """Write `state_dict` as safetensors with the policy version in its metadata, atomically:
-    a reader sees either the previous file or the complete new one, never a partial write."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(dict(state_dict), str(tmp), metadata={"version": str(int(version)), "format": "pt"})
-    os.replace(tmp, path)
-    return path
-
-
-def read_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], int]:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if "version" not in meta:
-        raise ValueError(
-            f"{path}: weight file has no 'version' metadata; was it written by hpcrl.rl.policy.save_weights?"
-        )
-    return load_file(str(path)), int(meta["version"])
-
-
-def load_weights(model, path: str | os.PathLike) -> int:
-    """Copy the weights in `path` into `model` (in place, keeping its device and dtype); return
-    their version. Names must match exactly, except tied weights which are stored once."""
-    state, version = read_weights(path)
-    copy_state(model, state, str(path))
-    return version
 
 
 def copy_state(model, state: Mapping[str, torch.Tensor], where: str) -> None:

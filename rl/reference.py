@@ -52,12 +52,17 @@ class ReferencePolicy:
         self.engine.destroy()
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor):
-    """(sum over action tokens of KL(pi || ref) by the k3 estimator, {"ref_kl_sum": float}).
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+):
+    """(the loss term: sum over action tokens of KL(pi || ref) by the k3 estimator, each token
+    weighted as the policy loss weights it (`algorithm.token_weights`: 1 per token, or 1/|o| per
+    sequence under loss_agg seq), so that `beta` means the same under every loss_agg;
+    {"ref_kl_sum": the unweighted sum, for the per-token statistic}).
 
     k3 = exp(ref - lp) - (ref - lp) - 1 per sampled token: unbiased for KL(pi || ref) under
     samples from pi, never negative, with gradient exp(ref - lp) - 1 pulling lp towards ref."""
     d = (ref_logprobs - logprobs) * mask
     k3 = (torch.exp(d) - d - 1) * mask
-    total = k3.sum()
-    return total, {"ref_kl_sum": float(total.detach())}
+    total = (k3 * weights).sum() if weights is not None else k3.sum()
+    return total, {"ref_kl_sum": float(k3.detach().sum())}

@@ -79,7 +79,8 @@ class WeightStore:
         tmp = d / f".{path.name}.{os.getpid()}.tmp"
         save_file(dict(state), str(tmp), metadata={"version": str(version), "format": "pt"})
         os.replace(tmp, path)
-        (d / f"shard-{rank:05d}.done").write_text(json.dumps(sorted(state)))
+        # Atomic: rank 0 polls for it and reads it at once.
+        atomic_write_json(d / f"shard-{rank:05d}.done", sorted(state))
         return path
 
     def finish_version(self, version: int, world: int, timeout_s: float = 3600.0) -> None:
@@ -103,6 +104,15 @@ class WeightStore:
         self.write_shard(state_dict, version, 0)
         self.finish_version(version, 1)
         return self.version_dir(version)
+
+    def discard_above(self, version: int) -> None:
+        """Remove the folders of versions after `version`: a previous life's half-published ones
+        (some ranks' shards and markers, no announcement), which a resumed learner would
+        otherwise complete with its own shards into a mix of two models."""
+        for p in self.dir.glob("v*"):
+            m = _DIR.fullmatch(p.name)
+            if m and int(m.group(1)) > version:
+                shutil.rmtree(p, ignore_errors=True)
 
     def _prune(self, newest: int) -> None:
         for p in self.dir.glob("v*"):

@@ -58,6 +58,12 @@ def slurm_cluster() -> dict[str, str]:
     return env
 
 
+# How long a whole `hpcrl run` (or in-process training run) may take before a test calls it hung.
+# A hang guard, not a speed check: ~90 s on an idle 2-core machine, several times that beside
+# CPU hogs and a parallel suite, so it is far above either.
+RUN_GUARD_S = 1500.0
+
+
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, what: str = "condition"):
     """Poll until predicate() is truthy; return its value or fail naming what was awaited."""
     deadline = time.monotonic() + timeout_s

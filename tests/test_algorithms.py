@@ -4,6 +4,7 @@ the algorithm registry, and the token layout the learner trains on."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -281,3 +282,27 @@ def test_lr_schedule():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     set_lr(opt, 0.25)
     assert opt.param_groups[0]["lr"] == 0.25
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "seq", "constant"])
+def test_reference_kl_is_weighted_as_the_policy_loss(loss_agg):
+    """k3 per action token, hand-computed; the loss term weights each token as the policy loss
+    does (1/|o| per sequence under seq), so beta means the same under every loss_agg."""
+    from hpcrl.rl.reference import kl_penalty
+
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.5, 0.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, -1.5, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # three action tokens, then one
+    algo = make_algorithm(AlgorithmConfig(name="grpo", loss_agg=loss_agg))
+    total, stats = kl_penalty(lp, ref, mask, algo.token_weights(mask))
+    k3 = lambda d: math.exp(d) - d - 1  # d = ref - lp
+    row0 = [k3(-0.5), k3(1.0), k3(0.0)]
+    row1 = [k3(0.5)]
+    assert stats["ref_kl_sum"] == pytest.approx(sum(row0) + sum(row1), rel=1e-6)
+    want = sum(row0) / 3 + sum(row1) if loss_agg == "seq" else sum(row0) + sum(row1)
+    assert float(total.detach()) == pytest.approx(want, rel=1e-6)
+    total.backward()
+    # d k3 / d lp = 1 - exp(ref - lp) at the action tokens, 0 off them
+    w0 = 1 / 3 if loss_agg == "seq" else 1.0
+    assert float(lp.grad[0, 1]) == pytest.approx(w0 * (1 - math.exp(1.0)), rel=1e-6)
+    assert float(lp.grad[1, 2]) == 0.0

@@ -354,6 +354,7 @@ def test_one_learner_rank_per_gpu_is_checked_at_load(tmp_path):
         ("learner.deepspeed={zero_optimization: {offload_optimizer: {devic: cpu}}}",
          "learner.deepspeed.zero_optimization.offload_optimizer.devic", "unknown key"),
         ("learner.deepspeed={bf16: {enabled: maybe}}", "learner.deepspeed.bf16.enabled", "bool"),
+        ("learner.deepspeed={scheduler: {type: WarmupLR}}", "learner.deepspeed.scheduler", "learner.lr_schedule"),
     ],
 )  # fmt: skip
 def test_deepspeed_passthrough_is_checked_with_dotted_paths(override, path, fragment):
@@ -374,3 +375,9 @@ def test_deepspeed_passthrough_merges_over_the_defaults():
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert ds["optimizer"]["type"] == "AdamW" and ds["bf16"] == {"enabled": True}
     assert ds["gradient_accumulation_steps"] == 2 and ds["train_micro_batch_size_per_gpu"] == cfg.learner.micro_batch
+    # The offloaded (DeepSpeed) AdamW takes the learner's Adam options; learner.lr wins over one set here.
+    opt = ["learner.offload_optimizer=cpu", "learner.adam_beta2=0.95", "learner.adam_eps=1e-6", "learner.lr=3e-4",
+           "learner.deepspeed={optimizer: {type: AdamW, params: {lr: 0.1}}}"]  # fmt: skip
+    cfg = load_config(None, opt)
+    params = deepspeed_config(cfg.learner, cfg.policy, micro_steps=1)["optimizer"]["params"]
+    assert params["betas"] == [0.9, 0.95] and params["eps"] == 1e-6 and params["lr"] == 3e-4

@@ -259,4 +259,6 @@ def test_charset_auto_is_the_domains_alphabet():
     # a domain without an alphabet (code, free text) keeps printable ASCII; explicit charsets stay
     assert domain_charset({"sum": sums, "synth": get_domain("synth")}) == "printable"
     assert resolve_charset(load_config(None, ["policy.tiny.charset=0123+="]), arith).policy.tiny.charset == "0123+="
+    # a stop string's characters are tokens too, or the stop could never be sampled
+    assert domain_charset({"s": PromptDomain("s", [("1=", "1")], stop=(";",))}) == "1;="
     assert len(Policy.load(load_config(None).policy, 0, build_model=False).tokenizer) == 4 + 97  # unresolved auto

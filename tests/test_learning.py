@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import RUN_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ def test_reward_rises_from_untrained_to_0_8(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=RUN_GUARD_S,  # a hang guard only
         env=env,
         cwd=ROOT,
     )

@@ -12,6 +12,7 @@ import pytest
 
 from hpcrl.rl.models import build_tiny_hf
 
+from conftest import RUN_GUARD_S
 from test_run import finish, hpcrl
 
 HERE = Path(__file__).resolve().parent
@@ -36,7 +37,7 @@ def test_hpcrl_run_learns_with_a_local_hugging_face_model(tmp_path, arch):
         "--run-id",
         "hf",
     )
-    out = finish(proc, 400)
+    out = finish(proc, RUN_GUARD_S)
     assert proc.returncode == 0, out[-4000:]
     run_dir = tmp_path / "runs" / "hf"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

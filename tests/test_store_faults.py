@@ -276,3 +276,33 @@ def test_an_hdf5_error_at_close_leaves_no_tmp_and_keeps_the_records(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["StoreError", "True", "tmp", "0", "closed", "8"], done.stdout
     assert len(list(StoreReader(tmp_path / "store"))) == 8
+
+
+def test_a_failed_directory_fsync_after_the_manifest_is_retried_not_taken_for_a_fence(tmp_path, monkeypatch):
+    """The manifest is linked in, the directory fsync after it fails: close raises, and the next
+    close finds the manifest there. It is this writer's own: it redoes the fsync and closes,
+    instead of reading the manifest as a newer writer's fence and stopping."""
+    import hpcrl.rl.store.layout as layout_mod
+
+    real = layout_mod.fsync_path
+    failures = {"left": 1}
+
+    def fsync_path(path, directory=False):
+        if directory and failures["left"] and (Path(path) / "MANIFEST.json").exists():
+            failures["left"] -= 1
+            raise OSError(errno.EIO, "injected: directory fsync after the manifest failed")
+        return real(path, directory)
+
+    monkeypatch.setattr(layout_mod, "fsync_path", fsync_path)
+    w = ShardWriter(tmp_path, "w0", cfg())
+    trajs = make(4)
+    acked = set()
+    for t in trajs:
+        if r := w.append(t):
+            acked.update(r.ids)
+    with pytest.raises(StoreError, match="failed"):
+        w.close()
+    assert failures["left"] == 0
+    if r := w.close():  # not WriterStopped
+        acked.update(r.ids)
+    check_store(tmp_path, acked, {t.id for t in trajs})

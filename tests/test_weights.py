@@ -66,6 +66,30 @@ def test_every_rank_writes_its_shard_and_rank0_announces_when_all_are_there(tmp_
     assert sorted(p.name for p in (tmp_path / "weights").glob("v*")) == ["v00000006", "v00000007"]
 
 
+def test_a_resumed_learner_discards_a_previous_lifes_half_published_version(tmp_path):
+    """A learner killed mid-publish leaves rank 1's shard and marker of v4 but no announcement;
+    its next life publishes v4 again. Without the discard, rank 0 would index that stale shard
+    beside its new one: generators would load two models in one."""
+    old, new = state_of(0), state_of(1)
+    names = list(old)
+    parts = owned_names(names, [old[n].numel() for n in names], 2)
+    store = WeightStore(tmp_path, keep=3)
+    store.publish(old, 3)
+    store.write_shard({n: old[n] for n in parts[1]}, 4, 1)  # the dead life's rank 1, never announced
+    assert store.latest()[0] == 3
+    store.discard_above(3)  # what the resumed rank 0 does before anyone writes again
+    assert not store.version_dir(4).exists() and store.version_dir(3).exists()
+    pubs = [ShardPublisher(store, r, 2) for r in range(2)]
+    pubs[0].submit(4, {n: new[n] for n in parts[0]})
+    wait_for(lambda: (store.version_dir(4) / "shard-00000.done").exists(), 30, 0.01, "rank 0's shard")
+    assert store.latest()[0] == 3  # rank 0 waits for the new life's rank 1, not the old shard
+    pubs[1].submit(4, {n: new[n] for n in parts[1]})
+    for pub in pubs:
+        pub.flush()
+    got = WeightStore(tmp_path).read(4)
+    assert all(torch.equal(got[k], new[k]) for k in new)
+
+
 def test_background_reader_swaps_without_blocking(tmp_path):
     WeightStore(tmp_path).publish(state_of(1), 3)
     policy = Policy.load(TINY, seed=0)

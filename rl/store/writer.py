@@ -52,9 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.core.files import atomic_write_json
+from hpcrl.core.files import atomic_write_json, fsync_path, read_json
 from hpcrl.rl.store.columns import Columns, EncodeBuffers
 from hpcrl.rl.store.layout import (
+    MANIFEST_NAME,
     OWNER_NAME,
     WRITER_NAME_RE,
     SegmentInfo,
@@ -298,8 +299,14 @@ class ShardWriter:
                 else:
                     (shard / OWNER_NAME).unlink(missing_ok=True)
                     shard.rmdir()
-            except FileExistsError:  # fenced and finalized between the check and here
-                self._fenced(shard)
+            except FileExistsError:
+                if not self._own_manifest(shard):  # fenced and finalized between the check and here
+                    self._fenced(shard)
+                # else: ours, from an attempt whose directory fsync failed; that fsync is redone
+                try:
+                    fsync_path(shard, directory=True)
+                except OSError as exc:
+                    raise StoreError(f"finalizing shard {shard.name} failed: {exc}; retried at the next flush") from exc
             except OSError as exc:
                 raise StoreError(
                     f"finalizing shard {shard.name} failed: {exc}; its {sum(s.rows for s in segments)} row(s) "
@@ -307,6 +314,14 @@ class ShardWriter:
                 ) from exc
             release_shard(shard)
             self._unfinalized.pop(0)
+
+    def _own_manifest(self, shard: Path) -> bool:
+        """Whether the shard's manifest is this writer's own closing one (not a recovery's)."""
+        try:
+            m = read_json(shard / MANIFEST_NAME)
+        except (OSError, ValueError):
+            return False
+        return not is_fenced(shard) and m.get("writer") == self.writer and m.get("status") == "closed"
 
     def _segment_parts(self) -> tuple[list[Columns], EncodeBuffers | None]:
         """The buffer as the batches of one segment, in arrival order: the batches as they came
@@ -327,6 +342,8 @@ class ShardWriter:
         if self._unfinalized:
             try:
                 self._finalize_retired()
+            except WriterStopped:  # fenced: this writer publishes nothing more
+                raise
             except StoreError as exc:  # not in the way of new segments: retried at close
                 log.warning("%s", exc)
         self._ensure_shard()
@@ -357,6 +374,8 @@ class ShardWriter:
         try:
             self._finalize_retired()
             self._open_shard()
+        except WriterStopped:
+            raise
         except StoreError as exc:
             log.warning("%s", exc)
 

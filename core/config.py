@@ -333,7 +333,8 @@ class SandboxConfig:
     servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
     uid_base: int = spec(
         61000,
-        help="bwrap as root runs slot k as host uid uid_base+k: no account's or group's id, nor another server's",
+        help="bwrap as root: server i's slot k runs as host uid uid_base + i x slots + k; no account's or group's id, "
+        "nor another run's",
         ge=1000,
     )
     memory_fallback: Literal["address_space", "refuse", "data"] = spec(

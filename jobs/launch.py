@@ -20,6 +20,7 @@ supervisor (jobs/supervise.py) read it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,14 @@ class Role:
     history: list = field(default_factory=list)
 
 
+def server_sandbox_config(sandbox_cfg, index: int):
+    """Server `index`'s sandbox config: its own range of slot uids (uid_base + index x slots + k).
+    A slot uid is claimed per host (sandbox/uids.py), and Slurm may place two of a run's servers
+    on one node (a job array on a wide CPU node; every emulated node of the dev cluster), as a
+    local run does: with one shared range the second server would find its uids taken."""
+    return dataclasses.replace(sandbox_cfg, uid_base=sandbox_cfg.uid_base + index * sandbox_cfg.slots)
+
+
 def plan(
     cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | None = None, search_path: Sequence[str] = ()
 ) -> list[Role]:
@@ -94,7 +103,10 @@ def plan(
             "coordinator",
             CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes),
         ),
-        *[Role(s, "sandbox", SandboxComponent(run_dir, cfg.sandbox, s)) for s in sandboxes],
+        *[
+            Role(s, "sandbox", SandboxComponent(run_dir, server_sandbox_config(cfg.sandbox, i), s))
+            for i, s in enumerate(sandboxes)
+        ],
         Role("learner", "learner", LearnerComponent(run_dir, cfg.learner, cfg.policy, seed)),
         *[
             Role(

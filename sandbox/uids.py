@@ -31,7 +31,7 @@ __all__ = ["UidClaim", "claim_slot_uid", "check_unowned", "lock_dir"]
 _LOCK_DIRS = ("/run/lock", "/var/lock", "/tmp")
 _held: dict[int, list[int]] = {}  # uid -> [fd, claims]
 _held_lock = threading.Lock()
-_FIX = "give each server its own range with sandbox.uid_base (slot k runs as host uid uid_base + k)"
+_FIX = "give each run its own range with sandbox.uid_base (server i's slot k runs as host uid uid_base + i x slots + k)"
 
 
 def lock_dir() -> str:

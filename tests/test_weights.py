@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import threading
+import time
 
 import pytest
 import torch
@@ -147,11 +148,27 @@ def test_learner_publishes_with_either_path(tmp_path, sync):
         "    time.sleep(0.05)\n"
         "l.version = 1; l.publish(); l.close()\n"
     )
+    done = threading.Event()
+
+    def release_v0():  # a receiver that joined before setup's publish gets v0 first: let v1 in
+        while not done.is_set():
+            got = recv.take()
+            if got is not None and got[0] < 1:
+                recv.release()
+            time.sleep(0.01)
+
+    releaser = threading.Thread(target=release_v0, daemon=True) if recv is not None else None
+    if releaser is not None:
+        releaser.start()
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
     proc = subprocess.run([sys.executable, "-c", code, str(cfg), str(tmp_path / "run")], env=env,
                           capture_output=True, text=True, timeout=180)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = WeightStore(tmp_path / "run")
+    if releaser is not None:
+        wait_for(lambda: (g := recv.take()) is not None and g[0] == 1, 30, 0.01, "direct version 1")
+        done.set()
+        releaser.join()
     assert store.latest()[0] == 1 and store.read(0).keys() == store.read(1).keys()
     if recv is not None:
         got = wait_for(recv.take, 30, 0.01, "direct version")

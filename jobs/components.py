@@ -258,10 +258,12 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 else None
             )
             weights = AnnouncedWeights(WeightStore(self.run_dir, background=True), node)
+            receiver = None
             if self.policy.weight_sync == "direct":
                 from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
 
-                weights = DirectWeights(weights, DirectReceiver(self.run_dir, self.name, device=policy.device))
+                receiver = DirectReceiver(self.run_dir, self.name, device=policy.device)
+                weights = DirectWeights(weights, receiver)
             gen = Generator(
                 self.cfg,
                 policy,
@@ -303,6 +305,8 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 source.finish(timeout_s=60.0)
             finally:
                 source.close()
+                if receiver is not None:  # its gloo pair is torn down now, not at interpreter exit
+                    receiver.close()
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
             return finish_job(
                 stop,

@@ -49,6 +49,16 @@ def pair_group(backend: str, store, rank: int, timeout_s: float):
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
+def _shutdown(pg) -> None:
+    """Abort `pg` (unblocking a thread waiting in it) and release its resources."""
+    for how in ("abort", "shutdown"):
+        try:
+            getattr(pg, how)()
+            return
+        except Exception:
+            continue
+
+
 def _bcast(pg, t: torch.Tensor) -> None:
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
@@ -71,6 +81,7 @@ class DirectSender:
         self.members: dict[int, object] = {}
         self._joined = 0
         self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-send", daemon=True)
         self._thread.start()
         self.sent_s = 0.0
@@ -85,6 +96,17 @@ class DirectSender:
             except Exception as exc:  # the generator went away while joining
                 log.warning("direct weights: generator %d could not join: %s", self._joined, exc)
 
+    def _reap(self) -> None:
+        """Let go of the members that asked to leave (DirectReceiver.close): a goodbye frees the
+        receiver's thread from the broadcast it waits in, which nothing on its side can abort."""
+        for n in [n for n in self.members if self.store.check([f"leave/{n}"])]:
+            pg = self.members.pop(n)
+            try:
+                _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
+            except Exception:
+                pass
+            _shutdown(pg)
+
     def send(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """Queue `state` for every member (waits while the previous version is still going out)."""
         self._q.put((version, dict(state)))
@@ -92,13 +114,37 @@ class DirectSender:
     def flush(self) -> None:
         self._q.join()
 
+    def close(self) -> None:
+        """Send what is queued, tell every member goodbye, and tear the pairs down.
+
+        Groups left to interpreter teardown join their gloo threads in arbitrary order, which
+        aborts the process at exit ("terminate called without an active exception")."""
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(None)
+        self._thread.join()
+        for pg in self.members.values():
+            _shutdown(pg)
+        self.members.clear()
+
     def _loop(self) -> None:
         while True:
             try:
-                version, state = self._q.get(timeout=0.2)
+                item = self._q.get(timeout=0.2)
             except queue.Empty:
                 self._accept()  # generators join between versions too, so a send finds them ready
+                self._reap()
                 continue
+            if item is None:  # close(): a goodbye (size -1) lets each receiver leave its pair cleanly
+                for pg in self.members.values():
+                    try:
+                        _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
+                    except Exception:
+                        pass
+                self._q.task_done()
+                return
+            version, state = item
             try:
                 t0 = time.perf_counter()
                 self._accept()
@@ -131,6 +177,7 @@ class DirectReceiver:
         self.device = device
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._stop = threading.Event()
+        self._link = None  # (store, member number) of the current pair, for close()
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-recv", daemon=True)
         self._thread.start()
@@ -143,8 +190,19 @@ class DirectReceiver:
         """The taken version was copied out: its staging buffers may take the next one."""
         self._staged = None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Leave the pair and stop the thread, before interpreter teardown (see DirectSender.close).
+
+        A gloo broadcast cannot be aborted from the waiting side, so the receiver asks the sender
+        (a key in its store) for a goodbye; a sender that is gone fails the broadcast instead."""
         self._stop.set()
+        link = self._link
+        if link is not None:
+            try:
+                link[0].set(f"leave/{link[1]}", "1")
+            except Exception:
+                pass
+        self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         seen = None
@@ -161,6 +219,8 @@ class DirectReceiver:
             try:
                 self._serve(info)
             except Exception as exc:  # the learner restarted or the link broke: join again
+                if self._stop.is_set():  # close() aborted the pair
+                    return
                 log.warning("direct weights: link to the learner lost (%s); rejoining", exc)
                 self.connected.clear()
                 seen = None if self._stop.is_set() else seen
@@ -171,12 +231,26 @@ class DirectReceiver:
         store = dist.TCPStore(info["host"], int(info["port"]), is_master=False, timeout=datetime.timedelta(seconds=60))
         n = store.add("joins", 1)
         pg = pair_group(info["backend"], dist.PrefixStore(f"pair/{n}", store), 1, self.timeout_s)
+        self._link = (store, n)
+        try:
+            if self._stop.is_set():  # close() came while joining: leave at once
+                store.set(f"leave/{n}", "1")
+            else:
+                self._receive(pg, info)
+        finally:
+            self._link = None
+            self.connected.clear()
+            _shutdown(pg)
+
+    def _receive(self, pg, info: dict) -> None:
         dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
         self.connected.set()
         buffers: dict[str, torch.Tensor] = {}  # one staging set, reused while shapes stay
         while not self._stop.is_set():
             size = torch.zeros(1, dtype=torch.int64, device=dev)
             _bcast(pg, size)
+            if int(size.item()) < 0:  # the learner said goodbye: wait for the next one to announce itself
+                return
             raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
             _bcast(pg, raw)
             header = json.loads(raw.cpu().numpy().tobytes().decode())

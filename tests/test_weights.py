@@ -106,26 +106,48 @@ def test_background_reader_swaps_without_blocking(tmp_path):
 def test_direct_path_sends_each_version_to_every_generator(tmp_path):
     sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
     receivers = [DirectReceiver(tmp_path, f"gen-{i}", timeout_s=60) for i in range(2)]
-    for r in receivers:
-        assert r.connected.wait(30)
-    want = state_of(2, torch.bfloat16)
-    sender.send(1, want)
-    sender.flush()
-    for r in receivers:
-        version, got = wait_for(r.take, 30, 0.01, "version 1")
-        assert version == 1 and all(torch.equal(got[k], want[k]) and got[k].dtype == torch.bfloat16 for k in want)
-        r.release()
-    # A generator that goes away is dropped; the others keep receiving; a new one can join.
-    receivers[0].close()
-    late = DirectReceiver(tmp_path, "gen-9", timeout_s=60)
-    assert late.connected.wait(30)
-    policy = Policy.load(TINY, seed=0)
-    weights = DirectWeights(WeightStore(tmp_path), late)
-    sender.send(2, state_of(3))
-    sender.flush()
-    assert wait_for(lambda: weights.load_if_newer(policy.model, have=1), 30, 0.01, "direct v2") == 2
-    assert all(torch.equal(v, full_state_dict(policy.model)[k]) for k, v in state_of(3).items())
-    assert wait_for(lambda: (receivers[1].take() or (0,))[0] == 2, 30, 0.01, "v2 at gen-1")
+    late = None
+    try:
+        for r in receivers:
+            assert r.connected.wait(30)
+        want = state_of(2, torch.bfloat16)
+        sender.send(1, want)
+        sender.flush()
+        for r in receivers:
+            version, got = wait_for(r.take, 30, 0.01, "version 1")
+            assert version == 1 and all(torch.equal(got[k], want[k]) and got[k].dtype == torch.bfloat16 for k in want)
+            r.release()
+        # A generator that leaves is let go by the sender (its thread ends, though it waited in a
+        # broadcast); the others keep receiving; a new one can join.
+        receivers[0].close(timeout_s=60)
+        assert not receivers[0]._thread.is_alive()
+        wait_for(lambda: len(sender.members) == 1, 30, 0.01, "the sender letting gen-0 go")
+        late = DirectReceiver(tmp_path, "gen-9", timeout_s=60)
+        assert late.connected.wait(30)
+        policy = Policy.load(TINY, seed=0)
+        weights = DirectWeights(WeightStore(tmp_path), late)
+        sender.send(2, state_of(3))
+        sender.flush()
+        assert wait_for(lambda: weights.load_if_newer(policy.model, have=1), 30, 0.01, "direct v2") == 2
+        assert all(torch.equal(v, full_state_dict(policy.model)[k]) for k, v in state_of(3).items())
+        assert wait_for(lambda: (receivers[1].take() or (0,))[0] == 2, 30, 0.01, "v2 at gen-1")
+        receivers[1].release()
+        # The learner closing says goodbye: each receiver leaves its pair and waits for the next
+        # learner, whose first version it then gets.
+        sender.close()
+        wait_for(lambda: not late.connected.is_set() and not receivers[1].connected.is_set(), 30, 0.01, "goodbye")
+        sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
+        assert late.connected.wait(30) and receivers[1].connected.wait(30)
+        sender.send(3, state_of(4))
+        sender.flush()
+        assert wait_for(lambda: weights.load_if_newer(policy.model, have=2), 30, 0.01, "v3 from a new learner") == 3
+    finally:
+        # Nothing left to interpreter teardown: a gloo pair destroyed there aborted pytest at exit.
+        for r in [*receivers, late]:
+            if r is not None:
+                r.close(timeout_s=60)
+                assert not r._thread.is_alive()
+        sender.close()
 
 
 @pytest.mark.parametrize("sync", ["file", "direct"])

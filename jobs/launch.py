@@ -30,7 +30,7 @@ from typing import Any, Literal
 import submitit
 
 from hpcrl.core.config import Config, SlurmConfig
-from hpcrl.core.files import atomic_write_json, read_json
+from hpcrl.core.files import atomic_write_json, read_state_json
 from hpcrl.jobs.components import (
     CoordinatorComponent,
     GeneratorComponent,
@@ -204,12 +204,20 @@ def make_executor(
 
 
 def read_jobs(run_dir: str | os.PathLike) -> dict | None:
-    return read_json(Path(run_dir) / JOBS_NAME)
+    """The run's jobs.json; a corrupt one falls back to the copy before it, with a warning
+    (StateFileError, naming both files, when neither is readable)."""
+    return read_state_json(Path(run_dir) / JOBS_NAME, check=_check_jobs)
+
+
+def _check_jobs(record) -> None:
+    if not isinstance(record, dict) or not isinstance(record.get("components", {}), dict):
+        raise ValueError("not a jobs record (an object with a 'components' object)")
 
 
 def write_jobs(run_dir: str | os.PathLike, record: dict) -> None:
-    """Atomically and durably: readers (status, cancel) never see half a file."""
-    atomic_write_json(Path(run_dir) / JOBS_NAME, record)
+    """Atomically and durably: readers (status, cancel) never see half a file; the record it
+    replaces stays as jobs.json.prev for read_jobs."""
+    atomic_write_json(Path(run_dir) / JOBS_NAME, record, keep_previous=True)
 
 
 def slurm_executor(cfg: Config, run_dir: Path, slurm_role: str, name: str) -> submitit.Executor:

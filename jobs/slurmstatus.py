@@ -173,6 +173,8 @@ def snapshot_text(snap: dict) -> str:
 
 def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:
     """Runs under run_root, newest first, from their files only (no Slurm query)."""
+    from hpcrl.jobs.launch import read_jobs
+
     root = Path(run_root)
     if not root.is_dir():
         return []
@@ -185,7 +187,7 @@ def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:
         except (OSError, ValueError):
             status = {}
         try:
-            jobs = json.loads((p / "jobs.json").read_text())
+            jobs = read_jobs(p)
         except (OSError, ValueError):
             jobs = None
         out.append(

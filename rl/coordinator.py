@@ -24,7 +24,9 @@ Files in the run directory: `status.json` (rewritten every `status_every_s`: ste
 trajectories/s, busy fraction per role, leases, generators), `metrics.jsonl` (one line per
 learner step, with the coordinator's throughput at that moment) and `coordinator/state.json`
 (sampler position and outstanding episodes, so a restarted coordinator issues no task twice
-and re-issues what was in flight).
+and re-issues what was in flight; episode numbers are reserved in it ahead of use, so a successor
+never reuses one the lost last second handed out; the copy it replaced stays as state.json.prev,
+taken with a warning if state.json is found corrupt).
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.core.config import CoordinatorConfig
-from hpcrl.core.files import atomic_write_text
+from hpcrl.core.files import atomic_write_text, read_state_json
 from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
 
 __all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
 
 log = logging.getLogger("hpcrl.coordinator")
 STATUS_NAME = "status.json"
+# Episode numbers reserved in state.json ahead of those handed out (_reserve): one save per this
+# many episodes, a few seconds of a busy run.
+_RESERVE_EPISODES = 4096
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -58,8 +63,16 @@ class _Lease:
     renewed: float
 
 
-def _atomic_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=1, default=str))
+def _atomic_json(path: Path, data: Any, keep_previous: bool = False) -> None:
+    atomic_write_text(path, json.dumps(data, indent=1, default=str), keep_previous=keep_previous)
+
+
+def _check_state(state: dict) -> None:
+    """What `_restore` needs of state.json (KeyError/TypeError: read_state_json takes the .prev)."""
+    state["sampler"], int(state["groups_issued"])
+    for row in state["outstanding"]:
+        if len(row) != 5:
+            raise ValueError(f"an outstanding episode row of {len(row)} fields, not 5")
 
 
 def read_status(run_dir: str | os.PathLike) -> dict | None:
@@ -102,6 +115,7 @@ class Coordinator:
         self._last_status = 0.0
         self._lock = threading.Lock()
         (self.run_dir / "coordinator").mkdir(parents=True, exist_ok=True)
+        self._reserved = (0, 0)  # (episode, group) numbers state.json says may have been handed out
         self._restore()
 
     # -- persistence -----------------------------------------------------------------------
@@ -109,6 +123,15 @@ class Coordinator:
     @property
     def _state_path(self) -> Path:
         return self.run_dir / "coordinator" / "state.json"
+
+    def _reserve(self) -> None:
+        """Write ahead the numbers about to be handed out. state.json is saved once a second, so
+        a coordinator that dies loses up to a second of issued episodes; its successor starts
+        numbering above the reservation, never reusing an episode or group number that a
+        generator may still deliver to the store (trajectory ids are run/generator/episode)."""
+        episode, group = self.sampler.next_numbers
+        self._reserved = (episode + _RESERVE_EPISODES, group + _RESERVE_EPISODES // self.group_size + 1)
+        self._save()
 
     def _save(self) -> None:
         outstanding = [list(_ticket_row(t)) for t in self.queue] + [
@@ -122,15 +145,18 @@ class Coordinator:
                 "groups_issued": self.groups_issued,
                 "counts": dict(self.counts),
                 "abandoned_groups": sorted(self.abandoned_groups),
+                "reserved": list(self._reserved),
             },
+            keep_previous=True,  # a state.json found corrupt later falls back to the one before
         )
 
     def _restore(self) -> None:
-        try:
-            state = json.loads(self._state_path.read_text())
-        except FileNotFoundError:
+        state = read_state_json(self._state_path, check=_check_state)
+        if state is None:
             return
         self.sampler.restore(state["sampler"])
+        self.sampler.skip_to(*state.get("reserved", (0, 0)))  # above whatever the lost second issued
+        self._reserved = self.sampler.next_numbers
         self.groups_issued = int(state["groups_issued"])
         self.counts.update(state.get("counts", {}))
         self.abandoned_groups = set(state.get("abandoned_groups", []))
@@ -231,6 +257,8 @@ class Coordinator:
         while len(self.queue) < want and self.groups_issued - consumed < self.max_ahead:
             self.queue.extend(self.sampler.next_group())
             self.groups_issued += 1
+            if self.sampler.next_numbers[0] > self._reserved[0] or self.sampler.next_numbers[1] > self._reserved[1]:
+                self._reserve()
         out = []
         while self.queue and len(out) < want:
             t = self.queue.popleft()

@@ -35,6 +35,7 @@ import torch
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
 from hpcrl.rl.batch import collate
+from hpcrl.rl.checkpoints import CheckpointError, mark_complete, resume_tag
 from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
@@ -130,8 +131,19 @@ class Learner:
             self.direct = DirectSender(self.run_dir, backend)
 
         extra: dict[str, Any] = {}
-        if (self.ckpt_dir / "latest").exists():
-            _, client = self.engine.load_checkpoint(str(self.ckpt_dir))
+        # Rank 0 chooses (rl/checkpoints.py): every rank loads the same tag even if one rank's
+        # view of the shared filesystem lags.
+        choice: tuple[str, str | None] = ("tag", None)
+        if self.rank == 0:
+            try:
+                choice = ("tag", resume_tag(self.ckpt_dir))
+            except CheckpointError as exc:
+                choice = ("error", str(exc))
+        kind, tag = self.comm.broadcast_object(choice, src=0)
+        if kind == "error":
+            raise CheckpointError(tag)
+        if tag is not None:
+            _, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
             self.step = int(client["step"])
             extra = dict(client.get("extra") or {})
             announced = self.weights.latest()
@@ -351,6 +363,7 @@ class Learner:
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
         self.comm.barrier()
         if self.rank == 0:
+            mark_complete(self.ckpt_dir / tag, self.step, self.version)  # every rank's files are written
             tags = sorted(p for p in self.ckpt_dir.glob("step*") if p.is_dir())
             for old in tags[: -self.cfg.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -367,7 +380,8 @@ class Learner:
             if self.publisher is not None:
                 self.publisher.flush()  # the last version is written and announced before we go
             if self.direct is not None:
-                self.direct.flush()
+                self.direct.close()  # sends what is queued, says goodbye to each generator
+                self.direct = None
             if self.reference is not None:
                 self.reference.close()
                 self.reference = None

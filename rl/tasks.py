@@ -101,6 +101,18 @@ class TaskSampler:
             "next_group": self._next_group,
         }
 
+    @property
+    def next_numbers(self) -> tuple[int, int]:
+        """(next episode number, next group number)."""
+        return self._next_episode, self._next_group
+
+    def skip_to(self, episode: int, group: int) -> None:
+        """Never hand out an episode or group number below these (numbers a lost state may have
+        issued). Group g keeps episodes g x group_size ... (the learner finds a trajectory's
+        group as episode // group_size, rl/batch.py), so both move to the same boundary."""
+        g = max(self._next_group, int(group), -(-max(int(episode), self._next_episode) // self.group_size))
+        self._next_group, self._next_episode = g, g * self.group_size
+
     def restore(self, state: dict) -> None:
         self._rng.setstate(_rng_state_from_json(state["rng"]))
         # Domains may be added or removed between runs; keep counters of those still configured.

@@ -1,12 +1,12 @@
 """One learner rank for tests/test_learner.py, run as its own process (RANK/WORLD_SIZE/MASTER_* set
 by the test):
 
-    python tests/learner_worker.py CONFIG RUN_DIR BATCHES.json OUT_PREFIX [--checkpoint-after N]
+    python tests/learner_worker.py CONFIG RUN_DIR BATCHES.json OUT_PREFIX [--checkpoint-after STEP ...]
         [--device-collectives [--inject-cpu-collective]]
 
 Sets up the learner (resuming if RUN_DIR holds a checkpoint), trains one step per batch in
 BATCHES.json (a list of batches, each a list of groups of Trajectory.to_dict records), optionally
-checkpoints after step N, and writes OUT_PREFIX.<rank>.json with each step's metrics and how
+checkpoints after each optimizer step named, and writes OUT_PREFIX.<rank>.json with each step's metrics and how
 the ZeRO-3 partitioning looked on this rank.
 
 --device-collectives (one rank): the learner's collectives get the meta device as their
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("run_dir")
     ap.add_argument("batches")
     ap.add_argument("out_prefix")
-    ap.add_argument("--checkpoint-after", type=int, default=0)
+    ap.add_argument("--checkpoint-after", type=int, nargs="+", default=[])
     ap.add_argument("--device-collectives", action="store_true")
     ap.add_argument("--inject-cpu-collective", action="store_true")
     args = ap.parse_args()
@@ -141,11 +141,11 @@ def main() -> None:
     )
     report["local_numel"] = sum(p.ds_tensor.numel() for p in params)
     report["full_numel"] = sum(p.ds_numel for p in params)
-    for i, batch in enumerate(batches, 1):
+    for batch in batches:
         batch = learner.comm.broadcast_object(batch, src=0)  # as learner_service hands batches out
         m = learner.train_step(batch)
         report["steps"].append(m)
-        if i == args.checkpoint_after:
+        if learner.step in args.checkpoint_after:
             learner.checkpoint({"store_cursor": {"shard": 7, "offset": 123}})
     report["end_version"] = learner.version
     learner.close()

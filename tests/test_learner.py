@@ -204,6 +204,26 @@ def test_checkpoint_resume_restores_model_and_optimizer(setup):
     assert_close(weights(run, 4), w_after_2, atol=1e-6)
 
 
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(setup):
+    """A truncated shard in the newest checkpoint and a garbage DeepSpeed `latest`: the learner
+    resumes from the previous whole checkpoint (rl/checkpoints.py) instead of failing every restart."""
+    tmp, cfg, batches = setup
+    run = tmp / "damaged"
+    first = run_ranks(1, cfg, run, batches, tmp / "dmg1", "--checkpoint-after", "1", "2")[0]
+    assert first["end_version"] == 2
+    tags = sorted(p for p in (run / "checkpoints").glob("step*"))
+    assert [t.name for t in tags] == ["step00000001", "step00000002"]
+    shard = max((p for p in tags[1].rglob("*.pt")), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\x00")
+    only_second = tmp / "dmg-batch2.json"
+    only_second.write_text(json.dumps(json.loads(batches.read_text())[1:]))
+    r = run_ranks(1, cfg, run, only_second, tmp / "dmg2")[0]
+    assert r["start_step"] == 1 and r["resumed_extra"] == {"store_cursor": {"shard": 7, "offset": 123}}
+    assert r["start_version"] == 3  # versions still only grow
+    assert_close(weights(run, 4), weights(run, 2), atol=1e-6)  # step 2 again, from the restored step 1
+
+
 def test_a_batch_without_signal_leaves_weights_and_optimizer_untouched(setup):
     """skip_empty_steps: every advantage 0 (all rewards equal) -> no update, no Adam step, no new
     version; training goes on exactly as if the batch had never come."""

@@ -15,6 +15,7 @@ import importlib
 import sys
 
 from hpcrl import __version__
+from hpcrl.core.files import StateFileError
 from hpcrl.core.schema import ConfigError
 from hpcrl.jobs.rundir import RunDirError
 
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, RunDirError) as exc:
         print(f"hpcrl {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except StateFileError as exc:  # a run's state file and its previous copy are both unreadable
+        print(f"hpcrl {args.verb}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -5,9 +5,13 @@
     groups = buf.pop(n_groups=16, version=12, max_staleness=2)   # None until 16 fresh groups are complete
     tb = collate(trajs, advantages, pad_id)               # TokenBatch, right-padded
 
-A group is the trajectories of one task instance: same (domain, task). A group is complete
-when `group_size` of them arrived; then it is eligible if its oldest step's policy version is
-at most `max_staleness` behind the learner (older complete groups are dropped and counted).
+A group is the trajectories of one task instance: same domain, task and group number, which is
+`episode // group_size` (the coordinator's sampler numbers a group's episodes consecutively;
+a re-issued episode keeps its number). The task alone is not enough: a task list of 100 comes
+round again every few steps, and a second group of the same task must not be taken for a late
+copy of the first. A group is complete when `group_size` of them arrived; then it is eligible
+if its oldest step's policy version is at most `max_staleness` behind the learner (older
+complete groups are dropped and counted).
 Groups leave in completion order, so training sees data roughly in the order it was made.
 With `filter_zero_variance` (dynamic sampling, as in DAPO) a complete group whose rewards are
 all equal is dropped on arrival (`filtered` counts its trajectories): its advantages would all
@@ -42,18 +46,25 @@ class GroupBuffer:
         self.group_size = group_size
         self.filter_zero_variance = filter_zero_variance
         self.filtered = 0  # trajectories of zero-variance groups dropped (dynamic sampling)
-        self._open: dict[tuple[str, str], dict[int, Trajectory]] = {}
-        self._complete: collections.OrderedDict[tuple[str, str], list[Trajectory]] = collections.OrderedDict()
+        self._open: dict[tuple[str, str, int], dict[int, Trajectory]] = {}
+        self._complete: collections.OrderedDict[tuple[str, str, int], list[Trajectory]] = collections.OrderedDict()
         # Groups already handed out or dropped -> their newest policy version. A late copy of one
         # of their episodes (a re-issued episode both generators finished) is dropped; entries
         # are forgotten once anything of that age would be dropped as stale anyway.
-        self._closed: dict[tuple[str, str], int] = {}
+        self._closed: dict[tuple[str, str, int], int] = {}
         self._dropped: list[str] = []
         self.dropped_stale = 0  # trajectories
         self.duplicates = 0
+        # Groups the learner will never train (stale, or filtered), each counted once however
+        # many of its members had arrived: the coordinator's flow control counts them as
+        # consumed, and a group counted short would hold a place in its window for ever.
+        self.dropped_groups = 0
+
+    def key(self, traj: Trajectory) -> tuple[str, str, int]:
+        return (traj.domain, traj.task, traj.episode // self.group_size)
 
     def add(self, traj: Trajectory) -> None:
-        key = (traj.domain, traj.task)
+        key = self.key(traj)
         if key in self._closed:
             self._drop([traj], stale=False)
             return
@@ -67,6 +78,7 @@ class GroupBuffer:
             if self.filter_zero_variance and len({t.final_reward for t in members}) == 1:
                 self._close(key, members)
                 self.filtered += len(members)
+                self.dropped_groups += 1
                 self._dropped.extend(t.id for t in members)
                 return
             self._complete[key] = members
@@ -92,11 +104,13 @@ class GroupBuffer:
             g = self._complete.pop(key)
             self._close(key, g)
             self._drop(g, stale=True)
+            self.dropped_groups += 1
         # An open group whose oldest member is already too stale can never be trained.
         for key in [k for k, g in self._open.items() if stale(g.values())]:
             g = list(self._open.pop(key).values())
             self._close(key, g)
             self._drop(g, stale=True)
+            self.dropped_groups += 1
         horizon = version - max_staleness - 1
         self._closed = {k: v for k, v in self._closed.items() if v >= horizon}
         if len(self._complete) < n_groups:
@@ -125,24 +139,28 @@ class GroupBuffer:
         return {
             "open": [t.to_dict() for g in self._open.values() for t in g.values()],
             "complete": [t.to_dict() for g in self._complete.values() for t in g],
-            "closed": [[d, t, v] for (d, t), v in self._closed.items()],
+            "closed": [[d, t, v, g] for (d, t, g), v in self._closed.items()],
             "dropped": list(self._dropped),
-            "counters": [self.dropped_stale, self.duplicates, self.filtered],
+            "counters": [self.dropped_stale, self.duplicates, self.filtered, self.dropped_groups],
         }
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
-        self._closed = {(d, t): int(v) for d, t, v in state["closed"]}
+        # Closed groups saved before group numbers were part of the key ([d, t, v]) are kept
+        # under group -1, which no arriving trajectory has: they expire as before.
+        self._closed = {(row[0], row[1], int(row[3]) if len(row) > 3 else -1): int(row[2]) for row in state["closed"]}
         for rec in state["complete"] + state["open"]:
             traj = Trajectory.from_dict(rec)
-            key = (traj.domain, traj.task)
+            key = self.key(traj)
             self._open.setdefault(key, {})[traj.episode] = traj
             if len(self._open[key]) == self.group_size:
                 self._complete[key] = list(self._open.pop(key).values())
         self._dropped = list(state["dropped"])
         self.dropped_stale, self.duplicates, *rest = state["counters"]
         self.filtered = int(rest[0]) if rest else 0
+        # Older checkpoints counted trajectories only: their estimate, as the learner made it then.
+        self.dropped_groups = int(rest[1]) if len(rest) > 1 else (self.dropped_stale + self.filtered) // self.group_size
 
 
 def layout(traj: Trajectory) -> tuple[list[int], list[float], list[float]]:

@@ -94,8 +94,7 @@ class _Rank0:
 
     def _counts(self) -> dict:
         # Filtered (zero-variance) groups were consumed too: the coordinator issues new ones for them.
-        dropped = (self.buffer.dropped_stale + self.buffer.filtered) // self.cfg.group_size
-        return {"trained_groups": self.trained_groups, "dropped_groups": dropped}
+        return {"trained_groups": self.trained_groups, "dropped_groups": self.buffer.dropped_groups}
 
     def _progress(self) -> None:
         """While waiting for data, tell the coordinator what was consumed (dropped groups count):

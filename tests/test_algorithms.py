@@ -146,15 +146,15 @@ def test_group_buffer_completes_groups_and_drops_stale_ones():
     state = buf.state_dict()
     groups = buf.pop(1, version=5, max_staleness=2)
     assert [[t.episode for t in g] for g in groups] == [[0, 1]]
-    buf.add(traj("t1", 9, 1.0, versions=(5,)))  # a late copy for a group already trained
-    assert buf.drained() == ["r/g/9"]
+    buf.add(traj("t1", 1, 1.0, versions=(5,)))  # a late copy (a re-issued episode) for a group already trained
+    assert buf.drained() == ["r/g/1"]
 
     # A restored buffer holds the same groups, and still refuses what was closed before.
     again = GroupBuffer(group_size=2)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.complete_groups == 1 and again.dropped_stale == 3
-    again.add(traj("t2", 7, 0.0, versions=(5,)))
-    assert again.drained() == ["r/g/7"]
+    again.add(traj("t2", 3, 0.0, versions=(5,)))
+    assert again.drained() == ["r/g/3"]
     assert [[t.episode for t in g] for g in again.pop(1, version=5, max_staleness=2)] == [[0, 1]]
 
 
@@ -248,14 +248,38 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient():
     assert torch.equal(hidden.grad, torch.zeros_like(z)) and stats["entropy_sum"] > 0
 
 
+def test_group_buffer_keeps_two_groups_of_one_task_apart_and_counts_dropped_groups_once():
+    """A task list comes round again within a few steps (100 tasks, 32 groups a step): a second
+    group of the same task is its own group, not a late copy of the first. A group dropped as
+    stale while open is one consumed group however many members came: the coordinator's flow
+    control counts it so (counted short, each such group held a place in its window for ever,
+    and a run stalled with every issued episode stored and nothing to train)."""
+    buf = GroupBuffer(group_size=2)
+    for episode in (0, 1, 2, 3):  # groups 0 and 1, both of task t1
+        buf.add(traj("t1", episode, float(episode % 2), versions=(4,)))
+    assert buf.complete_groups == 2 and buf.duplicates == 0
+    assert [[t.episode for t in g] for g in buf.pop(2, version=4, max_staleness=2)] == [[0, 1], [2, 3]]
+    buf.add(traj("t2", 4, 1.0, versions=(1,)))  # group 2 open, already too stale
+    assert buf.pop(1, version=4, max_staleness=2) is None
+    assert buf.dropped_groups == 1 and buf.dropped_stale == 1
+    buf.add(traj("t2", 5, 0.0, versions=(1,)))  # its other member, late: refused, not counted again
+    assert buf.pop(1, version=4, max_staleness=2) is None
+    assert buf.dropped_groups == 1 and buf.duplicates == 1 and sorted(buf.drained()) == ["r/g/4", "r/g/5"]
+    again = GroupBuffer(group_size=2)
+    again.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+    assert again.dropped_groups == 1
+    again.add(traj("t2", 5, 0.0, versions=(1,)))
+    assert again.duplicates == 2  # still closed after a restore
+
+
 def test_dynamic_sampling_drops_zero_variance_groups():
     buf = GroupBuffer(group_size=2, filter_zero_variance=True)
     for t in (traj("flat", 0, 1.0), traj("flat", 1, 1.0), traj("good", 2, 1.0), traj("good", 3, 0.0)):
         buf.add(t)
     assert buf.complete_groups == 1 and buf.filtered == 2
     assert buf.drained() == ["r/g/0", "r/g/1"]  # accounted for in the audit log
-    buf.add(traj("flat", 4, 0.0))  # a late copy for the filtered group is refused
-    assert buf.drained() == ["r/g/4"] and buf.duplicates == 1
+    buf.add(traj("flat", 1, 0.0))  # a late copy for the filtered group is refused
+    assert buf.drained() == ["r/g/1"] and buf.duplicates == 1 and buf.dropped_groups == 1
     state = json.loads(json.dumps(buf.state_dict()))
     assert [[t.task for t in g] for g in buf.pop(1, version=0, max_staleness=2)] == [["good", "good"]]
     again = GroupBuffer(group_size=2, filter_zero_variance=True)

@@ -386,6 +386,9 @@ class DomainConfig:
 class StoreConfig:
     flush_every: int = spec(64, help="flush a shard after this many trajectories", ge=1)
     flush_interval_s: float = spec(5.0, help="... or after this many seconds, whichever comes first", gt=0)
+    flush_idle_s: float = spec(
+        0.02, help="... or once no trajectory arrived for this many seconds (a batch's tail waits for no company)", gt=0
+    )
     compression: Literal["none", "gzip", "lzf"] = spec("none", help="HDF5 filter for token datasets")
     shard_max_rows: int = spec(
         65536, help="finalize a shard (write its manifest) and start a new one after this many trajectories", ge=1

@@ -96,7 +96,7 @@ def test_reader_refresh_skips_finalized_shards(tmp_path, monkeypatch):
 
     shape = SynthShape(first_prompt=(5, 10), later_prompt=(2, 4), action=(3, 6), observation=(0, 4))
     rng = np.random.default_rng(0)
-    cfg = StoreConfig(flush_every=2, flush_interval_s=30.0, compression="none", shard_max_rows=4)
+    cfg = StoreConfig(flush_every=2, flush_interval_s=30.0, flush_idle_s=30.0, compression="none", shard_max_rows=4)
     with ShardWriter(tmp_path, "w0", cfg) as w:
         for i in range(8):  # two finalized shards
             w.append(synth_trajectory(rng, "r", "g", i, shape))

@@ -47,7 +47,7 @@ def make(n: int, *, generator="g", start=0, seed=0, versions=None, shape=SMALL):
 
 
 def cfg(**kw) -> StoreConfig:
-    base = dict(flush_every=4, flush_interval_s=30.0, compression="none", shard_max_rows=10_000)
+    base = dict(flush_every=4, flush_interval_s=30.0, flush_idle_s=30.0, compression="none", shard_max_rows=10_000)
     base.update(kw)
     return StoreConfig(**base)
 
@@ -111,6 +111,17 @@ def test_flush_by_age(tmp_path):
     w.append(make(1, start=2)[0])  # an append past the deadline flushes too
     assert w.buffered == 0
     assert poll_until(w).rows == 2
+    w.close()
+
+
+def test_a_pause_in_the_input_flushes_without_waiting_for_company(tmp_path):
+    """The last trajectories of a learner's batch must not wait for the next batch to fill their
+    segment (flush_every) or for flush_interval_s: that stalled the pipeline ~0.3 s per step."""
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=1000, flush_interval_s=3600.0, flush_idle_s=0.05))
+    for t in make(3):
+        w.append(t)
+    assert w.buffered == 3 and 0 < w.seconds_to_flush() <= 0.05
+    assert poll_until(w, timeout_s=120.0).rows == 3 and w.buffered == 0
     w.close()
 
 

@@ -37,7 +37,7 @@ def make(n: int, start: int = 0, seed: int = 0):
 
 def write_store(path: Path, n: int = 12, flush_every: int = 4, **kw) -> list:
     trajs = make(n)
-    cfg = StoreConfig(flush_every=flush_every, flush_interval_s=30.0, **kw)
+    cfg = StoreConfig(flush_every=flush_every, flush_interval_s=30.0, flush_idle_s=30.0, **kw)
     with ShardWriter(path, "w0", cfg) as w:
         for t in trajs:
             w.append(t)

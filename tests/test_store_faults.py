@@ -32,7 +32,9 @@ def make(n: int, start: int = 0):
 
 
 def cfg(**kw) -> StoreConfig:
-    return StoreConfig(**{"flush_every": 2, "flush_interval_s": 30.0, "shard_max_rows": 10_000, **kw})
+    return StoreConfig(
+        **{"flush_every": 2, "flush_interval_s": 30.0, "flush_idle_s": 30.0, "shard_max_rows": 10_000, **kw}
+    )
 
 
 def deliver(store: Path, trajs, config: StoreConfig, on_writer=None, attempts: int = 6) -> set[str]:

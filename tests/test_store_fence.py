@@ -56,7 +56,8 @@ STALE = textwrap.dedent("""
             say("stopping"); stop()
     os.rename = rename
     rng = np.random.default_rng(0)
-    w = ShardWriter(store, "w0", StoreConfig(flush_every=2, flush_interval_s=30.0, lease_s=%(lease)r))
+    w = ShardWriter(store, "w0", StoreConfig(flush_every=2, flush_interval_s=30.0, flush_idle_s=30.0,
+                                             lease_s=%(lease)r))
     def report(r):
         if r:
             say("acked", *r.ids)
@@ -152,7 +153,9 @@ def test_a_writer_stalled_past_its_lease_cannot_publish_after_it_is_fenced(tmp_p
         [shard] = list_shards(store)
         owner = shard.path / OWNER_NAME
         wait_until(lambda: time.time() - owner.stat().st_mtime > LEASE_S, "the stale writer's lease to expire")
-        new = ShardWriter(store, "w0", StoreConfig(flush_every=2, flush_interval_s=30.0, lease_s=LEASE_S))
+        new = ShardWriter(
+            store, "w0", StoreConfig(flush_every=2, flush_interval_s=30.0, flush_idle_s=30.0, lease_s=LEASE_S)
+        )
         assert [r.shard for r in new.recovered] == [shard.name]  # the lease expired: recovered
         assert (shard.path / FENCE_NAME).exists()
         new.close()
@@ -176,7 +179,9 @@ def test_a_writer_stalled_past_its_lease_cannot_publish_after_it_is_fenced(tmp_p
     assert rest[-1].startswith("stopped") and "fenced" in rest[-1] and stale.returncode == 3, rest
     # Its senders resend everything unacknowledged to the writer that replaced it: each
     # trajectory is then stored exactly once.
-    final = ShardWriter(store, "w0", StoreConfig(flush_every=2, flush_interval_s=30.0, lease_s=LEASE_S))
+    final = ShardWriter(
+        store, "w0", StoreConfig(flush_every=2, flush_interval_s=30.0, flush_idle_s=30.0, lease_s=LEASE_S)
+    )
     for t in all_trajs():
         if t.id not in acked:
             final.append(t)

@@ -1,4 +1,4 @@
-"""The trajectory shard writer: buffer, flush by count or age, acknowledge only what is durable.
+"""The trajectory shard writer: buffer, flush by count, age or a pause in the input, acknowledge only what is durable.
 
     from hpcrl.rl.store.writer import ShardWriter
     with ShardWriter(run_dir / "trajectories", writer="store-0", cfg=cfg.store) as w:
@@ -8,7 +8,7 @@
                 ack(flushed.ids)              # these ids are on disk, fsynced, under final names
         w.append_columns(cols)                # a batch as it came off the wire (hpcrl.rl.store.stream)
         ...
-        w.poll()                              # call when idle: flushes records older than flush_interval_s
+        w.poll()                              # call when idle: flushes what is due (age, or input paused)
         w.flush()                             # write the buffer and wait until all of it is durable
 
 A flush writes one immutable HDF5 segment (see `hpcrl.rl.store.layout` for why and for the crash
@@ -115,6 +115,7 @@ class ShardWriter:
         self._free_bufs: deque[EncodeBuffers] = deque()  # the sync thread gives them back
         self._pending: set[str] = set()  # ids buffered or in flight: not durable yet
         self._oldest: float | None = None  # monotonic arrival time of the oldest buffered record
+        self._newest = 0.0  # ... and of the newest
         self._shard: Path | None = None
         self._segments: list[SegmentInfo] = []  # durable segments of the open shard
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
@@ -196,8 +197,9 @@ class ShardWriter:
 
     def _added(self, n: int) -> FlushResult | None:
         self._buffered += n
+        self._newest = time.monotonic()
         if self._oldest is None:
-            self._oldest = time.monotonic()
+            self._oldest = self._newest
         if self._buffered >= self.cfg.flush_every or self.seconds_to_flush() == 0.0:
             self._submit()
         # Most appends only buffer: skip the pipeline bookkeeping while no sync has finished.
@@ -211,7 +213,10 @@ class ShardWriter:
             return 0.002
         if self._oldest is None:
             return None
-        return max(0.0, self.cfg.flush_interval_s - (time.monotonic() - self._oldest))
+        now = time.monotonic()
+        return max(
+            0.0, min(self.cfg.flush_interval_s - (now - self._oldest), self.cfg.flush_idle_s - (now - self._newest))
+        )
 
     def poll(self) -> FlushResult | None:
         """Flush if the oldest buffered record waited flush_interval_s; return what became durable."""
@@ -224,7 +229,10 @@ class ShardWriter:
             if self._shard is not None and is_fenced(self._shard):
                 self._fenced(self._shard)
             self._heartbeat()
-        if self._oldest is not None and time.monotonic() - self._oldest >= self.cfg.flush_interval_s:
+        if self._oldest is not None and self.seconds_to_flush() == 0.0:
+            # Old enough, or the stream paused: the learner may be waiting for exactly these
+            # (the last trajectories of its batch); holding them for company stalled the
+            # pipeline by ~0.3 s per step (docs/benchmarks.md).
             self._submit()
         return self._collect(block=False)
 

@@ -98,10 +98,12 @@ def read_json(path: str | os.PathLike) -> Any:
         return None
 
 
-def read_state_json(path: str | os.PathLike, check=None) -> Any:
+def read_state_json(
+    path: str | os.PathLike, check=None, advice: str = "move the file aside to start afresh, or restore it"
+) -> Any:
     """A state file written with keep_previous: the parsed file; if it is corrupt (not JSON, not
     UTF-8, or `check(data)` raises), its `.prev` copy with a warning naming both; None if neither
-    exists. Both corrupt: StateFileError, naming the files and what to do."""
+    exists. Both corrupt: StateFileError, naming the files and what to do (`advice`)."""
     path = Path(path)
     errors = []
     for candidate in (path, previous_copy(path)):
@@ -118,7 +120,5 @@ def read_state_json(path: str | os.PathLike, check=None) -> Any:
             log.warning("%s; using the previous copy %s", errors[0], candidate)
         return data
     if errors:
-        raise StateFileError(
-            f"{'; '.join(errors)}: no readable copy; move the file aside to start this state afresh, or restore it"
-        )
+        raise StateFileError(f"{'; '.join(errors)}: no readable copy; {advice}")
     return None

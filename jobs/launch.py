@@ -206,7 +206,8 @@ def make_executor(
 def read_jobs(run_dir: str | os.PathLike) -> dict | None:
     """The run's jobs.json; a corrupt one falls back to the copy before it, with a warning
     (StateFileError, naming both files, when neither is readable)."""
-    return read_state_json(Path(run_dir) / JOBS_NAME, check=_check_jobs)
+    advice = "restore it, or cancel the run's jobs with scancel (names hpcrl-<run>-*) and submit the run again"
+    return read_state_json(Path(run_dir) / JOBS_NAME, check=_check_jobs, advice=advice)
 
 
 def _check_jobs(record) -> None:

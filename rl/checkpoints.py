@@ -1,13 +1,15 @@
 """Which learner checkpoint to resume from: the newest one that is whole.
 
     mark_complete(ckpt_dir / "step00000100", step=100, version=100)   # rank 0, after every rank saved
+    prune_checkpoints(ckpt_dir, keep=2, saved="step00000100")          # rotation keeps whole ones
     tag = resume_tag(ckpt_dir)        # "step00000100", an older tag if that one is damaged, or None
 
-DeepSpeed's own `latest` file is a plain write that names the newest tag even when a rank died
-halfway through saving it, and a truncated `latest` or shard makes every restart fail the same
-way: a restart loop. So rank 0 writes `hpcrl_complete.json` into a tag's folder once every rank
-has saved it (sizes of all its files), and a resume takes the newest tag whose files are all
-there with those sizes, skipping (with a warning naming it) any newer one that is not. Sizes
+DeepSpeed's own `latest` file is a plain write by rank 0 that can name a tag other ranks have
+not finished saving (the learner no longer writes it: `save_latest=False`), and a truncated
+`latest` or shard makes every restart fail the same way: a restart loop. So rank 0 writes
+`hpcrl_complete.json` into a tag's folder once every rank has saved it (sizes of all its
+files), and a resume takes the newest tag whose files are all there with those sizes,
+skipping (with a warning naming it) any newer one that is not. Sizes
 catch what a crash or a full disk leaves (truncated or missing files) without reading a 70B
 model's optimizer state twice.
 """
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from hpcrl.core.files import atomic_write_json
 
-__all__ = ["COMPLETE_NAME", "CheckpointError", "mark_complete", "resume_tag", "checkpoint_problem"]
+__all__ = ["COMPLETE_NAME", "CheckpointError", "mark_complete", "prune_checkpoints", "resume_tag", "checkpoint_problem"]
 
 log = logging.getLogger("hpcrl.learner")
 COMPLETE_NAME = "hpcrl_complete.json"
@@ -43,6 +46,22 @@ def mark_complete(tag_dir: str | Path, step: int, version: int) -> None:
     atomic_write_json(tag_dir / COMPLETE_NAME, {"step": step, "version": version, "files": _files(tag_dir)})
 
 
+def prune_checkpoints(ckpt_dir: str | Path, keep: int, saved: str) -> list[str]:
+    """Delete checkpoints older than the `keep` newest whole ones (`saved`, just marked, among
+    them); returns the tags deleted. Damaged tags never count as kept, so rotation cannot leave
+    a run whose only remaining checkpoints are damaged ones."""
+    ckpt_dir = Path(ckpt_dir)
+    tags = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir()), reverse=True)
+    whole = [d for d in tags if d.name == saved or checkpoint_problem(d) is None][: max(1, keep)]
+    if not whole:
+        return []
+    oldest_kept = min(d.name for d in whole)
+    gone = [d for d in tags if d.name < oldest_kept]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return [d.name for d in gone]
+
+
 def checkpoint_problem(tag_dir: str | Path) -> str | None:
     """None if the checkpoint is whole, else what is wrong with it (one line)."""
     tag_dir = Path(tag_dir)
@@ -52,8 +71,8 @@ def checkpoint_problem(tag_dir: str | Path) -> str | None:
         return f"no {COMPLETE_NAME} (a save that did not finish)"
     except (ValueError, KeyError, TypeError) as exc:
         return f"{COMPLETE_NAME} unreadable ({type(exc).__name__}: {exc})"
-    if not want:
-        return "it lists no files"
+    if not isinstance(want, dict) or not want:
+        return f"{COMPLETE_NAME} lists no files"
     for name, size in want.items():
         try:
             have = (tag_dir / name).stat().st_size

@@ -35,7 +35,7 @@ import torch
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
 from hpcrl.rl.batch import collate
-from hpcrl.rl.checkpoints import CheckpointError, mark_complete, resume_tag
+from hpcrl.rl.checkpoints import CheckpointError, mark_complete, prune_checkpoints, resume_tag
 from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
@@ -137,8 +137,8 @@ class Learner:
         if self.rank == 0:
             try:
                 choice = ("tag", resume_tag(self.ckpt_dir))
-            except CheckpointError as exc:
-                choice = ("error", str(exc))
+            except Exception as exc:  # every rank waits in the broadcast below: tell them, then raise
+                choice = ("error", str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
         kind, tag = self.comm.broadcast_object(choice, src=0)
         if kind == "error":
             raise CheckpointError(tag)
@@ -360,13 +360,18 @@ class Learner:
         """Model, optimizer, step, version and `extra` (e.g. the store cursor). Every rank calls it."""
         tag = f"step{self.step:08d}"
         client = {"step": self.step, "version": self.version, "extra": extra or {}}
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+        if self.rank == 0 and (self.ckpt_dir / tag).exists():
+            # The same step saved again (after a resume from an older checkpoint): old files and
+            # an old completion mark must not pass for the new save if this one dies halfway.
+            shutil.rmtree(self.ckpt_dir / tag)
+        self.comm.barrier()
+        # No DeepSpeed `latest`: rank 0 would write it before every rank has saved, and a resume
+        # goes by completion marks (rl/checkpoints.py).
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
         self.comm.barrier()
         if self.rank == 0:
             mark_complete(self.ckpt_dir / tag, self.step, self.version)  # every rank's files are written
-            tags = sorted(p for p in self.ckpt_dir.glob("step*") if p.is_dir())
-            for old in tags[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(self.ckpt_dir, keep=self.cfg.keep_checkpoints, saved=tag)
 
     def close(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():

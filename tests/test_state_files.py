@@ -14,7 +14,7 @@ import pytest
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import StateFileError, atomic_write_json, previous_copy, read_state_json
 from hpcrl.jobs.launch import read_jobs, write_jobs
-from hpcrl.rl.checkpoints import COMPLETE_NAME, CheckpointError, mark_complete, resume_tag
+from hpcrl.rl.checkpoints import COMPLETE_NAME, CheckpointError, mark_complete, prune_checkpoints, resume_tag
 from hpcrl.rl.coordinator import Coordinator
 
 
@@ -38,7 +38,7 @@ def test_a_corrupt_state_file_falls_back_to_its_previous_copy(tmp_path, caplog):
     with pytest.raises(StateFileError) as err:
         read_state_json(path)
     msg = str(err.value)
-    assert "\n" not in msg and str(path) in msg and str(previous_copy(path)) in msg and "move the file aside" in msg
+    assert "\n" not in msg and str(path) in msg and str(previous_copy(path)) in msg and "restore it" in msg
     assert read_state_json(tmp_path / "absent.json") is None
 
 
@@ -66,7 +66,7 @@ def test_a_coordinator_resumes_from_the_previous_state_when_state_json_is_trunca
     # Both copies unreadable: the coordinator refuses to start, naming them, rather than
     # starting over (which would issue episode numbers already in the store a second time).
     previous_copy(state).write_text("not json")
-    with pytest.raises(StateFileError, match="state.json"):
+    with pytest.raises(StateFileError, match="state.json.*restore a good copy"):
         _coordinator(tmp_path)
 
 
@@ -144,3 +144,20 @@ def test_a_restarted_coordinator_never_reuses_an_episode_number_handed_out_after
     fresh = again.handle("sync", {"generator": "g2", "want": 64, "done": [], "failed": [], "released": [], "stats": {}})
     new = [row for row in fresh["tickets"] if row[4] == 0]  # attempt 0: not a re-issue of the saved ones
     assert new and not {row[2] for row in new} & handed_out and not {row[3] for row in new} & groups
+
+
+def test_rotation_keeps_whole_checkpoints_and_never_the_damaged_ones_instead(tmp_path):
+    """Resumed from step 100 (step 150 damaged), a save at 120 with keep 1 must not delete 100
+    and leave 150: only tags older than the kept whole ones go."""
+    ckpt = tmp_path / "checkpoints"
+    files = {"a.pt": b"x" * 10}
+    _tag(ckpt, 50, files)
+    _tag(ckpt, 100, files)
+    damaged = _tag(ckpt, 150, files)
+    (damaged / "a.pt").write_bytes(b"x")
+    _tag(ckpt, 120, files)
+    assert prune_checkpoints(ckpt, keep=2, saved="step00000120") == ["step00000050"]
+    assert resume_tag(ckpt) == "step00000120"
+    assert prune_checkpoints(ckpt, keep=1, saved="step00000120") == ["step00000100"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step00000120", "step00000150"]
+    assert resume_tag(ckpt) == "step00000120"

@@ -7,12 +7,11 @@
 
 A group is the trajectories of one task instance: same domain, task and group number, which is
 `episode // group_size` (the coordinator's sampler numbers a group's episodes consecutively;
-a re-issued episode keeps its number). The task alone is not enough: a task list of 100 comes
-round again every few steps, and a second group of the same task must not be taken for a late
-copy of the first. A group is complete when `group_size` of them arrived; then it is eligible
-if its oldest step's policy version is at most `max_staleness` behind the learner (older
-complete groups are dropped and counted).
-Groups leave in completion order, so training sees data roughly in the order it was made.
+a re-issued episode keeps its number). Task ids are unique for the life of a run by contract
+(`Task`); the group number keeps two groups apart even for a site domain whose ids repeat.
+A group is complete when `group_size` of them arrived; then it is eligible if its oldest
+step's policy version is at most `max_staleness` behind the learner (older complete groups are
+dropped and counted). Groups leave in completion order, so training sees data roughly in the order it was made.
 With `filter_zero_variance` (dynamic sampling, as in DAPO) a complete group whose rewards are
 all equal is dropped on arrival (`filtered` counts its trajectories): its advantages would all
 be 0, so it carries no gradient, and the coordinator issues a new group in its place, so every
@@ -36,6 +35,10 @@ from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["GroupBuffer", "collate", "layout"]
 
+# Closed groups remembered beyond the staleness horizon (GroupBuffer._closed): ~500 steps of 32
+# groups; under 1 MB in memory and in the learner's checkpoint.
+_CLOSED_KEEP = 16384
+
 
 class GroupBuffer:
     """Complete groups for the learner; see the module docstring. `drained()` hands out the ids
@@ -48,10 +51,12 @@ class GroupBuffer:
         self.filtered = 0  # trajectories of zero-variance groups dropped (dynamic sampling)
         self._open: dict[tuple[str, str, int], dict[int, Trajectory]] = {}
         self._complete: collections.OrderedDict[tuple[str, str, int], list[Trajectory]] = collections.OrderedDict()
-        # Groups already handed out or dropped -> their newest policy version. A late copy of one
-        # of their episodes (a re-issued episode both generators finished) is dropped; entries
-        # are forgotten once anything of that age would be dropped as stale anyway.
-        self._closed: dict[tuple[str, str, int], int] = {}
+        # Groups already handed out or dropped -> their newest policy version, in closing order.
+        # A late copy of one of their episodes (a re-issued episode both generators finished) is
+        # dropped. Entries are kept while younger than the staleness horizon, and the last
+        # _CLOSED_KEEP in any case: a re-issued episode can arrive long after its group closed
+        # (a lease that ran out), and taken for a new group it would be counted a second time.
+        self._closed: collections.OrderedDict[tuple[str, str, int], int] = collections.OrderedDict()
         self._dropped: list[str] = []
         self.dropped_stale = 0  # trajectories
         self.duplicates = 0
@@ -90,8 +95,9 @@ class GroupBuffer:
             self.duplicates += len(trajs)
         self._dropped.extend(t.id for t in trajs)
 
-    def _close(self, key, trajs) -> None:
-        self._closed[key] = max(t.max_policy_version for t in trajs)
+    def _close(self, key, trajs, version: int | None = None) -> None:
+        self._closed[key] = max(t.max_policy_version for t in trajs) if version is None else version
+        self._closed.move_to_end(key)
 
     def pop(self, n_groups: int, version: int, max_staleness: int) -> list[list[Trajectory]] | None:
         """The first n_groups eligible complete groups, or None (nothing removed) if fewer exist.
@@ -100,19 +106,21 @@ class GroupBuffer:
         def stale(trajs) -> bool:
             return version - min(t.min_policy_version for t in trajs) > max_staleness
 
+        # Closed at the learner's version, not their own: their missing members may still come.
         for key in [k for k, g in self._complete.items() if stale(g)]:
             g = self._complete.pop(key)
-            self._close(key, g)
+            self._close(key, g, version)
             self._drop(g, stale=True)
             self.dropped_groups += 1
         # An open group whose oldest member is already too stale can never be trained.
         for key in [k for k, g in self._open.items() if stale(g.values())]:
             g = list(self._open.pop(key).values())
-            self._close(key, g)
+            self._close(key, g, version)
             self._drop(g, stale=True)
             self.dropped_groups += 1
         horizon = version - max_staleness - 1
-        self._closed = {k: v for k, v in self._closed.items() if v >= horizon}
+        while len(self._closed) > _CLOSED_KEEP and next(iter(self._closed.values())) < horizon:
+            self._closed.popitem(last=False)
         if len(self._complete) < n_groups:
             return None
         out = [self._complete.popitem(last=False) for _ in range(n_groups)]
@@ -149,7 +157,9 @@ class GroupBuffer:
             return
         # Closed groups saved before group numbers were part of the key ([d, t, v]) are kept
         # under group -1, which no arriving trajectory has: they expire as before.
-        self._closed = {(row[0], row[1], int(row[3]) if len(row) > 3 else -1): int(row[2]) for row in state["closed"]}
+        self._closed = collections.OrderedDict(
+            ((row[0], row[1], int(row[3]) if len(row) > 3 else -1), int(row[2])) for row in state["closed"]
+        )
         for rec in state["complete"] + state["open"]:
             traj = Trajectory.from_dict(rec)
             key = self.key(traj)

@@ -107,7 +107,8 @@ class Coordinator:
         self.counts = collections.Counter()
         self.done_by_domain = collections.Counter()
         self.groups_issued = 0
-        self.abandoned_groups: set[int] = set()  # will never complete: no longer count as outstanding
+        self.abandoned_groups: set[int] = set()  # no episode will ever arrive: no longer outstanding
+        self._abandoned_episodes: collections.Counter[int] = collections.Counter()  # group -> episodes given up
         self.stopping = False
         self.stop_requested = False  # by `hpcrl run` (the end, Ctrl-C), as opposed to max_steps reached
         self.started = time.time()
@@ -132,6 +133,7 @@ class Coordinator:
         episode, group = self.sampler.next_numbers
         self._reserved = (episode + _RESERVE_EPISODES, group + _RESERVE_EPISODES // self.group_size + 1)
         self._save()
+        self._save()  # state.json.prev too: a fallback to it must not reuse these numbers either
 
     def _save(self) -> None:
         outstanding = [list(_ticket_row(t)) for t in self.queue] + [
@@ -145,13 +147,20 @@ class Coordinator:
                 "groups_issued": self.groups_issued,
                 "counts": dict(self.counts),
                 "abandoned_groups": sorted(self.abandoned_groups),
+                "abandoned_episodes": {str(g): n for g, n in self._abandoned_episodes.items()},
                 "reserved": list(self._reserved),
             },
             keep_previous=True,  # a state.json found corrupt later falls back to the one before
         )
 
     def _restore(self) -> None:
-        state = read_state_json(self._state_path, check=_check_state)
+        state = read_state_json(
+            self._state_path,
+            check=_check_state,
+            # Not "start afresh": a new coordinator numbers episodes from 0 again, and the store
+            # takes trajectories with ids it already holds for resends and drops them.
+            advice="restore a good copy; a coordinator started without one would reuse episode numbers",
+        )
         if state is None:
             return
         self.sampler.restore(state["sampler"])
@@ -160,6 +169,7 @@ class Coordinator:
         self.groups_issued = int(state["groups_issued"])
         self.counts.update(state.get("counts", {}))
         self.abandoned_groups = set(state.get("abandoned_groups", []))
+        self._abandoned_episodes.update({int(g): int(n) for g, n in state.get("abandoned_episodes", {}).items()})
         # Whatever was queued or in flight when the old coordinator died is issued again.
         for row in state["outstanding"]:
             d, idx, ep, grp, att = row
@@ -205,7 +215,13 @@ class Coordinator:
             t = lease.ticket
             if t.attempt + 1 >= self.cfg.max_attempts:
                 self.counts["abandoned"] += 1
-                self.abandoned_groups.add(t.group)
+                # A group with members that did complete reaches the learner, which drops it as
+                # stale in time and reports it consumed; only a group none of whose episodes can
+                # ever arrive is the coordinator's to count (counted twice, the window would grow).
+                self._abandoned_episodes[t.group] += 1
+                if self._abandoned_episodes[t.group] >= self.group_size:
+                    del self._abandoned_episodes[t.group]
+                    self.abandoned_groups.add(t.group)
                 log.warning(
                     "episode %d (%s task %d) abandoned after %d attempts: %s",
                     t.episode,

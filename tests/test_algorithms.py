@@ -249,11 +249,11 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient():
 
 
 def test_group_buffer_keeps_two_groups_of_one_task_apart_and_counts_dropped_groups_once():
-    """A task list comes round again within a few steps (100 tasks, 32 groups a step): a second
-    group of the same task is its own group, not a late copy of the first. A group dropped as
-    stale while open is one consumed group however many members came: the coordinator's flow
-    control counts it so (counted short, each such group held a place in its window for ever,
-    and a run stalled with every issued episode stored and nothing to train)."""
+    """Two groups of one task id (a site domain whose ids repeat) stay apart: a second group is
+    not taken for late copies of the first. A group dropped as stale while open is one consumed
+    group however many members came: the coordinator's flow control counts it so (counted short,
+    each such group held a place in its window for ever, and a run stalled with every issued
+    episode stored and nothing to train)."""
     buf = GroupBuffer(group_size=2)
     for episode in (0, 1, 2, 3):  # groups 0 and 1, both of task t1
         buf.add(traj("t1", episode, float(episode % 2), versions=(4,)))

@@ -90,11 +90,27 @@ def test_failed_episodes_are_reissued_then_abandoned(tmp_path):
         got, _ = sync(c, "g", failed=[(t.episode, "sandbox-0: no reply")], want=1)
         if attempt < 2:
             assert got[0].episode == t.episode and got[0].attempt == attempt + 1
-    assert c.counts["abandoned"] == 1 and t.group in c.abandoned_groups
+    # Its group's other episodes still reach the learner, which reports the group consumed when
+    # it drops it as stale: the coordinator does not count it too.
+    assert c.counts["abandoned"] == 1 and t.group not in c.abandoned_groups
     # released (generator stopping): issued again without counting an attempt
     (u, *_), _ = sync(c, "g", want=1)
     got, _ = sync(c, "g", released=[u.episode], want=1)
     assert got[0] == u
+
+
+def test_a_group_whose_every_episode_is_abandoned_no_longer_counts_as_outstanding(tmp_path):
+    c = make(tmp_path, lease_s=60, max_attempts=1)
+    tickets, _ = sync(c, "g", want=4)  # one group of 4
+    group = tickets[0].group
+    assert all(t.group == group for t in tickets)
+    sync(c, "g", failed=[(t.episode, "broken task") for t in tickets[:3]])
+    assert group not in c.abandoned_groups  # one member may still arrive at the learner
+    sync(c, "g", failed=[(tickets[3].episode, "broken task")])
+    assert group in c.abandoned_groups and c.counts["abandoned"] == 4
+    c._save()  # (once a second in a run)
+    again = make(tmp_path, lease_s=60, max_attempts=1)  # and after a restart
+    assert group in again.abandoned_groups
 
 
 def test_status_metrics_stop_and_restart(tmp_path):

@@ -13,7 +13,8 @@ __all__ = ["Task", "StepResult", "ActionSpec", "ExecFeedback"]
 @dataclass(frozen=True)
 class Task:
     """One task instance. `id` is unique within the domain for the life of a run (it carries the
-    index the coordinator handed out), so a trajectory's (domain, task) names its GRPO group."""
+    index the coordinator handed out); the learner names a trajectory's GRPO group by (domain,
+    task, episode // group_size), so a site domain whose ids repeat still gets its groups apart."""
 
     domain: str
     id: str

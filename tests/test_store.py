@@ -99,18 +99,25 @@ def poll_until(w, timeout_s=5.0):
     return None
 
 
+def wait_due(w, timeout_s=120.0):
+    """Until the writer's buffer is due by time (a condition, not a sleep of the right length)."""
+    deadline = time.monotonic() + timeout_s
+    while w.seconds_to_flush() != 0.0:
+        assert time.monotonic() < deadline, "the buffer never fell due"
+        time.sleep(0.005)
+
+
 def test_flush_by_age(tmp_path):
     w = ShardWriter(tmp_path, "w0", cfg(flush_every=1000, flush_interval_s=0.05))
-    assert w.append(make(1)[0]) is None and w.poll() is None
-    assert 0 < w.seconds_to_flush() <= 0.05
-    time.sleep(0.06)
-    assert w.seconds_to_flush() == 0.0
-    assert poll_until(w).rows == 1
+    w.append(make(1)[0])
+    assert w.seconds_to_flush() <= 0.05  # nothing flushes it before it is due (flush_idle_s is 30 s here)
+    wait_due(w)
+    assert poll_until(w, timeout_s=120.0).rows == 1
     w.append(make(1, start=1)[0])
-    time.sleep(0.06)
+    wait_due(w)
     w.append(make(1, start=2)[0])  # an append past the deadline flushes too
     assert w.buffered == 0
-    assert poll_until(w).rows == 2
+    assert poll_until(w, timeout_s=120.0).rows == 2
     w.close()
 
 
@@ -118,10 +125,15 @@ def test_a_pause_in_the_input_flushes_without_waiting_for_company(tmp_path):
     """The last trajectories of a learner's batch must not wait for the next batch to fill their
     segment (flush_every) or for flush_interval_s: that stalled the pipeline ~0.3 s per step."""
     w = ShardWriter(tmp_path, "w0", cfg(flush_every=1000, flush_interval_s=3600.0, flush_idle_s=0.05))
-    for t in make(3):
-        w.append(t)
-    assert w.buffered == 3 and 0 < w.seconds_to_flush() <= 0.05
-    assert poll_until(w, timeout_s=120.0).rows == 3 and w.buffered == 0
+    results = [w.append(t) for t in make(3)]
+    due = w.seconds_to_flush()  # None if a pause between the appends flushed them all already
+    assert due is None or due <= 0.05  # due within flush_idle_s, not flush_interval_s
+    deadline = time.monotonic() + 120.0
+    while sum(r.rows for r in results if r) < 3:  # whether a pause fell between the appends or not
+        assert time.monotonic() < deadline, "a paused input was never flushed"
+        results.append(w.poll())
+        time.sleep(0.005)
+    assert w.buffered == 0
     w.close()
 
 

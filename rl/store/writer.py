@@ -200,7 +200,7 @@ class ShardWriter:
         self._newest = time.monotonic()
         if self._oldest is None:
             self._oldest = self._newest
-        if self._buffered >= self.cfg.flush_every or self.seconds_to_flush() == 0.0:
+        if self._buffered >= self.cfg.flush_every or self._flush_wait() == 0.0:
             self._submit()
         # Most appends only buffer: skip the pipeline bookkeeping while no sync has finished.
         if self._done or (self._inflight and self._inflight[0].settled):
@@ -211,15 +211,19 @@ class ShardWriter:
         """Seconds until `poll` has work: a due flush or a sync to collect (None: idle)."""
         if self._inflight:
             return 0.002
+        return self._flush_wait()
+
+    def _flush_wait(self) -> float | None:
+        """Seconds until the buffer is due (its age, or a pause in the input); None: empty."""
         if self._oldest is None:
             return None
         now = time.monotonic()
-        return max(
-            0.0, min(self.cfg.flush_interval_s - (now - self._oldest), self.cfg.flush_idle_s - (now - self._newest))
-        )
+        by_age = self.cfg.flush_interval_s - (now - self._oldest)
+        return max(0.0, min(by_age, self.cfg.flush_idle_s - (now - self._newest)))
 
     def poll(self) -> FlushResult | None:
-        """Flush if the oldest buffered record waited flush_interval_s; return what became durable."""
+        """Flush if the buffer is due (flush_interval_s old, or no input for flush_idle_s), also
+        while an earlier segment is still syncing; return what became durable."""
         if self.closed and not self._stopped:
             return None
         self._usable()
@@ -229,7 +233,7 @@ class ShardWriter:
             if self._shard is not None and is_fenced(self._shard):
                 self._fenced(self._shard)
             self._heartbeat()
-        if self._oldest is not None and self.seconds_to_flush() == 0.0:
+        if self._flush_wait() == 0.0:
             # Old enough, or the stream paused: the learner may be waiting for exactly these
             # (the last trajectories of its batch); holding them for company stalled the
             # pipeline by ~0.3 s per step (docs/benchmarks.md).

@@ -16,6 +16,7 @@ so a USR2 that arrives before the component installed its own handler still requ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -251,18 +252,18 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         _threads(self.torch_threads)
         domains = load_domains(self.domains, self.search_path)
         policy = Policy.load(self.policy, seed=self.seed)
-        with Node(self.run_dir, self.name) as node:
+        with Node(self.run_dir, self.name) as node, contextlib.ExitStack() as cleanup:
             judge = (
                 ThreadLocalJudge(node, self.sandbox_services)
                 if any(d.needs_executor for d in domains.values())
                 else None
             )
             weights = AnnouncedWeights(WeightStore(self.run_dir, background=True), node)
-            receiver = None
             if self.policy.weight_sync == "direct":
                 from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
 
                 receiver = DirectReceiver(self.run_dir, self.name, device=policy.device)
+                cleanup.callback(receiver.close)  # its gloo pair torn down now, not at interpreter exit
                 weights = DirectWeights(weights, receiver)
             gen = Generator(
                 self.cfg,
@@ -305,8 +306,6 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 source.finish(timeout_s=60.0)
             finally:
                 source.close()
-                if receiver is not None:  # its gloo pair is torn down now, not at interpreter exit
-                    receiver.close()
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
             return finish_job(
                 stop,

@@ -203,6 +203,8 @@ class DirectReceiver:
             except Exception:
                 pass
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("direct weights: the receiver did not leave its pair within %.0f s", timeout_s)
 
     def _loop(self) -> None:
         seen = None

@@ -25,7 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-import h5py
+from hpcrl.rl.store.segment_read import SegmentError, load_segment
 
 
 def segment_times(run: Path) -> dict[str, tuple[float, float, float]]:
@@ -33,13 +33,12 @@ def segment_times(run: Path) -> dict[str, tuple[float, float, float]]:
     out = {}
     for f in sorted((run / "trajectories").glob("*/seg-*.h5")):
         try:
-            with h5py.File(f, "r") as h:
-                flushed = json.loads(h.attrs["hpcrl_segment"])["flushed_at"]
-                t = h["traj"][()]
-        except (OSError, KeyError, ValueError):
+            cols, info = load_segment(f, fields=("traj",))
+        except SegmentError:
             continue  # being written, or damaged: not this tool's business
-        for tid, s, e in zip(t["id"], t["started_at"], t["finished_at"]):
-            out[tid.decode()] = (float(s), float(e), float(flushed))
+        t = cols.traj
+        for tid, s, e in zip(cols.ids(), t["started_at"], t["finished_at"]):
+            out[tid] = (float(s), float(e), info.flushed_at)
     return out
 
 

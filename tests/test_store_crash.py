@@ -289,6 +289,7 @@ def test_sigkill_real_cli_then_resume(tmp_path):
     exe = [sys.executable, "-m", "hpcrl.jobs.cli"]
     env = {**os.environ, "HDF5_USE_FILE_LOCKING": "FALSE"}
     acked: dict[int, int] = {}
+    left_open = 0  # shards a killed writer left open, for the next writer to recover
     for k in range(4):
         first = k * EPISODES_PER_RUN
         proc = subprocess.Popen(
@@ -323,6 +324,8 @@ def test_sigkill_real_cli_then_resume(tmp_path):
         for line in rest.splitlines():
             total = int(line.split()[1])
         acked[first] = total
+        # The pipe lags the writer, so a kill may land right after a rotation, with no shard open.
+        left_open += sum(st.manifest is None for st in list_shards(store))
     done = subprocess.run(
         exe
         + [
@@ -346,6 +349,6 @@ def test_sigkill_real_cli_then_resume(tmp_path):
     acked[99 * EPISODES_PER_RUN] = 10
     _check_store(store, acked)
     statuses = Counter(s.manifest.status for s in list_shards(store))
-    assert statuses["recovered"] >= 4, statuses  # each killed run's open shard was recovered
+    assert statuses["recovered"] == left_open >= 1, (statuses, left_open)  # each open shard was recovered
     verify = subprocess.run(exe + ["traj", "verify", str(store)], capture_output=True, text=True, env=env)
     assert verify.returncode == 0, verify.stdout

@@ -8,6 +8,7 @@
 `config` is the experiment's tree built on it (one section per component, `Limits` of a
 sandboxed execution among them); `transport` is the message layer (envelopes, keys, endpoint
 files, sockets) and `rpc` the patterns on it (RequestServer/RequestClient, VersionPublisher/
-VersionSubscriber); `files` writes the run directory's state atomically and durably.
+VersionSubscriber); `files` writes the run directory's state atomically and durably;
+`liveness` has the heartbeats components write and the supervisor's supervision.json.
 Everything above imports downwards only (tests/test_architecture.py keeps it so).
 """

@@ -430,6 +430,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SuperviseConfig:
+    restarts: int = spec(
+        5,
+        help="restarts each component may use within restart_window_s; as old ones age out it may restart again",
+        ge=0,
+    )
+    restart_window_s: float = spec(3600.0, help="the sliding window restarts are counted in, seconds", gt=0)
+    backoff_s: float = spec(
+        1.0, help="wait before restarting a component that ended; doubles with each restart in the window", ge=0
+    )
+    backoff_max_s: float = spec(300.0, help="the longest such wait, seconds", ge=0)
+    hang_s: float = spec(
+        600.0,
+        help="a running component whose main loop has not turned for this long is hung: killed, restarted (0: never)",
+        ge=0,
+    )
+    startup_s: float = spec(
+        1800.0, help="the same for a component still starting: loading its model, joining its ranks (0: never)", ge=0
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     experiment: ExperimentConfig = spec(
         factory=ExperimentConfig, help="what the run is called, where it lives, its seed"
@@ -454,6 +476,9 @@ class Config:
     )
     store: StoreConfig = spec(factory=StoreConfig, help="HDF5 trajectory shards")
     scheduler: SchedulerConfig = spec(factory=SchedulerConfig, help="rollout placement policy")
+    supervise: SuperviseConfig = spec(
+        factory=SuperviseConfig, help="restart budgets and backoff, and hang detection from heartbeats"
+    )
 
     def validate(self):
         seen = set()

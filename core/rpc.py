@@ -18,6 +18,9 @@
     pub = VersionPublisher(node); pub.publish(12); pub.tick()   # tick() republishes for late joiners
     sub = VersionSubscriber(node); sub.poll(0.1)               # newest version seen, or None
 
+A client made with `wait_restarting=True` keeps trying past its last retry while the
+supervisor says the service is being restarted (core/liveness.py).
+
 Retries are idempotent: a request keeps its id across attempts and the server replays the
 cached reply of an id it has already answered instead of running the handler twice; a retry of
 an id still being worked on (DEFERRED) is answered, when the answer comes, on the socket that
@@ -46,6 +49,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from hpcrl.core.liveness import peer_starting
 from hpcrl.core.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
 
 __all__ = [
@@ -217,10 +221,20 @@ class RequestClient:
     """DEALER-based request client with per-attempt timeout and retries (a socket per attempt)."""
 
     def __init__(
-        self, node: Node, service: str, *, timeout_s: float = 5.0, retries: int = 2, discover_timeout_s: float = 30.0
+        self,
+        node: Node,
+        service: str,
+        *,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        discover_timeout_s: float = 30.0,
+        wait_restarting: bool = False,
     ):
         self.node = node
         self.service = service
+        # True: past the last retry, keep trying while the supervisor says the service is being
+        # restarted (core/liveness.py) instead of raising RequestTimeout.
+        self.wait_restarting = wait_restarting
         self.timeout_s = timeout_s
         self.retries = retries
         self.discover_timeout_s = discover_timeout_s
@@ -296,6 +310,8 @@ class PendingRequest:
         self.timeout_s, self.retries = timeout_s, retries
         self.attempt = 0
         self.settled = False
+        self._waiting_logged = -math.inf
+        self._waited = False  # it waited for a restarting service: a fresh round of retries once it is back
         self._send()
 
     def _send(self) -> None:
@@ -311,6 +327,24 @@ class PendingRequest:
         while True:
             now = time.monotonic()
             if now >= self.deadline:
+                if (
+                    self.attempt >= self.retries
+                    and self.client.wait_restarting
+                    and peer_starting(self.client.node.run_dir, self.client.service)
+                ):
+                    # The supervisor is restarting the service (its job may wait in the queue for
+                    # long): keep trying with the same id instead of failing this client too.
+                    if now - self._waiting_logged >= 60.0:
+                        log.warning("%s is being restarted; waiting for it (%r)", self.client.service, self.kind)
+                        self._waiting_logged = now
+                    self._waited = True
+                    self._send()
+                    continue
+                if self._waited and self.attempt >= self.retries:
+                    # Back from its restart: it gets every retry afresh (the last send may have
+                    # gone to the old address before the new instance published its endpoint).
+                    self._waited = False
+                    self.attempt = 0
                 if self.attempt >= self.retries:
                     self.settled = True
                     address = self.client._ep.address if self.client._ep else "?"

@@ -29,6 +29,7 @@ import psutil
 import submitit
 
 from hpcrl.core.files import atomic_write_json
+from hpcrl.core.liveness import beat, install
 from hpcrl.jobs.rundir import private_umask
 
 __all__ = [
@@ -104,6 +105,7 @@ def start_component(run_dir: Path, name: str, role: str) -> _Stop:
         procs / f"{name}.json",
         {"name": name, "role": role, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()},
     )
+    install(run_dir, name)  # heartbeats/<name>.json; the main loop's beat() keeps it fresh
     return stop
 
 
@@ -121,6 +123,39 @@ def finish_job(stop: _Stop, result):
         else:
             log.warning("drained; job %s requeued", job)
     return result
+
+
+def _watch_supervisor(run_dir: Path, stop: _Stop, stale_s: float) -> None:
+    """Slurm runs: when the supervisor's heartbeat is older than `stale_s`, run `hpcrl supervise
+    RUN` (jobs/resume.py), which submits a new supervisor only if the recorded one left the queue."""
+    if not os.environ.get("SLURM_JOB_ID") or not (run_dir / "jobs.json").exists():
+        return
+    started = time.time()
+
+    def watch() -> None:
+        import subprocess
+        import sys
+
+        from hpcrl.core.liveness import read_heartbeats
+
+        while not stop.wait(min(30.0, stale_s / 2)):
+            last = max([b["time"] for b in read_heartbeats(run_dir, "supervisor")], default=started)
+            if time.time() - max(last, started) < stale_s:
+                continue
+            try:
+                out = subprocess.run(
+                    [sys.executable, "-m", "hpcrl.jobs.cli", "supervise", str(run_dir)],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:  # squeue is busy: look again next time
+                log.warning("coordinator: hpcrl supervise did not answer: %s", exc)
+                continue
+            said = (out.stdout + out.stderr).strip()
+            (log.warning if out.returncode or said.startswith("submitted") else log.info)("coordinator: %s", said)
+
+    threading.Thread(target=watch, name="hpcrl-supervisor-watch", daemon=True).start()
 
 
 def _threads(n: int) -> None:
@@ -163,8 +198,11 @@ class SandboxComponent(submitit.helpers.Checkpointable):
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
-    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None):
+    """The coordinator (hpcrl.rl.coordinator); on Slurm it also restarts a supervisor that died."""
+
+    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None, supervise_cfg=None):
         self.run_dir, self.cfg, self.seed = Path(run_dir), coordinator_cfg, seed
+        self.supervise = supervise_cfg
         self.weights = {d.name: d.weight for d in domains}
         self.sizes = dict(sizes or {})  # {domain: number of tasks} of domains with a finite list
         self.group_size, self.batch_groups = learner_cfg.group_size, learner_cfg.batch_groups
@@ -175,6 +213,8 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.coordinator import Coordinator
 
         stop = start_component(self.run_dir, "coordinator", "coordinator")
+        if getattr(self, "supervise", None) is not None and self.supervise.hang_s:
+            _watch_supervisor(self.run_dir, stop, self.supervise.hang_s)
         coord = Coordinator(
             self.run_dir,
             self.weights,
@@ -300,7 +340,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
 
             source = RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats)
             try:
-                gen.run(source, source.sink, stop=lambda: stop.is_set() or source.should_stop())
+                gen.run(source, source.sink, stop=lambda: beat() or stop.is_set() or source.should_stop())
                 source.release(gen.in_flight())  # unfinished episodes go back to the coordinator at once
                 gen.close()
                 source.finish(timeout_s=60.0)

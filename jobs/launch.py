@@ -73,6 +73,8 @@ class Role:
     job: Any = None
     restarts: int = 0
     history: list = field(default_factory=list)
+    started: float = 0.0  # when its current job was submitted (time.time())
+    restart_times: list = field(default_factory=list)  # when each restart was submitted, for the budget
 
 
 def server_sandbox_config(sandbox_cfg, index: int):
@@ -101,7 +103,7 @@ def plan(
         Role(
             "coordinator",
             "coordinator",
-            CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes),
+            CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes, cfg.supervise),
         ),
         *[
             Role(s, "sandbox", SandboxComponent(run_dir, server_sandbox_config(cfg.sandbox, i), s))

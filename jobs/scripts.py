@@ -5,7 +5,7 @@ the command those scripts run.
     paths = write_scripts(cfg, run_dir, out_dir, roles, hetjob=True)                # one heterogeneous job
 
     python -m hpcrl.jobs.scripts RUN_DIR learner [--search-path DIR]      # inside a Slurm job
-    python -m hpcrl.jobs.scripts RUN_DIR supervisor --max-restarts 3
+    python -m hpcrl.jobs.scripts RUN_DIR supervisor               # budgets from supervise.* in the config
     python -m hpcrl.jobs.scripts RUN_DIR --record store=101 learner=103 --supervisor-job 105
 
 Each script asks for its role's resources (`launch.role_resources`, the same options `hpcrl
@@ -46,12 +46,10 @@ from hpcrl.slurm.sbatch import Resources, render_script, write_script
 __all__ = ["write_scripts", "build", "main"]
 
 
-def _command(run_dir: Path, name: str, search_path: Sequence[str], max_restarts: int) -> str:
+def _command(run_dir: Path, name: str, search_path: Sequence[str]) -> str:
     argv = [sys.executable, "-u", "-m", "hpcrl.jobs.scripts", str(run_dir), name]
     for p in search_path:
         argv += ["--search-path", str(p)]
-    if name == SUPERVISOR:
-        argv += ["--max-restarts", str(max_restarts)]
     # The sandbox array's task index picks the server: leave $SLURM_ARRAY_TASK_ID to the shell.
     return shlex.join(argv).replace("'sandbox-$SLURM_ARRAY_TASK_ID'", '"sandbox-$SLURM_ARRAY_TASK_ID"')
 
@@ -72,7 +70,6 @@ def write_scripts(
     out_dir: str | os.PathLike,
     roles: Sequence[Role],
     search_path: Sequence[str] = (),
-    max_restarts: int = 3,
     hetjob: bool = False,
 ) -> list[Path]:
     """Write the scripts and submit.sh into out_dir; return their paths (submit.sh last)."""
@@ -107,7 +104,7 @@ def write_scripts(
         out = f"{logs}/%A_%a_0_log" if name == "sandbox" else f"{logs}/%j_0_log"
         text = render_script(
             [res],
-            [*_preamble(cfg, role), f"srun --unbuffered {_command(run_dir, cmd_name, search_path, max_restarts)}"],
+            [*_preamble(cfg, role), f"srun --unbuffered {_command(run_dir, cmd_name, search_path)}"],
             job_name=f"hpcrl-{run_dir.name}-{name}",
             output=out + ".out",
             error=out + ".err",
@@ -131,7 +128,7 @@ def write_scripts(
         [sup],
         [
             *_preamble(cfg, "coordinator"),
-            f"srun --unbuffered {_command(run_dir, SUPERVISOR, search_path, max_restarts)}",
+            f"srun --unbuffered {_command(run_dir, SUPERVISOR, search_path)}",
         ],
         job_name=f"hpcrl-{run_dir.name}-supervisor",
         output=f"{logs}/%j_0_log.out",
@@ -189,7 +186,7 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
             gres = f" --gres=gpu:{r.gpus_per_node}" if r.gpus_per_node else ""
             body.append(
                 f"srun --het-group={g} --exact -n{r.ntasks_per_node} -c{r.cpus_per_task} --mem={r.mem_mb}M{gres} "
-                f"--unbuffered --output={log}.out --error={log}.err {_command(run_dir, name, search_path, 0)} &"
+                f"--unbuffered --output={log}.out --error={log}.err {_command(run_dir, name, search_path)} &"
             )
             pids[name] = f"pid_{name.replace('-', '_')}"
             body.append(f"{pids[name]}=$!")
@@ -242,11 +239,11 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
 # -- the command the scripts run ------------------------------------------------------------------
 
 
-def build(run_dir: Path, name: str, search_path: Sequence[str] = (), max_restarts: int = 3):
+def build(run_dir: Path, name: str, search_path: Sequence[str] = ()):
     """The picklable component called `name` ('store', 'learner', 'gen-0', 'supervisor', ...)."""
     cfg = load_config(run_dir / RESOLVED_NAME)
     if name == SUPERVISOR:
-        return SupervisorComponent(run_dir, cfg, tuple(search_path), max_restarts)
+        return SupervisorComponent(run_dir, cfg, tuple(search_path))
     roles = {r.name: r for r in plan(cfg, run_dir, search_path=search_path)}
     if name not in roles:
         raise SystemExit(f"{name!r} is not a component of {run_dir}; components: {', '.join(roles)}, {SUPERVISOR}")
@@ -262,8 +259,8 @@ def _result_path(run_dir: Path) -> Path | None:
     return run_dir / "submitit" / f"{job}_0_result.pkl"
 
 
-def run_component(run_dir: Path, name: str, search_path: Sequence[str], max_restarts: int) -> int:
-    component = build(run_dir, name, search_path, max_restarts)
+def run_component(run_dir: Path, name: str, search_path: Sequence[str]) -> int:
+    component = build(run_dir, name, search_path)
     out = _result_path(run_dir)
     try:
         value = component()
@@ -280,16 +277,13 @@ def run_component(run_dir: Path, name: str, search_path: Sequence[str], max_rest
     return 0
 
 
-def record_jobs(
-    run_dir: Path, pairs: list[str], supervisor: str | None, search_path: Sequence[str], max_restarts: int
-) -> int:
+def record_jobs(run_dir: Path, pairs: list[str], supervisor: str | None, search_path: Sequence[str]) -> int:
     rec = read_jobs(run_dir) or {
         "executor": "slurm",
         "run_dir": str(run_dir),
         "submitted": time.time(),
         "state": "submitted",
         "message": "",
-        "max_restarts": max_restarts,
         "search_path": list(search_path),
         "components": {},
     }
@@ -305,6 +299,7 @@ def record_jobs(
             "job_id": job,
             "history": [*old["history"], job],
             "restarts": old["restarts"],
+            "restart_times": old.get("restart_times", []),
         }
     if supervisor:
         rec["supervisor"] = {"job_id": supervisor, "history": [supervisor]}
@@ -324,16 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         "name", nargs="?", help="component to run: store, coordinator, learner, gen-N, sandbox-N, supervisor"
     )
     p.add_argument("--search-path", action="append", default=[], help="folder searched for site domain modules")
-    p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
     p.add_argument("--record", nargs="*", metavar="NAME=JOBID", help="write these job ids into jobs.json instead")
     p.add_argument("--supervisor-job", help="with --record: the supervisor's job id")
     args = p.parse_args(argv)
     run_dir = args.run_dir.resolve()
     if args.record is not None or args.supervisor_job:
-        return record_jobs(run_dir, args.record or [], args.supervisor_job, args.search_path, args.max_restarts)
+        return record_jobs(run_dir, args.record or [], args.supervisor_job, args.search_path)
     if not args.name:
         p.error("name the component to run (or use --record)")
-    return run_component(run_dir, args.name, args.search_path, args.max_restarts)
+    return run_component(run_dir, args.name, args.search_path)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,25 @@
     record = submit_run(cfg, run_dir, roles, search_path)         # on Slurm: every job, then the supervisor,
                                                                   # SupervisorComponent, a small job of its own
 
-Both decide alike (`verdict`): a component whose job ended before the run is over is submitted
-again, up to `max_restarts` times each; the learner's return value says whether the run is
-done (it reached learner.max_steps), and a generator that returns "stopped by the
-coordinator" was told the run is over and is not restarted. Components resume from the run
-directory: the learner from its checkpoint, the store writer by recovering its shard, the
-coordinator from its state file.
+Both decide alike (`verdict`, and jobs/restarts.py): a component whose job ended before the
+run is over, or whose heartbeats say it hangs (then it is killed first), is submitted again
+after a backoff, within a budget of `supervise.restarts` per `supervise.restart_window_s`
+that refills as old restarts age out; the learner's return value says whether the run is done
+(it reached learner.max_steps), and a generator that returns "stopped by the coordinator" was
+told the run is over and is not restarted. Every poll writes supervision.json, from which a
+generator learns that the coordinator or store it cannot reach is on its way back, and waits.
+Components resume from the run directory: the learner from its checkpoint, the store writer
+by recovering its shard, the coordinator from its state file.
 
 `LocalRun` drives submitit's LocalExecutor from the launching process. On Slurm the
 supervisor job polls one `squeue` for all the run's job ids every few seconds. A job that is
 still in the queue in any non-terminal state (PENDING, RUNNING, COMPLETING, REQUEUED, ...) is
-alive: a requeue (`scontrol requeue`, a time limit's checkpoint-and-requeue, preemption) keeps
-its job id and is left to Slurm. A job that left the queue, or reached a terminal state, before
-the run is over is resubmitted (new job id) until it has used its restarts; then the supervisor
-writes state "failed" with the reason into jobs.json, cancels every job of the run (freeing
-the nodes) and exits with an error. When the learner reaches learner.max_steps it asks the
+alive, unless it is RUNNING and hung (scancelled, then restarted): a requeue (`scontrol
+requeue`, a time limit's checkpoint-and-requeue, preemption) keeps its job id and is left to
+Slurm. A job that left the queue, or reached a terminal state, before the run is over is
+resubmitted (new job id; restart times are kept in jobs.json) until it has used its budget;
+then the supervisor writes state "failed" with the reason into jobs.json, cancels every job of
+the run (freeing the nodes) and exits with an error. When the learner reaches learner.max_steps it asks the
 coordinator to stop, lets generators finish, cancels the services and writes state "finished".
 Like every component it is requeued at its time limit (SIGUSR2) and re-reads jobs.json.
 """
@@ -41,10 +45,12 @@ import psutil
 import submitit
 
 from hpcrl.core.config import Config
+from hpcrl.core.liveness import beat
 from hpcrl.core.rpc import RequestClient
 from hpcrl.core.transport import Node
 from hpcrl.jobs.components import LAUNCHER_ENV, finish_job, start_component
 from hpcrl.jobs.launch import SUPERVISOR, Role, check_slurm, make_executor, plan, read_jobs, slurm_executor, write_jobs
+from hpcrl.jobs.restarts import Watch
 from hpcrl.rl.coordinator import read_status
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
@@ -56,6 +62,7 @@ __all__ = [
     "submit_run",
     "verdict",
     "queue_states",
+    "queue_jobs",
     "pids",
     "CANCEL_NAME",
 ]
@@ -114,11 +121,13 @@ class LocalRun:
     """Start, watch, heal and finish one run's jobs through submitit (`hpcrl run` is a thin shell
     over this). Every role is submitted with `make_executor` (executor: local)."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, roles: Sequence[Role], max_restarts: int = 3):
-        self.cfg, self.run_dir, self.max_restarts = cfg, Path(run_dir), max_restarts
+    def __init__(self, cfg: Config, run_dir: str | Path, roles: Sequence[Role]):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
         self.roles = list(roles)
         self.finished = False
+        self.watch = Watch(self.run_dir, cfg)
         self._ended: set[str] = set()
+        self._due: dict[str, float] = {}  # component -> when its restart is due (backing off)
 
     def role(self, name: str) -> Role:
         return next(r for r in self.roles if r.name == name)
@@ -127,6 +136,7 @@ class LocalRun:
         ex = make_executor(
             self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit", job_name=f"hpcrl-{role.name}"
         )
+        role.started = time.time()
         role.job = ex.submit(role.component)
         role.history.append(role.job.job_id)
         log.info("submitted %s as job %s", role.name, role.job.job_id)
@@ -139,41 +149,71 @@ class LocalRun:
             self._submit(role)
 
     def _check(self) -> None:
-        """Resubmit roles whose job ended while the run goes on; raise when one keeps failing."""
+        """Restart roles that ended (after their backoff) or hang while the run goes on; raise when
+        one has used its restarts; tell clients which peers are on their way (supervision.json)."""
+        states: dict[str, str] = {}
         for role in self.roles:
-            if not role.job.done() or (role.name != "learner" and (self.finished or role.name in self._ended)):
-                continue
-            try:
-                result = role.job.result()
-            except Exception as exc:  # the job's failure, judged below
-                result = exc
-            what = verdict(role.name, result, self.cfg.learner.max_steps)
-            if what == "finished":
-                self.finished = True
-                continue
-            if what == "ended":
-                self._ended.add(role.name)
-                continue
-            err = _why(role.name, result, self.cfg.learner.max_steps)
-            if role.restarts >= self.max_restarts:
-                raise RunFailed(
-                    f"{role.name} failed {role.restarts + 1} times; last: {err[-800:]} "
-                    f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)"
-                )
-            if role.name == "learner" and self._ended:
-                # Generators that were told the run is over are needed again by a resumed learner.
-                for name in sorted(self._ended):
-                    self._submit(self.role(name))
-                self._ended.clear()
-            role.restarts += 1
-            log.warning(
-                "%s ended (%s); restarting it (%d/%d)",
-                role.name,
-                err.strip().splitlines()[-1][:200] if err.strip() else "?",
-                role.restarts,
-                self.max_restarts,
+            states[role.name] = self._check_role(role, time.time())
+        self.watch.publish(states)
+
+    def _check_role(self, role: Role, now: float) -> str:
+        name = role.name
+        if name in self._due:
+            if now >= self._due[name]:
+                del self._due[name]
+                role.restarts += 1
+                role.restart_times.append(now)
+                self._submit(role)
+            return "starting"
+        if not role.job.done():
+            why = self.watch.hung(name, role.slurm_role, role.job.job_id, role.started, now)
+            if why is None:
+                up = self.watch.running(name, role.job.job_id, role.started, role.slurm_role)
+                return "running" if up else "starting"
+            log.warning("%s is hung: %s; killing it", name, why)
+            self._kill(role)
+            self._ended_badly(role, f"hung: {why}", now)
+            return "starting"
+        if name != "learner" and (self.finished or name in self._ended):
+            return "ended"
+        try:
+            result = role.job.result()
+        except Exception as exc:  # the job's failure, judged below
+            result = exc
+        what = verdict(name, result, self.cfg.learner.max_steps)
+        if what == "finished":
+            self.finished = True
+            return "ended"
+        if what == "ended":
+            self._ended.add(name)
+            return "ended"
+        self._ended_badly(role, _why(name, result, self.cfg.learner.max_steps), now)
+        return "starting"
+
+    def _ended_badly(self, role: Role, why: str, now: float) -> None:
+        """Schedule the restart of a role that died or hung, within its budget, or fail the run."""
+        last = why.strip().splitlines()[-1] if why.strip() else "?"
+        when = self.watch.schedule(role.name, role.restart_times, last, now)
+        if when is None:
+            raise RunFailed(
+                f"{self.watch.spent(role.name, role.restart_times, why)} "
+                f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)"
             )
-            self._submit(role)
+        if role.name == "learner" and self._ended:
+            # Generators that were told the run is over are needed again by a resumed learner.
+            for other in sorted(self._ended):
+                self._submit(self.role(other))
+            self._ended.clear()
+        self._due[role.name] = when
+
+    def _kill(self, role: Role) -> None:
+        """A hung job, whole: SIGKILL reaches a stopped or deadlocked process; SIGTERM may not."""
+        for proc in pids(self.run_dir, role.name):
+            try:
+                os.kill(proc, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        role.job.cancel()
 
     def wait(
         self,
@@ -194,6 +234,7 @@ class LocalRun:
 
     def shutdown(self, grace_s: float = 60.0) -> None:
         """Stop generators (the coordinator tells them; cancel if they linger), then the services."""
+        self.watch.publish({r.name: "ended" for r in self.roles})  # no client waits for a peer any more
         coord = self.role("coordinator").job
         if coord is not None and not coord.done():
             _stop_coordinator(self.run_dir, "hpcrl-run")
@@ -257,20 +298,30 @@ def pids(run_dir: str | Path, role: str) -> list[int]:
 # -- on Slurm -------------------------------------------------------------------------------------
 
 
-def queue_states(job_ids: Sequence[str]) -> dict[str, str]:
-    """{job id: squeue state} for the ids still in the queue (one squeue call).
+def queue_jobs(job_ids: Sequence[str]) -> dict[str, tuple[str, float | None]]:
+    """{job id: (squeue state, start time or None)} for the ids still in the queue (one squeue call).
 
     Unlike queries.queue this raises when squeue fails for any reason other than "every id has
     left the queue": a controller hiccup must not look like every job died.
     """
     if not job_ids:
         return {}
-    out = run_slurm(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(job_ids)], check=False)
+    out = run_slurm(["squeue", "-h", "-r", "-o", "%i|%T|%S", "-j", ",".join(job_ids)], check=False)
     if out.returncode != 0:
         if "Invalid job id" in out.stderr:
             return {}
         raise SlurmCommandError(list(out.argv), out.returncode, out.stderr)
-    return {r["job_id"]: r["state"] for r in parse.parse_delimited(out.stdout, ("job_id", "state"))}
+    rows = parse.parse_delimited(out.stdout, ("job_id", "state", "start"))
+    jobs = {}
+    for r in rows:
+        start = parse.parse_timestamp(r["start"]) if r["state"] == "RUNNING" else None
+        jobs[r["job_id"]] = (r["state"], start.timestamp() if start else None)
+    return jobs
+
+
+def queue_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """{job id: squeue state} for the ids still in the queue (see queue_jobs)."""
+    return {j: state for j, (state, _) in queue_jobs(job_ids).items()}
 
 
 def _result(folder: Path, job_id: str) -> Any:
@@ -291,7 +342,6 @@ def submit_run(
     run_dir: str | os.PathLike,
     roles: Sequence[Role],
     search_path: Sequence[str] = (),
-    max_restarts: int = 3,
 ) -> dict:
     """Submit every component, then the supervisor; write and return the jobs.json record."""
     check_slurm(cfg)
@@ -302,7 +352,6 @@ def submit_run(
         "submitted": time.time(),
         "state": "submitted",
         "message": "",
-        "max_restarts": max_restarts,
         "search_path": list(search_path),
         "components": {},
     }
@@ -313,6 +362,7 @@ def submit_run(
             "job_id": job_id,
             "history": [job_id],
             "restarts": 0,
+            "restart_times": [],
         }
 
     sandboxes = [r for r in roles if r.slurm_role == "sandbox"]
@@ -329,7 +379,7 @@ def submit_run(
                 note(r, job.job_id)
     write_jobs(run_dir, record)
     sup = slurm_executor(cfg, run_dir, "coordinator", SUPERVISOR).submit(
-        SupervisorComponent(run_dir, cfg, tuple(search_path), max_restarts)
+        SupervisorComponent(run_dir, cfg, tuple(search_path))
     )
     record["supervisor"] = {"job_id": sup.job_id, "history": [sup.job_id]}
     record["state"] = "running"
@@ -338,17 +388,19 @@ def submit_run(
 
 
 class SupervisorComponent(submitit.helpers.Checkpointable):
-    """Watches the run's jobs and resubmits dead ones within the restart budget (see the module doc)."""
+    """Watches the run's jobs and restarts dead or hung ones within their budgets (see the module doc)."""
 
-    def __init__(self, run_dir, cfg: Config, search_path=(), max_restarts: int = 3, poll_s: float = 2.0):
+    def __init__(self, run_dir, cfg: Config, search_path=(), poll_s: float = 2.0):
         self.run_dir, self.cfg, self.search_path = Path(run_dir), cfg, tuple(search_path)
-        self.max_restarts, self.poll_s = max_restarts, poll_s
+        self.poll_s = poll_s
 
     def __call__(self) -> str:
         stop = start_component(self.run_dir, SUPERVISOR, SUPERVISOR)
         self.components = {r.name: r for r in plan(self.cfg, self.run_dir, search_path=self.search_path)}
+        self.watch = Watch(self.run_dir, self.cfg, SUPERVISOR)
         record = read_jobs(self.run_dir)
         while not stop.is_set():
+            beat()
             if (self.run_dir / CANCEL_NAME).exists():
                 return "cancelled"
             try:
@@ -362,35 +414,69 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
 
     def check(self, record: dict) -> str | None:
-        """One poll: restart dead components; 'finished' when the learner is done, raise when out of budget."""
+        """One poll: restart dead and hung components after their backoff; 'finished' when the
+        learner is done; raise when one has used its restarts."""
         comps = record["components"]
-        states = queue_states([c["job_id"] for c in comps.values()])
+        jobs = queue_jobs([c["job_id"] for c in comps.values()])
+        now = time.time()
+        states = {}
         for name, c in comps.items():
-            state = states.get(c["job_id"])
-            if c.get("ended") or (state is not None and state not in TERMINAL):
+            states[name] = "starting"
+            if c.get("restart_due") is not None:
+                if now >= c["restart_due"]:
+                    c.pop("restart_due")
+                    c["restarts"] += 1
+                    c.setdefault("restart_times", []).append(now)
+                    self.resubmit(record, name)
+                continue
+            if c.get("ended"):
+                states[name] = "ended"
+                continue
+            state, since = jobs.get(c["job_id"], (None, None))
+            if state is not None and state not in TERMINAL:
+                if state != "RUNNING" or since is None:
+                    continue  # pending, configuring, requeued: Slurm has it
+                role = self.components[name].slurm_role
+                why = self.watch.hung(name, role, c["job_id"], since, now)
+                if why is None:
+                    states[name] = "running" if self.watch.running(name, c["job_id"], since, role) else "starting"
+                    continue
+                log.warning("%s (job %s) is hung: %s; cancelling it", name, c["job_id"], why)
+                queries.cancel([c["job_id"]])
+                self.ended_badly(record, name, f"job {c['job_id']} hung: {why}", now)
                 continue
             if (self.run_dir / CANCEL_NAME).exists():
                 return "cancelled"
             result = _result(self.run_dir / "submitit", c["job_id"])
             what = verdict(name, result, self.cfg.learner.max_steps)
             if what == "finished":
+                self.watch.publish({n: "ended" for n in comps})
                 self.finish(record)
                 return "finished"
             if what == "ended":
                 c["ended"] = True
+                states[name] = "ended"
                 write_jobs(self.run_dir, record)
                 continue
-            reason = f"job {c['job_id']} {state or 'left the queue'}: {_why(name, result, self.cfg.learner.max_steps)}"
-            if c["restarts"] >= self.max_restarts:
-                self.fail(record, f"{name} failed {c['restarts'] + 1} times; last: {reason}")
-            if name == "learner":
-                for other, oc in comps.items():  # generators told to stop are needed by the resumed learner
-                    if oc.pop("ended", False):
-                        self.resubmit(record, other)
-            c["restarts"] += 1
-            log.warning("%s ended (%s); restarting it (%d/%d)", name, reason[:300], c["restarts"], self.max_restarts)
-            self.resubmit(record, name)
+            why = f"job {c['job_id']} {state or 'left the queue'}: {_why(name, result, self.cfg.learner.max_steps)}"
+            self.ended_badly(record, name, why, now)
+        self.watch.publish(states)
         return None
+
+    def ended_badly(self, record: dict, name: str, why: str, now: float) -> None:
+        """Schedule the restart of a component that died or hung, or fail the run (budget spent)."""
+        comps = record["components"]
+        c = comps[name]
+        times = c.setdefault("restart_times", [])
+        when = self.watch.schedule(name, times, why, now)
+        if when is None:
+            self.fail(record, self.watch.spent(name, times, why))
+        if name == "learner":
+            for other, oc in comps.items():  # generators told to stop are needed by the resumed learner
+                if oc.pop("ended", False):
+                    self.resubmit(record, other)
+        c["restart_due"] = when
+        write_jobs(self.run_dir, record)
 
     def resubmit(self, record: dict, name: str) -> None:
         role = self.components[name]

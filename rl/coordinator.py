@@ -44,6 +44,7 @@ from typing import Any
 
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import atomic_write_text, read_state_json
+from hpcrl.core.liveness import beat
 from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
 
 __all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
@@ -367,6 +368,7 @@ class Coordinator:
         server = RequestServer(node, "coordinator", lambda env: Reply("ok", self.handle(env.kind, env.body)))
         try:
             while not stop.is_set():
+                beat()
                 server.poll_once(0.1)
                 self.tick()
         finally:

@@ -26,6 +26,7 @@ from typing import Any
 
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.core.files import atomic_write_json
+from hpcrl.core.liveness import beat
 from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.meter import BusyMeter
@@ -178,6 +179,7 @@ def run_learner(
     )
     try:
         while learner.step < cfg.max_steps:
+            beat()  # every rank: one stuck in a collective stops beating (jobs/restarts.py)
             msg: list = [None]
             if rank0 is not None:
                 msg[0] = "stop" if stop.is_set() else rank0.next_groups(time.monotonic() + _WAIT_S)

@@ -47,7 +47,10 @@ class RemoteTaskSource:
         # Episodes become done (or failed) when the store answers for their trajectory.
         sender.on_settled = self._on_settled
         self.stats = stats
-        self.client = RequestClient(node, "coordinator", timeout_s=timeout_s, retries=3, discover_timeout_s=120.0)
+        # A coordinator the supervisor is restarting is waited for, not given up on (core/liveness.py).
+        self.client = RequestClient(
+            node, "coordinator", timeout_s=timeout_s, retries=3, discover_timeout_s=120.0, wait_restarting=True
+        )
         self.idle_sync_s, self.empty_backoff_s = idle_sync_s, empty_backoff_s
         self._awaiting_ack: dict[str, int] = {}  # trajectory id -> episode
         self._done: list[int] = []

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
+from hpcrl.core.liveness import beat
 from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 from hpcrl.core.transport import Node
 from hpcrl.sandbox import judge
@@ -212,6 +213,7 @@ class SandboxServer:
 
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         while not stop.is_set():
+            beat()
             self.poll_once(poll_s)
 
     def _handle(self, env) -> Any:

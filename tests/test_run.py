@@ -219,3 +219,99 @@ def test_code_domains_run_through_a_sandbox_server(tmp_path):
     status = read_status(run_dir)
     assert status["completed_by_domain"].get("synth", 0) > 0
     no_processes_left(run_dir)
+
+
+@pytest.mark.slow
+def test_generator_waits_out_a_coordinator_restart_and_a_hung_generator_is_restarted(tmp_path):
+    """kill -9 of the coordinator, restarted only after a backoff longer than a generator's own
+    patience (4 x 5 s): the generator waits for it (supervision.json) instead of dying too. Then
+    SIGSTOP of the generator: its heartbeat goes stale, the supervisor kills and restarts it."""
+    from hpcrl.core.liveness import read_heartbeats
+
+    proc = hpcrl(
+        "run",
+        "config.yaml",
+        f"experiment.run_root={tmp_path}",
+        "learner.max_steps=40",
+        "supervise.backoff_s=25",
+        "supervise.hang_s=20",
+        "--run-id",
+        "faults",
+    )
+    run_dir = tmp_path / "faults"
+
+    def step() -> int:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        return ((read_status(run_dir) or {}).get("learner") or {}).get("step", 0)
+
+    try:
+        wait_for(lambda: step() >= 5 and pids(run_dir, "coordinator"), RUN_GUARD_S, 0.2, what="learner step 5")
+        gen_started = read_heartbeats(run_dir, "gen-0")[0]["started"]
+        killed_at = step()
+        os.kill(pids(run_dir, "coordinator")[0], signal.SIGKILL)
+        wait_for(lambda: step() >= killed_at + 3, RUN_GUARD_S, 0.2, what="training to go on after the restart")
+        assert read_heartbeats(run_dir, "gen-0")[0]["started"] == gen_started, "gen-0 was restarted"
+
+        (stopped,) = pids(run_dir, "gen-0")
+        os.kill(stopped, signal.SIGSTOP)
+        wait_for(
+            lambda: read_heartbeats(run_dir, "gen-0")[0]["started"] != gen_started,
+            RUN_GUARD_S,
+            what="the hung generator to be restarted",
+        )
+    except BaseException:
+        proc.send_signal(signal.SIGINT)
+        raise
+    out = finish(proc, RUN_GUARD_S)
+    assert proc.returncode == 0, out[-4000:]
+    assert "coordinator ended (" in out and "restarting it in 25 s" in out, out[-4000:]
+    ends = [line for line in out.splitlines() if "gen-0 ended (" in line]
+    assert len(ends) == 1 and "hung: gen-0 (pid" in ends[0] and "has not turned its main loop" in ends[0], ends
+    records, _ = lineage(run_dir / AUDIT_NAME)
+    trained = [i for r in records for i in r["trained"]]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    no_processes_left(run_dir)
+
+
+@pytest.mark.slow
+def test_hpcrl_resume_continues_a_run_whose_launcher_was_killed(tmp_path):
+    proc = hpcrl(
+        "run",
+        "config.yaml",
+        f"experiment.run_root={tmp_path}",
+        "learner.max_steps=30",
+        "learner.checkpoint_every=5",
+        "--run-id",
+        "resume",
+    )
+    run_dir = tmp_path / "resume"
+
+    def step() -> int:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        return ((read_status(run_dir) or {}).get("learner") or {}).get("step", 0)
+
+    wait_for(lambda: step() >= 8, RUN_GUARD_S, 0.2, what="learner step 8")
+    proc.kill()  # kill -9 of the launcher: its components drain and stop by themselves
+    proc.wait(timeout=30)
+    resumed = hpcrl("resume", str(run_dir))
+    lock = run_dir / "run.lock"
+    wait_for(
+        lambda: resumed.poll() is not None or lock.read_text().startswith(f"pid {resumed.pid} "),
+        RUN_GUARD_S,
+        what="hpcrl resume to take the run over",
+    )
+    second = hpcrl("resume", str(run_dir))
+    text = finish(second, 300)
+    assert second.returncode == 2 and f"is driven by pid {resumed.pid}" in text, text
+    out = finish(resumed, RUN_GUARD_S)
+    assert resumed.returncode == 0 and "resuming run resume" in out, out[-4000:]
+
+    records, lives = lineage(run_dir / AUDIT_NAME)
+    assert lives == 2 and [r["step"] for r in records] == list(range(1, 31))
+    trained = [i for r in records for i in r["trained"]]
+    assert len(trained) == len(set(trained)) == 30 * 256, "a trajectory was trained twice"
+    again = hpcrl("resume", str(run_dir))
+    text = finish(again, 300)
+    assert again.returncode == 2 and "is finished" in text, text
+    no_processes_left(run_dir)

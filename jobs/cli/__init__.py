@@ -20,7 +20,21 @@ from hpcrl.core.schema import ConfigError
 from hpcrl.jobs.rundir import RunDirError
 
 # Verb modules in the order `--help` lists them.
-VERBS = ("validate", "run", "submit", "sbatch", "status", "cancel", "logs", "traj", "sandbox", "sim", "model")
+VERBS = (
+    "validate",
+    "run",
+    "resume",
+    "submit",
+    "supervise",
+    "sbatch",
+    "status",
+    "cancel",
+    "logs",
+    "traj",
+    "sandbox",
+    "sim",
+    "model",
+)
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None:
@@ -56,8 +70,6 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
             f"executor is {cfg.executor!r}: `hpcrl {verb}` is for Slurm; set `executor: slurm` "
             "(or add the override executor=slurm), or use `hpcrl run` to train on this machine"
         )
-    if getattr(args, "max_restarts", 0) < 0:
-        raise UsageError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
     search = [str(Path(args.config).resolve().parent)]
     try:
         domains = load_domains(cfg.domains, search)

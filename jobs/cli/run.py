@@ -39,15 +39,24 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from hpcrl.jobs.cli import load_experiment
-    from hpcrl.jobs.diagnostics import write_diagnostics_png
-    from hpcrl.jobs.launch import plan
-    from hpcrl.jobs.report import progress_line, read_metrics, write_reward_png
+    from hpcrl.jobs.resume import run_lock, write_launch
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.jobs.supervise import LocalRun, RunFailed
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg, search, domains = load_experiment(args, "run")  # a bad domain fails before anything is created
     run_dir = create_run_dir(cfg, args.run_id)
+    write_launch(run_dir, cfg.executor, search)
+    with run_lock(run_dir):  # one driver per run; `hpcrl resume` takes it over once this is gone
+        return drive(cfg, run_dir, search, domains, args)
+
+
+def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
+    """Run (or resume) the run's jobs on this machine until the learner is done; the summary."""
+    from hpcrl.jobs.diagnostics import write_diagnostics_png
+    from hpcrl.jobs.launch import plan
+    from hpcrl.jobs.report import progress_line, read_metrics, write_reward_png
+    from hpcrl.jobs.supervise import LocalRun, RunFailed
+
     jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains, search))
     print(f"run directory {run_dir}", flush=True)
     tty = sys.stdout.isatty()

@@ -25,7 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_config_args(p, run_id=True)
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="folder the scripts are written to")
-    p.add_argument("--max-restarts", type=int, default=3, help="supervisor: resubmissions allowed per component")
     p.add_argument("--hetjob", action="store_true", help="one heterogeneous job for all components")
     p.set_defaults(func=run)
 
@@ -50,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
             out,
             plan(cfg, run_dir, domains, search),
             search,
-            max_restarts=args.max_restarts,
             hetjob=args.hetjob,
         )
     except ValueError as exc:

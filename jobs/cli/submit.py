@@ -7,10 +7,11 @@
 Creates the run directory, submits the store writer and coordinator (slurm.coordinator), the
 sandbox servers as one job array (slurm.sandbox; only when a domain executes code), the learner
 (slurm.learner), one job per generator (slurm.generator) and a small supervisor job that
-resubmits components that die (up to --max-restarts each, then the run fails and cancels its
-jobs). Prints the run id and every component's job id; <run>/jobs.json keeps them for
-`hpcrl status`, `hpcrl cancel` and `hpcrl logs`. Warns first about cluster settings that break
-requeue or the time-limit signal (`scontrol show config`: JobRequeue=0, a short KillWait, ...).
+restarts components that die or hang (within the budgets of `supervise.*`: restarts per hour,
+with backoff; past that the run fails and cancels its jobs). Prints the run id and every
+component's job id; <run>/jobs.json keeps them for `hpcrl status`, `hpcrl cancel` and `hpcrl
+logs`. Warns first about cluster settings that break requeue or the time-limit signal
+(`scontrol show config`: JobRequeue=0, a short KillWait, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
     add_config_args(p, run_id=True)
-    p.add_argument("--max-restarts", type=int, default=3, help="resubmissions allowed per component (default 3)")
     p.add_argument("--dry-run", action="store_true", help="print each component's sbatch script; submit nothing")
     p.set_defaults(func=run)
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = create_run_dir(cfg, args.run_id)
     for warning in preflight(cfg):
         print(f"warning: {warning}", file=sys.stderr)
-    record = submit_run(cfg, run_dir, plan(cfg, run_dir, domains, search), search, max_restarts=args.max_restarts)
+    record = submit_run(cfg, run_dir, plan(cfg, run_dir, domains, search), search)
     print(f"run {run_dir.name}  ({run_dir})")
     for name, c in record["components"].items():
         print(f"  {name:<12} job {c['job_id']:<10} partition {getattr(cfg.slurm, c['role']).partition}")

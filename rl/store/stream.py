@@ -44,6 +44,7 @@ from typing import Protocol
 
 import zmq
 
+from hpcrl.core.liveness import beat, peer_starting
 from hpcrl.core.rpc import Router
 from hpcrl.core.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
 from hpcrl.rl.store.columns import Columns, ColumnsError, wire_bytes
@@ -127,6 +128,11 @@ class TrajectorySender:
         deadline = time.monotonic() + self.block_s
         while len(self._wire) >= self.max_unacked:
             if time.monotonic() >= deadline:
+                if peer_starting(self.node.run_dir, self.service):
+                    # The supervisor is restarting the writer: wait for it, however long its job queues.
+                    log.warning("%s: %s is being restarted; waiting for it", self.node.name, self.service)
+                    deadline = time.monotonic() + self.block_s
+                    continue
                 raise TransportError(
                     f"{len(self._wire)} trajectories unacknowledged by {self.service!r} for "
                     f"{self.block_s:.0f} s; is the store writer running?"
@@ -354,5 +360,6 @@ class TrajectoryReceiver:
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         """Serve until `stop` is set, then flush and finalize the sink, acknowledging the rest."""
         while not stop.is_set():
+            beat()
             self.poll_once(poll_s)
         self._acknowledge(self.sink.close())

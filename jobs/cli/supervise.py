@@ -1,0 +1,38 @@
+"""`hpcrl supervise RUN`: make sure a Slurm run has a live supervisor job; submit one if not.
+
+    hpcrl supervise runs/quickstart-20261202-120000-ab12
+    */10 * * * * hpcrl supervise /lustre/me/runs/RUN       # a crontab line: the supervisor of the supervisor
+
+Idempotent: under the run's lock it looks the recorded supervisor job up in squeue and submits
+a new one only when it is gone (killed, its node failed, out of requeues). The new supervisor
+re-reads jobs.json (components, restart times) and carries on. A finished, failed or cancelled
+run is left alone (`hpcrl resume` continues failed and cancelled ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "supervise",
+        help="submit a supervisor job for a Slurm run that has none alive",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+    )
+    p.add_argument("run", help="run directory, or a run id under the config's run_root")
+    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.jobs.cli.status import resolve_run_dir
+    from hpcrl.jobs.resume import RunLocked, ensure_supervisor
+
+    run_dir = resolve_run_dir(args.run, args.config)
+    try:
+        print(ensure_supervisor(run_dir))
+    except (RunLocked, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    return 0

@@ -9,7 +9,6 @@ one, and a test keeps the two in step. Each component receives only its own sect
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,9 @@ from typing import Any, Literal
 import yaml
 
 from hpcrl.core.files import atomic_write_text
-from hpcrl.core.schema import ConfigError, apply_overrides, check_bounds, from_dict, load_yaml_text, spec, to_dict
+from hpcrl.core.limits import Limits as Limits  # re-exported: the one limits type lives in the config tree
+from hpcrl.core.limits import SandboxConfig
+from hpcrl.core.schema import ConfigError, apply_overrides, from_dict, load_yaml_text, spec, to_dict
 
 RESOLVED_NAME = "config.resolved.yaml"
 
@@ -264,116 +265,6 @@ class CoordinatorConfig:
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Resource limits of one sandboxed execution; as `sandbox.ceiling`, the most a request may ask.
-
-    Built from YAML (the ceiling) or in code (`Limits(wall_s=5)`, a request's limits): both get
-    the same checks, from the same field specs. Going over `output_kb` kills the run.
-    """
-
-    wall_s: float = spec(10.0, help="wall-clock seconds per execution", gt=0)
-    cpu_s: float = spec(10.0, help="CPU seconds per execution", gt=0)
-    memory_mb: int = spec(512, help="memory per execution, MiB (no interpreter starts in less than 16)", ge=16)
-    pids: int = spec(64, help="processes and threads per execution (the sandbox itself needs 4)", ge=4)
-    file_size_mb: int = spec(16, help="largest file an execution may write, MiB", gt=0)
-    output_kb: int = spec(1024, help="stdout and stderr each, KiB", gt=0)
-    open_files: int = spec(256, help="open file descriptors per process", gt=0)
-    work_mb: int = spec(64, help="tmpfs /work, MiB", gt=0)
-    tmp_mb: int = spec(64, help="tmpfs /tmp, MiB", gt=0)
-    shm_mb: int = spec(16, help="tmpfs /dev/shm, MiB", gt=0)
-    inodes: int = spec(4096, help="files, directories and links each of /work, /tmp and /dev/shm may hold", gt=0)
-    cpus: float = spec(
-        1.0, help="CPU cores an execution may use at once, however many processes (cgroup cpu quota)", gt=0
-    )
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"Limits.{f.name}", f"must be a number (got {value!r})")
-        check_bounds(self, "Limits")
-
-    def replace(self, **changes: Any) -> Limits:
-        return dataclasses.replace(self, **changes)
-
-    def check_within(self, ceiling: Limits, where: str = "limits") -> None:
-        """ValueError naming every field over `ceiling` (a sandbox server's `sandbox.ceiling`)."""
-        over = [
-            f"{where}.{f.name}={getattr(self, f.name)} (ceiling {getattr(ceiling, f.name)})"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) > getattr(ceiling, f.name)
-        ]
-        if over:
-            raise ValueError(
-                f"over this sandbox server's ceiling: {', '.join(over)}; ask for less, or raise "
-                "sandbox.ceiling in the run's config"
-            )
-
-    def to_wire(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "limits") -> Limits:
-        """From a mapping of field names (missing ones default); ValueError naming unknown keys."""
-        if data is None:
-            return cls()
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected a mapping")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; valid: {', '.join(sorted(names))}")
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class SandboxConfig:
-    backend: Literal["bwrap", "apptainer"] = spec("bwrap", help="isolation backend for executing model code")
-    slots: int = spec(2, help="concurrent executions per sandbox server", ge=1)
-    servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
-    uid_base: int = spec(
-        61000,
-        help="bwrap as root: server i's slot k runs as host uid uid_base + i x slots + k; no account's or group's id, "
-        "nor another run's",
-        ge=1000,
-    )
-    memory_fallback: Literal["address_space", "refuse", "data"] = spec(
-        "address_space",
-        help="no memory cgroup: cap each process's address space (RLIMIT_AS), refuse to run, or data (unsafe)",
-    )
-    queue: int = spec(
-        64, help="requests a sandbox server holds beyond its busy slots; more are refused (backpressure)", ge=0
-    )
-    image: str = spec(
-        "sandbox.sif", help="Apptainer image (backend: apptainer), built by `hpcrl sandbox build-image`", min_len=1
-    )
-    apptainer: str = spec("apptainer", help="Apptainer executable; 'singularity' on older clusters", min_len=1)
-    apptainer_cgroups: bool = spec(
-        False, help="pass --memory/--pids-limit/--cpus to apptainer (needs cgroups v2 with systemd delegation)"
-    )
-    apptainer_seccomp: bool = spec(
-        True, help="pass hpcrl's seccomp profile to apptainer (--security seccomp:, needs Apptainer with libseccomp)"
-    )
-    ceiling: Limits = spec(
-        factory=lambda: Limits(
-            wall_s=300.0,
-            cpu_s=300.0,
-            memory_mb=8192,
-            pids=512,
-            file_size_mb=1024,
-            output_kb=65536,
-            open_files=4096,
-            work_mb=4096,
-            tmp_mb=4096,
-            shm_mb=1024,
-            inodes=65536,
-            cpus=16.0,
-        ),
-        help="the most limits a request may ask for; more is refused",
-    )
-
-
-@dataclass(frozen=True)
 class DomainConfig:
     name: str = spec(help="registered domain name, or a label for a `module` domain", min_len=1)
     weight: float = spec(1.0, help="relative sampling weight", gt=0)
@@ -452,6 +343,18 @@ class SuperviseConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = spec(True, help="every component serves Prometheus metrics over HTTP (metrics/<name>.json: URL)")
+    bind_host: str = spec(
+        "0.0.0.0", help="address the endpoints listen on; 127.0.0.1 keeps them on the node", min_len=1
+    )
+    textfile_dir: str | None = spec(
+        None, help="also write hpcrl_<run>_<component>.prom here (node_exporter's textfile collector); null: no"
+    )
+    textfile_every_s: float = spec(15.0, help="how often the textfiles are rewritten, seconds", gt=0)
+
+
+@dataclass(frozen=True)
 class Config:
     experiment: ExperimentConfig = spec(
         factory=ExperimentConfig, help="what the run is called, where it lives, its seed"
@@ -479,6 +382,7 @@ class Config:
     supervise: SuperviseConfig = spec(
         factory=SuperviseConfig, help="restart budgets and backoff, and hang detection from heartbeats"
     )
+    metrics: MetricsConfig = spec(factory=MetricsConfig, help="Prometheus endpoints of the components")
 
     def validate(self):
         seen = set()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -30,6 +31,8 @@ import submitit
 
 from hpcrl.core.files import atomic_write_json
 from hpcrl.core.liveness import beat, install
+from hpcrl.core.metrics import provide
+from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.jobs.rundir import private_umask
 
 __all__ = [
@@ -79,8 +82,9 @@ def _watch_launcher(stop: _Stop, name: str) -> None:
     threading.Thread(target=watch, name="hpcrl-launcher-watch", daemon=True).start()
 
 
-def start_component(run_dir: Path, name: str, role: str) -> _Stop:
-    """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs file."""
+def start_component(run_dir: Path, name: str, role: str, metrics_cfg=None) -> _Stop:
+    """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs
+    file, heartbeat, and the Prometheus endpoint (`metrics_cfg`: the run's `metrics:` section)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
     private_umask()  # nothing this job writes into the run directory is group- or world-writable
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
@@ -106,6 +110,8 @@ def start_component(run_dir: Path, name: str, role: str) -> _Stop:
         {"name": name, "role": role, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()},
     )
     install(run_dir, name)  # heartbeats/<name>.json; the main loop's beat() keeps it fresh
+    if metrics_cfg is not None:
+        serve_metrics(run_dir, name, metrics_cfg)
     return stop
 
 
@@ -175,10 +181,20 @@ class StoreComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.store.stream import TrajectoryReceiver
         from hpcrl.rl.store.writer import ShardWriter
 
-        stop = start_component(self.run_dir, self.name, "store")
+        stop = start_component(self.run_dir, self.name, "store", getattr(self, "metrics", None))
         writer = ShardWriter(self.run_dir / "trajectories", self.name, self.cfg)
         with Node(self.run_dir, self.name) as node:
-            TrajectoryReceiver(node, "store", writer).serve(stop)  # flushes and finalizes the shard at the end
+            receiver = TrajectoryReceiver(node, "store", writer)
+            provide(
+                lambda: {
+                    "store_rows_total": writer.total_rows,
+                    "store_received_total": receiver.received,
+                    "store_duplicates_total": receiver.duplicates + writer.duplicates,
+                    "store_rejected_total": receiver.dropped,
+                    "store_free_bytes": shutil.disk_usage(self.run_dir / "trajectories").free,
+                }
+            )
+            receiver.serve(stop)  # flushes and finalizes the shard at the end
         return finish_job(stop, "stopped")
 
 
@@ -191,7 +207,7 @@ class SandboxComponent(submitit.helpers.Checkpointable):
     def __call__(self) -> int:
         from hpcrl.sandbox.server import serve
 
-        stop = start_component(self.run_dir, self.name, "sandbox")
+        stop = start_component(self.run_dir, self.name, "sandbox", getattr(self, "metrics", None))
         return finish_job(
             stop, serve(self.cfg, run_dir=str(self.run_dir), slots=self.cfg.slots, name=self.name, stop=stop)
         )
@@ -212,7 +228,7 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
         from hpcrl.core.transport import Node
         from hpcrl.rl.coordinator import Coordinator
 
-        stop = start_component(self.run_dir, "coordinator", "coordinator")
+        stop = start_component(self.run_dir, "coordinator", "coordinator", getattr(self, "metrics", None))
         if getattr(self, "supervise", None) is not None and self.supervise.hang_s:
             _watch_supervisor(self.run_dir, stop, self.supervise.hang_s)
         coord = Coordinator(
@@ -226,6 +242,7 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
             self.cfg,
             getattr(self, "sizes", None),  # a component pickled by an older hpcrl has none
         )
+        provide(coord.metrics)
         with Node(self.run_dir, "coordinator") as node:
             coord.serve(node, stop)
         return finish_job(stop, "stopped")
@@ -252,7 +269,7 @@ class LearnerComponent(submitit.helpers.Checkpointable):
         except RuntimeError:
             pass  # not inside a submitit job (run by hand): rl/distenv.py finds the ranks itself
         rank = os.environ.get("RANK", "0")
-        stop = start_component(self.run_dir, f"learner-{rank}", "learner")
+        stop = start_component(self.run_dir, f"learner-{rank}", "learner", getattr(self, "metrics", None))
         _threads(self.torch_threads)
         step = run_learner(self.run_dir, self.cfg, self.policy, self.seed, stop)
         if step >= self.cfg.max_steps:
@@ -288,7 +305,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.weights import WeightStore
 
-        stop = start_component(self.run_dir, self.name, "generator")
+        stop = start_component(self.run_dir, self.name, "generator", getattr(self, "metrics", None))
         _threads(self.torch_threads)
         domains = load_domains(self.domains, self.search_path)
         policy = Policy.load(self.policy, seed=self.seed)
@@ -339,6 +356,21 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 }
 
             source = RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats)
+            provide(
+                lambda: {
+                    "generator_trajectories_total": gen.stats.trajectories,
+                    "generator_steps_total": gen.stats.steps,
+                    "generator_failed_total": gen.stats.failed,
+                    "generator_busy_fraction": busy.fraction(gen.stats.busy_s),
+                    "generator_busy_seconds_total": gen.stats.busy_s,
+                    "generator_sandbox_seconds_total": gen.stats.sandbox_s,
+                    "generator_weights_seconds_total": gen.stats.weights_s,
+                    "generator_in_flight": len(gen.episodes),
+                    "generator_version": gen.version,
+                    "generator_unacked": source.sender.unacked,
+                    "generator_resent_total": source.sender.resent,
+                }
+            )
             try:
                 gen.run(source, source.sink, stop=lambda: beat() or stop.is_set() or source.should_stop())
                 source.release(gen.in_flight())  # unfinished episodes go back to the coordinator at once

@@ -98,7 +98,7 @@ def plan(
     sizes = {name: d.size for name, d in domains.items() if d.size}
     seed = cfg.experiment.seed
     sandboxes = [f"sandbox-{i}" for i in range(cfg.sandbox.servers)] if needs_sandbox else []
-    return [
+    roles = [
         Role("store", "coordinator", StoreComponent(run_dir, cfg.store)),
         Role(
             "coordinator",
@@ -129,6 +129,9 @@ def plan(
             for i in range(cfg.generators.count)
         ],
     ]
+    for r in roles:
+        r.component.metrics = cfg.metrics  # each job serves its Prometheus endpoint (core/metrics.py)
+    return roles
 
 
 # -- roles as Slurm options ---------------------------------------------------------------------

@@ -98,6 +98,10 @@ class Watch:
             )
         return when
 
+    def recent(self, times: Sequence[float]) -> int:
+        """Restarts within the budget's window, now."""
+        return sum(time.time() - t < self.cfg.supervise.restart_window_s for t in times)
+
     def spent(self, component: str, times: Sequence[float], why: str) -> str:
         """The run's failure message when `component` has no restart left."""
         s = self.cfg.supervise

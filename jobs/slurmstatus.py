@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from hpcrl.core.metrics import read_endpoints
+
 __all__ = ["snapshot", "snapshot_text", "recent_runs"]
 
 _SQUEUE_FIELDS = ("job_id", "state", "nodes", "elapsed", "time_left")
@@ -81,6 +83,7 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         "reward_by_domain": status.get("reward_by_domain") or {},
         "components": [],
     }
+    urls = read_endpoints(run_dir)
     if jobs is None:
         from hpcrl.jobs.supervise import pids
 
@@ -95,6 +98,7 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
                     "job_id": None,
                     "state": "RUNNING" if pids(run_dir, name) else "GONE",
                     "heartbeat_age_s": beat,
+                    "metrics_url": urls.get(name),
                     **rates,
                 }
             )
@@ -127,7 +131,8 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         else:
             row.update(state="UNKNOWN", node=None, elapsed=None, time_left=None)
         beat, rates = _heartbeats(name, status, now)
-        row.update(heartbeat_age_s=beat, **rates)
+        # A component's endpoint is its rank 0's (learner-0, store-0) where its processes are numbered.
+        row.update(heartbeat_age_s=beat, metrics_url=urls.get(name) or urls.get(f"{name}-0"), **rates)
         snap["components"].append(row)
     if snap["state"] in ("submitted", "running") and not queued:
         snap["state"] = "ended"  # no job of the run is left (a hand-submitted or hetjob run has no supervisor)

@@ -46,6 +46,8 @@ import submitit
 
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import beat
+from hpcrl.core.metrics import provide
+from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.core.rpc import RequestClient
 from hpcrl.core.transport import Node
 from hpcrl.jobs.components import LAUNCHER_ENV, finish_job, start_component
@@ -145,8 +147,16 @@ class LocalRun:
         # Jobs inherit this: they stop by themselves if this process is killed (components.py).
         me = psutil.Process()
         os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
+        serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
+        provide(self.metrics)
         for role in self.roles:
             self._submit(role)
+
+    def metrics(self) -> dict:
+        return {
+            "restarts_total:target": {r.name: r.restarts for r in self.roles},
+            "restarts_last_window:target": {r.name: self.watch.recent(r.restart_times) for r in self.roles},
+        }
 
     def _check(self) -> None:
         """Restart roles that ended (after their backoff) or hang while the run goes on; raise when
@@ -395,10 +405,19 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         self.poll_s = poll_s
 
     def __call__(self) -> str:
-        stop = start_component(self.run_dir, SUPERVISOR, SUPERVISOR)
+        stop = start_component(self.run_dir, SUPERVISOR, SUPERVISOR, self.cfg.metrics)
         self.components = {r.name: r for r in plan(self.cfg, self.run_dir, search_path=self.search_path)}
         self.watch = Watch(self.run_dir, self.cfg, SUPERVISOR)
         record = read_jobs(self.run_dir)
+        comps = record["components"]
+        provide(
+            lambda: {
+                "restarts_total:target": {n: c.get("restarts", 0) for n, c in comps.items()},
+                "restarts_last_window:target": {
+                    n: self.watch.recent(c.get("restart_times", [])) for n, c in comps.items()
+                },
+            }
+        )
         while not stop.is_set():
             beat()
             if (self.run_dir / CANCEL_NAME).exists():

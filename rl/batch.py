@@ -68,6 +68,11 @@ class GroupBuffer:
     def key(self, traj: Trajectory) -> tuple[str, str, int]:
         return (traj.domain, traj.task, traj.episode // self.group_size)
 
+    @property
+    def depth(self) -> dict[str, int]:
+        """Groups waiting: still filling ("open") and whole, ready to train ("complete")."""
+        return {"open": len(self._open), "complete": len(self._complete)}
+
     def add(self, traj: Trajectory) -> None:
         key = self.key(traj)
         if key in self._closed:

@@ -354,6 +354,35 @@ class Coordinator:
         }
         _atomic_json(self.run_dir / STATUS_NAME, status)
 
+    def metrics(self) -> dict:
+        """What the coordinator's Prometheus endpoint shows (core/metrics.py): the run as it sees it."""
+        with self._lock:
+            t = self.throughput()
+            learner = dict(self.learner)
+            gens = {n: g.get("stats", {}) for n, g in self.generators.items() if not g.get("lost")}
+            out = {
+                "episodes_total:event": dict(self.counts),
+                "completed_total:domain": dict(self.done_by_domain),
+                "leases": len(self.leases),
+                "queued_episodes": len(self.queue),
+                "groups_issued_total": self.groups_issued,
+                "trajectories_per_s": t["traj_per_s"],
+                "busy_fraction:role": dict(t["busy"]),
+                "generators": len(gens),
+                "generator_version:generator": {n: s.get("version", 0) for n, s in gens.items()},
+            }
+        for key, name in (("step", "learner_step"), ("version", "policy_version"), ("reward", "reward")):
+            if isinstance(learner.get(key), (int, float)):
+                out[name] = learner[key]
+        for key in ("staleness_max", "wait_s", "step_s", "dropped_groups", "trained_groups"):
+            if isinstance(learner.get(key), (int, float)):
+                out["learner_" + key] = learner[key]
+        if isinstance(learner.get("version"), int) and gens:
+            out["generator_staleness_max"] = max(learner["version"] - int(s.get("version", 0)) for s in gens.values())
+        if isinstance(learner.get("reward_by_domain"), dict):
+            out["reward:domain"] = learner["reward_by_domain"]
+        return out
+
     def tick(self) -> None:
         self.expire()
         if time.monotonic() - self._last_status >= self.cfg.status_every_s:

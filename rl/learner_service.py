@@ -27,6 +27,7 @@ from typing import Any
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.core.files import atomic_write_json
 from hpcrl.core.liveness import beat
+from hpcrl.core.metrics import provide
 from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.meter import BusyMeter
@@ -67,6 +68,29 @@ class _Rank0:
         self._busy = 0.0
         self._meter = BusyMeter()
         self.wait_s = 0.0  # waiting for data since the last step
+        self.last: dict = {}  # the last step's metrics, for the Prometheus endpoint
+        self.trained_trajectories = self.wait_total_s = 0
+        provide(self.metrics)
+
+    def metrics(self) -> dict:
+        """What rank 0's Prometheus endpoint shows (core/metrics.py)."""
+        m = self.last
+        out = {
+            "learner_step": self.learner.step,
+            "policy_version": self.learner.version,
+            "learner_trained_groups_total": self.trained_groups,
+            "learner_trained_trajectories_total": self.trained_trajectories,
+            "learner_dropped_groups_total": self.buffer.dropped_groups,
+            "learner_dropped_stale_total": self.buffer.dropped_stale,
+            "learner_buffered_groups:state": self.buffer.depth,
+            "learner_wait_seconds_total": self.wait_total_s + self.wait_s,
+            "learner_busy_fraction": self._meter.fraction(self._busy),
+            "learner_staleness_bound": self.cfg.max_staleness,
+        }
+        for key in ("reward", "loss", "entropy", "staleness_max", "step_s", "action_tokens", "grad_norm"):
+            if isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool):
+                out["learner_" + key] = m[key]
+        return out
 
     def _write(self, rec: dict) -> None:
         self.audit.write(json.dumps(rec) + "\n")
@@ -132,6 +156,9 @@ class _Rank0:
             busy_fraction=self._meter.fraction(self._busy),
             life=self.life,
         )
+        self.last = m
+        self.trained_trajectories += sum(len(g) for g in groups)
+        self.wait_total_s += self.wait_s
         self.wait_s = 0.0
         try:
             self.coord.request("learner", m)

@@ -43,11 +43,13 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from queue import SimpleQueue
 from typing import Any
 
 from hpcrl.core.liveness import beat
+from hpcrl.core.metrics import provide
 from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 from hpcrl.core.transport import Node
 from hpcrl.sandbox import judge
@@ -171,6 +173,9 @@ class SandboxServer:
         )
         self.endpoint = self.server.endpoint
         self.refused = 0
+        self.replies: Counter = Counter()  # reply kind -> count (serving thread only)
+        self.statuses: Counter = Counter()  # an execution's status (ok, error, timeout, oom, ...) -> count
+        self.exec_wall_s = 0.0  # wall seconds of the requests: their mean latency is the ratio
         self._close_lock = threading.Lock()
         self._closed = False
         self._warm: dict[int, Any] = {}
@@ -209,7 +214,36 @@ class SandboxServer:
             except BlockingIOError:
                 pass
         while not self._done.empty():
-            self.server.reply(*self._done.get())
+            rid, reply = self._done.get()
+            self._count(reply)
+            self.server.reply(rid, reply)
+
+    def _count(self, reply: Reply) -> None:
+        self.replies[reply.kind] += 1
+        body = reply.body if isinstance(reply.body, dict) else {}
+        # An exec's ExecResult is the body; a judge's Verdict holds the candidate's as "result".
+        res = body if reply.kind == "result" else body.get("result")
+        if res is None and isinstance(body.get("cases"), list):  # judged case by case: the last run's
+            res = next(
+                (c.get("result") for c in reversed(body["cases"]) if isinstance(c, dict) and c.get("result")), None
+            )
+        if isinstance(res, dict) and isinstance(res.get("status"), str):
+            self.statuses[res["status"]] += 1
+        if isinstance(body.get("wall_s"), (int, float)):
+            self.exec_wall_s += float(body["wall_s"])
+
+    def metrics(self) -> dict:
+        """What the server's Prometheus endpoint shows (core/metrics.py)."""
+        return {
+            "sandbox_slots": self.pool.slots,
+            "sandbox_busy_slots": self.pool.busy,
+            "sandbox_queued": self.pool.queued,
+            "sandbox_requests_total": self.served,
+            "sandbox_refused_total": self.refused,
+            "sandbox_replies_total:kind": dict(self.replies),
+            "sandbox_results_total:status": dict(self.statuses),
+            "sandbox_exec_wall_seconds_total": self.exec_wall_s,
+        }
 
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
         while not stop.is_set():
@@ -278,6 +312,7 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
     node = Node(run_dir, name)
     try:
         server = SandboxServer(node, name, pool, ceiling=cfg.ceiling)
+        provide(server.metrics)
         log.info(
             "sandbox server %s at %s: %d slot(s), queue %d; %s",
             name,

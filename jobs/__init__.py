@@ -5,9 +5,10 @@
 
 `components` are the picklable callables each job runs (store, coordinator, sandbox server,
 learner, generator); `launch` knows a run's roles and turns each into Slurm options and a
-submitit executor (the one translation); `supervise` watches the jobs and restarts what dies,
-locally (`LocalRun`) and on Slurm (`SupervisorComponent`), deciding as `restarts` says (budgets
-that refill, backoff, hangs from heartbeats); `scripts` renders plain sbatch
-scripts and is the command they run; `rundir` creates run directories; `report` and
+submitit executor (the one translation); `boot` is the first thing every job's python runs
+(it holds an early SIGUSR2 until the component can drain on it); `supervise` watches the jobs
+and restarts what dies, locally (`LocalRun`) and on Slurm (`SupervisorComponent`), deciding as
+`restarts` says (budgets that refill, backoff, hangs from heartbeats); `scripts` renders plain
+sbatch scripts and is the command they run; `rundir` creates run directories; `report` and
 `slurmstatus` are what `hpcrl run` and `hpcrl status` print; `cli/` has one module per verb.
 """

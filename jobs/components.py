@@ -33,6 +33,7 @@ from hpcrl.core.files import atomic_write_json
 from hpcrl.core.liveness import beat, install
 from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
+from hpcrl.jobs.boot import take_early
 from hpcrl.jobs.rundir import private_umask
 
 __all__ = [
@@ -102,6 +103,8 @@ def start_component(run_dir: Path, name: str, role: str, metrics_cfg=None) -> _S
             stop.set()
 
         signal.signal(signal.SIGUSR2, time_limit)
+        if signal.SIGUSR2 in take_early():  # it came while the job was still importing and unpickling
+            time_limit()
     _watch_launcher(stop, name)
     procs = run_dir / "procs"
     procs.mkdir(exist_ok=True)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +62,9 @@ __all__ = [
 ]
 
 JOBS_NAME = "jobs.json"
+# Every job's python runs hpcrl.jobs.boot first, which holds an early SIGUSR2 until the component
+# can drain on it (see jobs/boot.py); submitit appends "-u -m submitit.core._submit FOLDER".
+BOOT_PYTHON = f"{shlex.quote(sys.executable)} -u -m hpcrl.jobs.boot"
 SUPERVISOR = "supervisor"
 
 
@@ -192,12 +197,12 @@ def make_executor(
     folder = Path(folder)
     name = job_name or f"hpcrl-{role}"
     if kind == "slurm":
-        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=3, python=BOOT_PYTHON)
         ex.update_parameters(**slurm_parameters(slurm, role, name))
         return ex
     if kind == "local":
         r = slurm.role(role)
-        ex = submitit.LocalExecutor(folder=folder, max_num_timeout=3)
+        ex = submitit.LocalExecutor(folder=folder, max_num_timeout=3, python=BOOT_PYTHON)
         # Locally there are no partitions or GRES: keep the time limit and the task count,
         # and hide GPUs unless the role asks for them.
         ex.update_parameters(timeout_min=r.time_min, tasks_per_node=r.tasks_per_node, gpus_per_node=r.gpus_per_node)

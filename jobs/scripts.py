@@ -47,7 +47,7 @@ __all__ = ["write_scripts", "build", "main"]
 
 
 def _command(run_dir: Path, name: str, search_path: Sequence[str]) -> str:
-    argv = [sys.executable, "-u", "-m", "hpcrl.jobs.scripts", str(run_dir), name]
+    argv = [sys.executable, "-u", "-m", "hpcrl.jobs.boot", "-m", "hpcrl.jobs.scripts", str(run_dir), name]
     for p in search_path:
         argv += ["--search-path", str(p)]
     # The sandbox array's task index picks the server: leave $SLURM_ARRAY_TASK_ID to the shell.

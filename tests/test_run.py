@@ -87,6 +87,7 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
 
 @pytest.mark.slow
 def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_path):
+    from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
     from hpcrl.rl.store.reader import StoreReader, iter_segments
 
     proc = hpcrl(
@@ -111,7 +112,12 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
         if step >= 14 and learner:
             os.kill(learner[0], signal.SIGKILL)  # mid-run, 4+ steps after the step-10 checkpoint
             killed = step
+            # status.json lags the learner: on a busy machine it may have passed step 20 and saved
+            # again. The newest whole checkpoint at the kill is what the restart must resume from.
+            tag = resume_tag(run_dir / "checkpoints")
+            saved = json.loads((run_dir / "checkpoints" / tag / COMPLETE_NAME).read_text())["step"]
         time.sleep(0.2)
+    assert saved >= 10, tag
     out = finish(proc, RUN_GUARD_S)
     assert proc.returncode == 0, out[-4000:]
 
@@ -120,7 +126,7 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
     assert [r["step"] for r in records] == list(range(1, 41))
     audit = [json.loads(line) for line in (run_dir / AUDIT_NAME).read_text().splitlines()]
     resumed = [a for a in audit if "resumed_step" in a]
-    assert resumed[1]["resumed_step"] == 10 and resumed[1]["version"] > killed  # versions only grow
+    assert resumed[1]["resumed_step"] == saved and resumed[1]["version"] > killed  # versions only grow
 
     trained = [i for r in records for i in r["trained"]]
     dropped = [i for r in records for i in r["dropped"]]

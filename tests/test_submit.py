@@ -91,7 +91,8 @@ def test_submit_dry_run_prints_each_roles_sbatch_script_and_creates_nothing(tmp_
     scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
     assert list(scripts) == ["store", "coordinator", "learner", "gen-0", "gen-1", "supervisor"]
     for name, text in scripts.items():
-        assert text.startswith("#!/bin/bash") and "submitit.core._submit" in text
+        # The boot module runs first, so an early SIGUSR2 is held until the component can drain on it.
+        assert text.startswith("#!/bin/bash") and "-u -m hpcrl.jobs.boot -u -m submitit.core._submit" in text
         assert f"--job-name=hpcrl-dry-{name}" in text and "#SBATCH --signal=USR2@30" in text
         gpu = name == "learner" or name.startswith("gen-")
         assert (f"#SBATCH --partition={'gpu' if gpu else 'cpu'}") in text
@@ -428,12 +429,13 @@ def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(
 
     from audit import lineage
 
-    # A 2-minute learner signalled 90 s ahead. slurmctld looks at time limits only every 30-60 s, at a
-    # moment unrelated to the job's start: USR2 comes 30 to 90 s in, which leaves the learner time to
-    # start (so its own handler, not submitit's, gets it) and 30 s or more to drain before the limit.
-    # (With a 1-minute limit signalled 50 s ahead, a check landing in the first 10 s sent nothing,
-    # and the next one found the job over its limit and killed it.) No periodic checkpoint before
-    # step 1000: a resume past step 0 can only come from the checkpoint taken while draining.
+    # A 2-minute learner signalled 90 s ahead. slurmctld looks at time limits only every 30-60 s and
+    # may send the warning early rather than late, even in the job's first second (seen in CI: USR2
+    # 1 s in, while submitit was still unpickling the learner): the job
+    # must drain and requeue whenever the signal comes (jobs/boot.py holds an early one). With a
+    # 1-minute limit signalled 50 s ahead, a look landing in the first 10 s sent nothing and the next
+    # one found the job over its limit and killed it. No periodic checkpoint before step 1000: a
+    # resume past step 0 can only come from the checkpoint taken while draining.
     out = hpcrl(
         "submit",
         "config.yaml",

@@ -25,10 +25,18 @@ from conftest import RUN_GUARD_S, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _child_setup() -> None:
+    # A site umask of 002 (group-writable) must not make the run directory writable by others.
+    os.umask(0o002)
+    # Tests stop runs with SIGINT, as Ctrl-C would. A suite started in the background (`make test &`,
+    # nohup, a CI runner) hands its children SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: the run would never stop. Give the child the default back.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def hpcrl(*args: str, **kw) -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    # A site umask of 002 (group-writable) must not make the run directory writable by others.
-    kw.setdefault("preexec_fn", lambda: os.umask(0o002))
+    kw.setdefault("preexec_fn", _child_setup)
     return subprocess.Popen(
         [sys.executable, "-m", "hpcrl.jobs.cli", *args],
         stdout=subprocess.PIPE,

@@ -33,17 +33,21 @@ import torch
 from hpcrl.rl.algorithms import TokenBatch
 from hpcrl.rl.trajectory import Trajectory
 
-__all__ = ["GroupBuffer", "collate", "layout"]
+__all__ = ["GroupBuffer", "DROP_REASONS", "collate", "layout"]
 
 # Closed groups remembered beyond the staleness horizon (GroupBuffer._closed): ~500 steps of 32
 # groups; under 1 MB in memory and in the learner's checkpoint.
 _CLOSED_KEEP = 16384
+# Why the learner dropped a trajectory: too many versions behind it, its group had closed (a
+# re-issued episode finished twice), the same episode twice in an open group, or its group's
+# rewards were all equal (filter_groups).
+DROP_REASONS = ("stale", "late", "duplicate", "filtered")
 
 
 class GroupBuffer:
     """Complete groups for the learner; see the module docstring. `drained()` hands out the ids
-    of trajectories dropped since the last call (stale, duplicate, or late for a closed group),
-    so the learner's audit log accounts for every trajectory it read."""
+    of trajectories dropped since the last call, each with its reason (DROP_REASONS), so the
+    learner's audit log accounts for every trajectory it read."""
 
     def __init__(self, group_size: int, filter_zero_variance: bool = False):
         self.group_size = group_size
@@ -57,7 +61,7 @@ class GroupBuffer:
         # _CLOSED_KEEP in any case: a re-issued episode can arrive long after its group closed
         # (a lease that ran out), and taken for a new group it would be counted a second time.
         self._closed: collections.OrderedDict[tuple[str, str, int], int] = collections.OrderedDict()
-        self._dropped: list[str] = []
+        self._dropped: list[tuple[str, str]] = []  # (trajectory id, reason) since the last drained()
         self.dropped_stale = 0  # trajectories
         self.duplicates = 0
         # Groups the learner will never train (stale, or filtered), each counted once however
@@ -76,11 +80,11 @@ class GroupBuffer:
     def add(self, traj: Trajectory) -> None:
         key = self.key(traj)
         if key in self._closed:
-            self._drop([traj], stale=False)
+            self._drop([traj], "late")
             return
         group = self._open.setdefault(key, {})
         if traj.episode in group:
-            self._drop([traj], stale=False)  # the same episode from two generators: keep the first
+            self._drop([traj], "duplicate")  # the same episode from two generators: keep the first
             return
         group[traj.episode] = traj
         if len(group) == self.group_size:
@@ -89,16 +93,16 @@ class GroupBuffer:
                 self._close(key, members)
                 self.filtered += len(members)
                 self.dropped_groups += 1
-                self._dropped.extend(t.id for t in members)
+                self._dropped.extend((t.id, "filtered") for t in members)
                 return
             self._complete[key] = members
 
-    def _drop(self, trajs, stale: bool) -> None:
-        if stale:
+    def _drop(self, trajs, reason: str) -> None:
+        if reason == "stale":
             self.dropped_stale += len(trajs)
-        else:
+        else:  # a second copy of an episode: from two generators, or after its group closed
             self.duplicates += len(trajs)
-        self._dropped.extend(t.id for t in trajs)
+        self._dropped.extend((t.id, reason) for t in trajs)
 
     def _close(self, key, trajs, version: int | None = None) -> None:
         self._closed[key] = max(t.max_policy_version for t in trajs) if version is None else version
@@ -115,13 +119,13 @@ class GroupBuffer:
         for key in [k for k, g in self._complete.items() if stale(g)]:
             g = self._complete.pop(key)
             self._close(key, g, version)
-            self._drop(g, stale=True)
+            self._drop(g, "stale")
             self.dropped_groups += 1
         # An open group whose oldest member is already too stale can never be trained.
         for key in [k for k, g in self._open.items() if stale(g.values())]:
             g = list(self._open.pop(key).values())
             self._close(key, g, version)
-            self._drop(g, stale=True)
+            self._drop(g, "stale")
             self.dropped_groups += 1
         horizon = version - max_staleness - 1
         while len(self._closed) > _CLOSED_KEEP and next(iter(self._closed.values())) < horizon:
@@ -133,8 +137,8 @@ class GroupBuffer:
             self._close(key, g)
         return [g for _, g in out]
 
-    def drained(self) -> list[str]:
-        """Ids dropped since the last call."""
+    def drained(self) -> list[tuple[str, str]]:
+        """(id, reason) of each trajectory dropped since the last call; reasons in DROP_REASONS."""
         out, self._dropped = self._dropped, []
         return out
 
@@ -153,7 +157,8 @@ class GroupBuffer:
             "open": [t.to_dict() for g in self._open.values() for t in g.values()],
             "complete": [t.to_dict() for g in self._complete.values() for t in g],
             "closed": [[d, t, v, g] for (d, t, g), v in self._closed.items()],
-            "dropped": list(self._dropped),
+            "dropped": [i for i, _ in self._dropped],
+            "dropped_why": [why for _, why in self._dropped],
             "counters": [self.dropped_stale, self.duplicates, self.filtered, self.dropped_groups],
         }
 
@@ -171,7 +176,9 @@ class GroupBuffer:
             self._open.setdefault(key, {})[traj.episode] = traj
             if len(self._open[key]) == self.group_size:
                 self._complete[key] = list(self._open.pop(key).values())
-        self._dropped = list(state["dropped"])
+        # Checkpoints from before reasons were kept: their reason is unknown, not invented.
+        why = state.get("dropped_why") or ["unknown"] * len(state["dropped"])
+        self._dropped = list(zip(state["dropped"], why))
         self.dropped_stale, self.duplicates, *rest = state["counters"]
         self.filtered = int(rest[0]) if rest else 0
         # Older checkpoints counted trajectories only: their estimate, as the learner made it then.

@@ -28,6 +28,7 @@ from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.core.files import atomic_write_json
 from hpcrl.core.liveness import beat
 from hpcrl.core.metrics import provide
+from hpcrl.rl.audit import AUDIT_NAME, CURSOR_NAME
 from hpcrl.rl.batch import GroupBuffer
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.meter import BusyMeter
@@ -35,8 +36,6 @@ from hpcrl.rl.meter import BusyMeter
 __all__ = ["run_learner", "AUDIT_NAME", "CURSOR_NAME"]
 
 log = logging.getLogger("hpcrl.learner")
-AUDIT_NAME = "learner/trained.jsonl"
-CURSOR_NAME = "learner/cursor.json"
 _WAIT_S = 1.0  # rank 0 tells the others at least this often that it is still waiting for data
 
 
@@ -136,13 +135,15 @@ class _Rank0:
     def after_step(self, groups, m: dict, train_s: float) -> None:
         self.trained_groups += len(groups)
         self._busy += train_s
+        dropped = self.buffer.drained()
         self._write(
             {
                 "life": self.life,
                 "step": m["step"],
                 "version": m["version"],
                 "trained": [t.id for g in groups for t in g],
-                "dropped": self.buffer.drained(),
+                "dropped": [i for i, _ in dropped],
+                "dropped_why": [why for _, why in dropped],  # rl/batch.py DROP_REASONS, one per dropped id
             }
         )
         self.pub.publish(self.learner.version)

@@ -137,24 +137,28 @@ def test_group_buffer_completes_groups_and_drops_stale_ones():
     buf.add(traj("t1", 1, 0.0, versions=(4,)))
     assert buf.complete_groups == 1 and buf.open_trajectories == 1
     buf.add(traj("t2", 2, 1.0, versions=(1,)))  # the same episode again: dropped
-    assert buf.duplicates == 1 and buf.drained() == ["r/g/2"]
+    assert buf.duplicates == 1 and buf.drained() == [("r/g/2", "duplicate")]
     buf.add(traj("t2", 3, 0.0, versions=(5,)))
     buf.add(traj("t3", 4, 0.0, versions=(2,)))  # open, and already too stale to be trained
     # Learner at version 5, staleness 2: group t2's oldest step (v1) is too old, t1's (v3) is fine.
     assert buf.pop(2, version=5, max_staleness=2) is None
-    assert buf.dropped_stale == 3 and sorted(buf.drained()) == ["r/g/2", "r/g/3", "r/g/4"]
+    assert buf.dropped_stale == 3 and sorted(buf.drained()) == [
+        ("r/g/2", "stale"),
+        ("r/g/3", "stale"),
+        ("r/g/4", "stale"),
+    ]
     state = buf.state_dict()
     groups = buf.pop(1, version=5, max_staleness=2)
     assert [[t.episode for t in g] for g in groups] == [[0, 1]]
     buf.add(traj("t1", 1, 1.0, versions=(5,)))  # a late copy (a re-issued episode) for a group already trained
-    assert buf.drained() == ["r/g/1"]
+    assert buf.drained() == [("r/g/1", "late")]
 
     # A restored buffer holds the same groups, and still refuses what was closed before.
     again = GroupBuffer(group_size=2)
     again.load_state_dict(json.loads(json.dumps(state)))
     assert again.complete_groups == 1 and again.dropped_stale == 3
     again.add(traj("t2", 3, 0.0, versions=(5,)))
-    assert again.drained() == ["r/g/3"]
+    assert again.drained() == [("r/g/3", "late")]
     assert [[t.episode for t in g] for g in again.pop(1, version=5, max_staleness=2)] == [[0, 1]]
 
 
@@ -264,7 +268,11 @@ def test_group_buffer_keeps_two_groups_of_one_task_apart_and_counts_dropped_grou
     assert buf.dropped_groups == 1 and buf.dropped_stale == 1
     buf.add(traj("t2", 5, 0.0, versions=(1,)))  # its other member, late: refused, not counted again
     assert buf.pop(1, version=4, max_staleness=2) is None
-    assert buf.dropped_groups == 1 and buf.duplicates == 1 and sorted(buf.drained()) == ["r/g/4", "r/g/5"]
+    assert (
+        buf.dropped_groups == 1
+        and buf.duplicates == 1
+        and sorted(buf.drained()) == [("r/g/4", "stale"), ("r/g/5", "late")]
+    )
     again = GroupBuffer(group_size=2)
     again.load_state_dict(json.loads(json.dumps(buf.state_dict())))
     assert again.dropped_groups == 1
@@ -277,9 +285,9 @@ def test_dynamic_sampling_drops_zero_variance_groups():
     for t in (traj("flat", 0, 1.0), traj("flat", 1, 1.0), traj("good", 2, 1.0), traj("good", 3, 0.0)):
         buf.add(t)
     assert buf.complete_groups == 1 and buf.filtered == 2
-    assert buf.drained() == ["r/g/0", "r/g/1"]  # accounted for in the audit log
+    assert buf.drained() == [("r/g/0", "filtered"), ("r/g/1", "filtered")]  # accounted for in the audit log
     buf.add(traj("flat", 1, 0.0))  # a late copy for the filtered group is refused
-    assert buf.drained() == ["r/g/1"] and buf.duplicates == 1 and buf.dropped_groups == 1
+    assert buf.drained() == [("r/g/1", "late")] and buf.duplicates == 1 and buf.dropped_groups == 1
     state = json.loads(json.dumps(buf.state_dict()))
     assert [[t.task for t in g] for g in buf.pop(1, version=0, max_staleness=2)] == [["good", "good"]]
     again = GroupBuffer(group_size=2, filter_zero_variance=True)
@@ -330,3 +338,17 @@ def test_reference_kl_is_weighted_as_the_policy_loss(loss_agg):
     w0 = 1 / 3 if loss_agg == "seq" else 1.0
     assert float(lp.grad[0, 1]) == pytest.approx(w0 * (1 - math.exp(1.0)), rel=1e-6)
     assert float(lp.grad[1, 2]) == 0.0
+
+
+def test_drop_reasons_survive_a_checkpoint_and_old_checkpoints_say_unknown():
+    buf = GroupBuffer(group_size=2)
+    buf.add(traj("t1", 0, 1.0))
+    buf.add(traj("t1", 0, 1.0))  # dropped before the checkpoint, audited after the restore
+    state = json.loads(json.dumps(buf.state_dict()))
+    again = GroupBuffer(group_size=2)
+    again.load_state_dict(state)
+    assert again.drained() == [("r/g/0", "duplicate")]
+    del state["dropped_why"]  # saved by an hpcrl that kept no reasons
+    old = GroupBuffer(group_size=2)
+    old.load_state_dict(state)
+    assert old.drained() == [("r/g/0", "unknown")]

@@ -31,6 +31,7 @@ VERBS = (
     "cancel",
     "logs",
     "traj",
+    "chaos",
     "sandbox",
     "sim",
     "model",

@@ -47,6 +47,7 @@ import psutil
 
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import read_heartbeats
+from hpcrl.jobs.supervise import live_procs
 from hpcrl.rl.audit import account, step_rewards
 from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
 
@@ -145,17 +146,7 @@ class Drill:
 
     def _procs(self) -> list[_Proc]:
         """Live component processes on this host (local runs)."""
-        out = []
-        for f in sorted((self.run_dir / "procs").glob("*.json")):
-            try:
-                rec = json.loads(f.read_text())
-                proc = psutil.Process(int(rec["pid"]))
-                if proc.create_time() > float(rec["started"]) + 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
-                    continue  # a recycled pid, or one that is gone
-            except (OSError, ValueError, KeyError, psutil.Error):
-                continue
-            out.append(_Proc(rec["name"], int(rec["pid"]), float(rec["started"])))
-        return out
+        return [_Proc(r["name"], int(r["pid"]), float(r["started"])) for r in live_procs(self.run_dir)]
 
     def _launcher(self) -> psutil.Process | None:
         """The local `hpcrl run`/`hpcrl resume` holding run.lock, if it is alive."""
@@ -261,16 +252,13 @@ class Drill:
         self._resumers.append(proc)
 
     def _recovered(self, fault: Fault) -> bool:
-        name = fault.target
-        if name == "supervisor":
-            ok = self._launcher() is not None if not self.slurm else bool(read_heartbeats(self.run_dir, name))
-            beats = read_heartbeats(self.run_dir, name) if self.slurm else [{"time": time.time()}]
-        else:
-            beats = read_heartbeats(self.run_dir, name)
-            ok = True
         after = fault.time + (float(self.stall_s) if fault.kind == "stall" else 0.0)
-        fresh = any(b.get("phase") == "running" and b["time"] > after for b in beats)
-        return ok and fresh and self._step() > fault.step
+        if fault.target == "supervisor" and not self.slurm:
+            up = self._launcher() is not None  # the local launcher keeps no heartbeat
+        else:
+            beats = read_heartbeats(self.run_dir, fault.target)
+            up = any(b.get("phase") == "running" and b["time"] > after for b in beats)
+        return up and self._step() > fault.step
 
     # -- the drill -------------------------------------------------------------------------
 

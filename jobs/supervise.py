@@ -285,24 +285,30 @@ class LocalRun:
                 r.job.cancel()
 
 
-def pids(run_dir: str | Path, role: str) -> list[int]:
-    """Process ids of a role's tasks on this host, from the procs/<name>.json files components write."""
+def live_procs(run_dir: str | Path) -> list[dict]:
+    """The procs/<name>.json records (name, role, host, pid, started) of component processes
+    alive on this host. A pid file outlives its process: a recycled pid is never taken for it."""
     out = []
     for f in sorted((Path(run_dir) / "procs").glob("*.json")):
         try:
             rec = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        name = rec.get("name", "")
-        if not (name == role or name.startswith(role + "-")) or rec.get("host") != socket.gethostname():
-            continue
-        try:
-            # A pid file outlives its process; never signal a recycled pid.
-            if psutil.Process(int(rec["pid"])).create_time() <= float(rec["started"]) + 1.0:
-                out.append(int(rec["pid"]))
-        except psutil.NoSuchProcess:
+            if rec.get("host") != socket.gethostname():
+                continue
+            proc = psutil.Process(int(rec["pid"]))
+            if proc.create_time() <= float(rec["started"]) + 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(rec)
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
             continue
     return out
+
+
+def pids(run_dir: str | Path, role: str) -> list[int]:
+    """Process ids of a role's tasks on this host (`live_procs` of that role)."""
+    return [
+        int(r["pid"])
+        for r in live_procs(run_dir)
+        if r.get("name", "") == role or r.get("name", "").startswith(role + "-")
+    ]
 
 
 # -- on Slurm -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """What the learner's audit log says the final model was trained on, checked against the store.
 
-    records, lives = lineage(run_dir / AUDIT_NAME)    # the step records the final model descends from
+    records, lives = _lineage(all_records)    # the step records the final model descends from
     acct = account(run_dir)                            # Accounting: trained, dropped and why, lost, twice
     rewards = step_rewards(run_dir)                    # {step: reward} of the lineage (metrics.jsonl)
 
@@ -46,9 +46,13 @@ def _records(audit_path: str | os.PathLike) -> list[dict]:
 def lineage(audit_path: str | os.PathLike) -> tuple[list[dict], int]:
     """The step records the final model descends from: steps redone after a restart replace the
     dead life's records from `resumed_step` on. Returns (records, number of lives)."""
+    return _lineage(_records(audit_path))
+
+
+def _lineage(all_records: list[dict]) -> tuple[list[dict], int]:
     records: list[dict] = []
     lives = 0
-    for rec in _records(audit_path):
+    for rec in all_records:
         if "resumed_step" in rec:
             lives += 1
             records = [r for r in records if r["step"] <= rec["resumed_step"]]
@@ -84,7 +88,7 @@ def account(run_dir: str | os.PathLike) -> Accounting:
 
     run_dir = Path(run_dir)
     all_records = _records(run_dir / AUDIT_NAME)
-    records, lives = lineage(run_dir / AUDIT_NAME)
+    records, lives = _lineage(all_records)
     steps = [r["step"] for r in records]
     redone = sum(1 for r in all_records if "step" in r) - len(records)
     trained = [i for r in records for i in r["trained"]]

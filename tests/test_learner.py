@@ -27,6 +27,7 @@ from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.weights import WeightStore
 
 WORKER = Path(__file__).with_name("learner_worker.py")
+LR = 1e-2  # Adam: every element moves by about lr per step
 OVERRIDES = [
     "policy.device=cpu",
     "policy.tiny.hidden_size=32",
@@ -36,7 +37,7 @@ OVERRIDES = [
     "learner.group_size=4",
     "learner.batch_groups=4",
     "learner.micro_batch=4",
-    "learner.lr=1e-2",
+    f"learner.lr={LR}",
     "learner.keep_weights=5",
     "generators.episodes_in_flight=16",
     "domains=[{name: arith/copy}, {name: arith/max3-retry2}]",
@@ -148,6 +149,23 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
         assert torch.allclose(a[k], b[k], atol=atol), f"{k}: max diff {(a[k] - b[k]).abs().max():.2e}"
 
 
+def assert_same_training(w0: dict, a: dict, b: dict, lr: float) -> None:
+    """Two runs made the same updates from w0, up to float summation order.
+
+    A fixed atol is machine-dependent: Adam divides by sqrt(v) + eps, so an element whose
+    gradient is near eps (cancelling terms) moves by a visibly different amount when the
+    reduce-scatter sums in another order (2e-5 seen on one machine, below 1e-6 elsewhere). A
+    sharding bug moves whole tensors by the size of an update, so compare against that: the
+    difference is a tiny fraction of the update's norm, and no element is off by 5% of one
+    Adam step (lr)."""
+    assert a.keys() == b.keys() == w0.keys()
+    for k in a:
+        diff, update = (a[k] - b[k]), (b[k] - w0[k])
+        assert diff.abs().max() < 0.05 * lr, f"{k}: max diff {diff.abs().max():.2e} vs lr {lr}"
+        if update.norm() > 0:
+            assert diff.norm() / update.norm() < 1e-3, f"{k}: diff/update norm {diff.norm() / update.norm():.2e}"
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("learner")
@@ -178,7 +196,7 @@ def test_two_rank_zero3_step_matches_one_rank(setup):
     # Published versions 0, 1, 2 exist; training moved the weights; both layouts agree.
     w0, w2 = weights(two, 0), weights(two, 2)
     assert any(not torch.equal(w0[k], w2[k]) for k in w0)
-    assert_close(w2, weights(one, 2), atol=1e-5)
+    assert_same_training(w0, w2, weights(one, 2), lr=LR)
     assert_close(w0, weights(one, 0), atol=0)  # same seed, same initial model
 
 

@@ -262,6 +262,9 @@ class CoordinatorConfig:
     )
     status_every_s: float = spec(1.0, help="how often status.json is rewritten, seconds", gt=0)
     status_window_s: float = spec(10.0, help="trajectories/s is measured over this many recent seconds", gt=0)
+    timeline_every_s: float = spec(
+        10.0, help="how often coordinator/timeline.jsonl samples each generator's busy seconds (hpcrl plot)", gt=0
+    )
 
 
 @dataclass(frozen=True)

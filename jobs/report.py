@@ -79,7 +79,8 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def write_reward_png(run_dir: str | os.PathLike) -> Path | None:
+def write_reward_png(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path | None:
+    """reward.png (default RUN/reward.png): reward by step, overall and per domain; None before step 1."""
     rows = read_metrics(run_dir)
     if not rows:
         return None
@@ -102,7 +103,7 @@ def write_reward_png(run_dir: str | os.PathLike) -> Path | None:
     ax.set_title(f"{Path(run_dir).name}: reward by step")
     ax.legend(loc="lower right", fontsize=8, ncol=1 + len(domains) // 8)
     fig.tight_layout()
-    out = Path(run_dir) / "reward.png"
+    out = Path(run_dir) / "reward.png" if out is None else Path(out)
     fig.savefig(out)
     plt.close(fig)
     return out

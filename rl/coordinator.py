@@ -26,7 +26,9 @@ learner step, with the coordinator's throughput at that moment) and `coordinator
 (sampler position and outstanding episodes, so a restarted coordinator issues no task twice
 and re-issues what was in flight; episode numbers are reserved in it ahead of use, so a successor
 never reuses one the lost last second handed out; the copy it replaced stays as state.json.prev,
-taken with a warning if state.json is found corrupt).
+taken with a warning if state.json is found corrupt). `coordinator/leases.jsonl` and
+`coordinator/timeline.jsonl` record each lease's life and each generator's busy seconds for
+`hpcrl traj trace` and `hpcrl plot` (rl/events.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import atomic_write_text, read_state_json
 from hpcrl.core.liveness import beat
+from hpcrl.rl.events import LEASES_NAME, TIMELINE_NAME, JsonLines
 from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
 
 __all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
@@ -115,8 +118,11 @@ class Coordinator:
         self.started = time.time()
         self._done_times: collections.deque[float] = collections.deque()
         self._last_status = 0.0
+        self._last_timeline = 0.0
         self._lock = threading.Lock()
         (self.run_dir / "coordinator").mkdir(parents=True, exist_ok=True)
+        self.lease_log = JsonLines(self.run_dir / LEASES_NAME)  # rl/events.py: for `hpcrl traj trace`
+        self.timeline = JsonLines(self.run_dir / TIMELINE_NAME)  # ... and for `hpcrl plot`
         self._reserved = (0, 0)  # (episode, group) numbers state.json says may have been handed out
         self._restore()
 
@@ -176,6 +182,8 @@ class Coordinator:
             d, idx, ep, grp, att = row
             self.queue.append(EpisodeTicket(d, int(idx), int(ep), int(grp), int(att) + 1))
         self.counts["reissued"] += len(state["outstanding"])
+        if state["outstanding"]:
+            self.lease_log.write({"t": time.time(), "requeued": [int(row[2]) for row in state["outstanding"]]})
         log.info(
             "coordinator resumed: %d episodes re-issued, %d groups issued before", len(self.queue), self.groups_issued
         )
@@ -201,10 +209,22 @@ class Coordinator:
         name = str(body["generator"])
         now = time.monotonic()
         gen = self.generators.setdefault(name, {"first_seen": time.time()})
-        gen.update(last_seen=time.time(), stats=body.get("stats", {}), lost=False)
+        event: dict[str, list] = collections.defaultdict(list)  # what this sync settled, for leases.jsonl
+        life = body.get("life")
+        if life is not None and gen.get("life") not in (None, life):
+            # A new process under the name of one that died (a supervisor restart, a requeued job):
+            # what its predecessor held will never be reported, and this one's syncs would renew
+            # those leases for ever. Issue them again now rather than never.
+            orphans = [ep for ep, lease in self.leases.items() if lease.generator == name]
+            self._reissue(orphans)
+            if orphans:
+                event["orphaned"] = orphans
+                log.warning("%s restarted: re-issuing the %d episodes its previous process held", name, len(orphans))
+        gen.update(last_seen=time.time(), stats=body.get("stats", {}), lost=False, life=life)
         for ep in body.get("done", []):
             lease = self._settle(name, ep, "done")
             if lease is not None:
+                event["done"].append(lease.ticket.episode)
                 self.counts["completed"] += 1
                 self.done_by_domain[lease.ticket.domain] += 1
                 self._done_times.append(now)
@@ -214,8 +234,10 @@ class Coordinator:
                 continue
             self.counts["failed"] += 1
             t = lease.ticket
+            event["failed"].append([t.episode, str(reason)[:200]])
             if t.attempt + 1 >= self.cfg.max_attempts:
                 self.counts["abandoned"] += 1
+                event["abandoned"].append(t.episode)
                 # A group with members that did complete reaches the learner, which drops it as
                 # stale in time and reports it consumed; only a group none of whose episodes can
                 # ever arrive is the coordinator's to count (counted twice, the window would grow).
@@ -239,10 +261,15 @@ class Coordinator:
             if lease is not None:
                 self.queue.appendleft(lease.ticket)
                 self.counts["released"] += 1
+                event["released"].append(lease.ticket.episode)
         for lease in self.leases.values():
             if lease.generator == name:
                 lease.renewed = now
         tickets = [] if self.stopping else self._issue(name, int(body.get("want", 0)), now)
+        if tickets:
+            event["leased"] = [[t.episode, t.attempt] for t in tickets]
+        if event:
+            self.lease_log.write({"t": time.time(), "g": name, **event})
         return {
             "tickets": [list(_ticket_row(t)) for t in tickets],
             "stop": self.stopping,
@@ -300,16 +327,23 @@ class Coordinator:
         with self._lock:
             now = time.monotonic()
             dead = [ep for ep, lease in self.leases.items() if now - lease.renewed > self.cfg.lease_s]
+            holders: dict[str, list[int]] = collections.defaultdict(list)
             for ep in dead:
-                lease = self.leases.pop(ep)
-                t = lease.ticket
-                self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
-                if lease.generator in self.generators:
-                    self.generators[lease.generator]["lost"] = True
+                holders[self.leases[ep].generator].append(ep)
+                if self.leases[ep].generator in self.generators:
+                    self.generators[self.leases[ep].generator]["lost"] = True
+            self._reissue(dead)
             if dead:
-                self.counts["reissued"] += len(dead)
+                self.lease_log.write({"t": time.time(), "expired": holders})
                 log.warning("re-issuing %d episodes of silent generators", len(dead))
             return len(dead)
+
+    def _reissue(self, episodes: list[int]) -> None:
+        """End these leases and queue their episodes first, as the next attempt."""
+        for ep in episodes:
+            t = self.leases.pop(ep).ticket
+            self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
+        self.counts["reissued"] += len(episodes)
 
     def throughput(self) -> dict:
         now = time.monotonic()
@@ -389,6 +423,21 @@ class Coordinator:
             with self._lock:
                 self.write_status()
                 self._save()
+        if time.monotonic() - self._last_timeline >= self.cfg.timeline_every_s:
+            with self._lock:
+                self._sample_timeline()
+
+    def _sample_timeline(self) -> None:
+        self._last_timeline = time.monotonic()
+        counters = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # GeneratorStats, cumulative
+        gens = {
+            n: {k: float(g["stats"][k]) for k in counters if isinstance(g.get("stats", {}).get(k), (int, float))}
+            | {"seen": g["last_seen"]}  # the counters are as of the generator's last sync
+            for n, g in self.generators.items()
+            if not g.get("lost")
+        }
+        if gens:
+            self.timeline.write({"t": time.time(), "gens": gens})
 
     def serve(self, node, stop: threading.Event) -> None:
         """Answer requests until `stop` is set; status and state are written on the way out too."""
@@ -404,6 +453,9 @@ class Coordinator:
             with self._lock:
                 self.write_status(final=True)
                 self._save()
+                self._sample_timeline()
+                self.lease_log.close()
+                self.timeline.close()
 
 
 def _ticket_row(t: EpisodeTicket) -> tuple:

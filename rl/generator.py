@@ -54,6 +54,8 @@ class GeneratorStats:
     sandbox_s: float = 0.0  # environment steps of domains that execute code (sandbox time)
     source_s: float = 0.0  # in the task source and sink: coordination, sending, acknowledgements
     weights_s: float = 0.0  # checking for and loading new weights
+    idle_s: float = 0.0  # nothing to do: no weights yet, or no episode to run (flow control, no tasks)
+    env_wait_s: float = 0.0  # nothing to decode, waiting for environment steps (sandboxes) to finish
     batches: int = 0  # sampling calls
     batch_rows: int = 0  # episodes sampled over all calls (rows / batches = mean batch size)
     reward_sum: float = 0.0
@@ -147,10 +149,14 @@ class Generator:
             while not stop():
                 self.maybe_update_weights()
                 if self.version < 0:
+                    t0 = time.perf_counter()
                     time.sleep(0.05)  # waiting for the learner's first weights
+                    self.stats.idle_s += time.perf_counter() - t0
                 elif not self._iterate(source, sink):
                     # The source had nothing for us: a remote one waits for its sync's answer.
+                    t0 = time.perf_counter()
                     getattr(source, "idle", time.sleep)(0.01)
+                    self.stats.idle_s += time.perf_counter() - t0
                 now = time.perf_counter()
                 self.stats.wall_s += now - last  # kept current: a remote source reports it while we run
                 last = now
@@ -254,7 +260,9 @@ class Generator:
         futures = {e.future: e for e in self.episodes if e.future is not None}
         if not futures:
             return
+        t0 = time.perf_counter()
         done, _ = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        self.stats.env_wait_s += time.perf_counter() - t0  # blocked only when called with a timeout
         for fut in done:
             ep = futures[fut]
             ep.future = None

@@ -278,8 +278,11 @@ class Learner:
             **diag,
             "step_s": time.perf_counter() - t0,
         }
+        out["publish_s"] = 0.0  # gathering the shards for the generators (the write is a thread's)
         if not skip and self.step % self.cfg.publish_every == 0:
+            t1 = time.perf_counter()
             self.publish()
+            out["publish_s"] = time.perf_counter() - t1
         return out
 
     def _micro_step(self, chunk: list[int], trajs: Sequence[Trajectory], adv: torch.Tensor):

@@ -67,6 +67,7 @@ class _Rank0:
         self._busy = 0.0
         self._meter = BusyMeter()
         self.wait_s = 0.0  # waiting for data since the last step
+        self.checkpoint_s = 0.0  # checkpointing since the last step's report (hpcrl plot's timeline)
         self.last: dict = {}  # the last step's metrics, for the Prometheus endpoint
         self.trained_trajectories = self.wait_total_s = 0
         provide(self.metrics)
@@ -144,6 +145,7 @@ class _Rank0:
                 "trained": [t.id for g in groups for t in g],
                 "dropped": [i for i, _ in dropped],
                 "dropped_why": [why for _, why in dropped],  # rl/batch.py DROP_REASONS, one per dropped id
+                "time": time.time(),  # for `hpcrl traj trace`
             }
         )
         self.pub.publish(self.learner.version)
@@ -154,13 +156,14 @@ class _Rank0:
             duplicates=self.buffer.duplicates,
             filtered=self.buffer.filtered,
             wait_s=self.wait_s,
+            checkpoint_s=self.checkpoint_s,
             busy_fraction=self._meter.fraction(self._busy),
             life=self.life,
         )
         self.last = m
         self.trained_trajectories += sum(len(g) for g in groups)
         self.wait_total_s += self.wait_s
-        self.wait_s = 0.0
+        self.wait_s = self.checkpoint_s = 0.0
         try:
             self.coord.request("learner", m)
             self._reported = self._counts()
@@ -233,7 +236,9 @@ def run_learner(
 
 def _checkpoint(learner: Learner, rank0: _Rank0 | None) -> None:
     # Every rank saves the same client state: whichever rank's file DeepSpeed reads back, it holds rank 0's cursor.
+    t0 = time.perf_counter()
     extra = learner.comm.broadcast_object(rank0.extra() if rank0 is not None else None, src=0)
     learner.checkpoint(extra)
     if rank0 is not None:
         rank0.write_cursor(extra)
+        rank0.checkpoint_s += time.perf_counter() - t0

@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from hpcrl.core.rpc import RequestTimeout
@@ -43,6 +44,9 @@ class RemoteTaskSource:
         from hpcrl.core.rpc import RequestClient
 
         self.name = name
+        # Tells the coordinator this process from a predecessor of the same name that died
+        # holding leases (it re-issues those at once instead of renewing them for us).
+        self.life = uuid.uuid4().hex
         self.sender = sender
         # Episodes become done (or failed) when the store answers for their trajectory.
         sender.on_settled = self._on_settled
@@ -135,6 +139,7 @@ class RemoteTaskSource:
             "failed": self._failed,
             "released": self._released,
             "stats": self.stats(),
+            "life": self.life,
         }
         # Reported once sent: a retry resends the same request, and the coordinator answers a
         # repeated id from its replay cache, so nothing is reported twice or lost.

@@ -28,18 +28,16 @@ def make(tmp_path, **cfg) -> Coordinator:
     )
 
 
-def sync(c, gen, want=0, done=(), failed=(), released=()):
-    r = c.handle(
-        "sync",
-        {
-            "generator": gen,
-            "want": want,
-            "done": list(done),
-            "failed": [list(f) for f in failed],
-            "released": list(released),
-            "stats": {"busy_fraction": 0.5},
-        },
-    )
+def sync(c, gen, want=0, done=(), failed=(), released=(), life=None):
+    body = {
+        "generator": gen,
+        "want": want,
+        "done": list(done),
+        "failed": [list(f) for f in failed],
+        "released": list(released),
+        "stats": {"busy_fraction": 0.5},
+    }
+    r = c.handle("sync", body if life is None else {**body, "life": life})
     return [ticket_from_row(t) for t in r["tickets"]], r
 
 
@@ -81,6 +79,29 @@ def test_silent_generator_loses_its_leases(tmp_path):
     assert all(t.attempt == 1 for t in again)
     assert c.generators["gen-a"]["lost"] and c.counts["reissued"] == 6
     assert not any(t.episode in {x.episode for x in b} for t in again)
+
+
+def test_a_restarted_generator_does_not_keep_its_predecessors_leases(tmp_path):
+    """A generator process killed holding leases and restarted under its name by the supervisor:
+    the new process's syncs used to renew the dead one's leases for ever, so those episodes were
+    never issued again and their groups held places in the window for the rest of the run."""
+    from hpcrl.rl.events import LEASES_NAME, read_jsonl
+
+    c = make(tmp_path, lease_s=60)
+    held, _ = sync(c, "gen-0", want=8, life="first")
+    sync(c, "gen-0", done=[held[0].episode], life="first")
+    sync(c, "gen-0", life="first")  # the same process again: nothing changes
+    assert len(c.leases) == 7
+    again, _ = sync(c, "gen-0", want=7, life="second")  # re-issues come first
+    assert sorted(t.episode for t in again) == sorted(t.episode for t in held[1:])
+    assert all(t.attempt == 1 for t in again) and c.counts["reissued"] == 7
+    assert {ep: lease.generator for ep, lease in c.leases.items()} == {t.episode: "gen-0" for t in again}
+    orphaned = [r for r in read_jsonl(tmp_path / LEASES_NAME) if "orphaned" in r]
+    assert [(r["g"], sorted(r["orphaned"])) for r in orphaned] == [("gen-0", sorted(t.episode for t in held[1:]))]
+    # A coordinator that restarted knows no life yet: the first sync it sees orphans nothing.
+    c2 = make(tmp_path / "c2", lease_s=60)
+    sync(c2, "gen-0", want=4, life="a")
+    assert len(c2.leases) == 4 and c2.counts["reissued"] == 0
 
 
 def test_failed_episodes_are_reissued_then_abandoned(tmp_path):

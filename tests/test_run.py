@@ -153,6 +153,36 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
     )
     assert len(stored) > 40 * 256
     no_processes_left(run_dir)
+    _plot_and_trace_a_redone_step(run_dir, saved)
+
+
+def _plot_and_trace_a_redone_step(run_dir: Path, saved: int) -> None:
+    """`hpcrl plot` and `hpcrl traj trace` on a finished run whose learner was restarted once."""
+    plot = hpcrl("plot", str(run_dir), "--json")
+    text = finish(plot, 300)
+    assert plot.returncode == 0, text
+    summary = json.loads(text)
+    names = ("reward", "throughput", "staleness", "utilisation")
+    assert summary["plots"] == [str(run_dir / "plots" / f"{n}.png") for n in names]
+    assert all(Path(p).stat().st_size > 10_000 for p in summary["plots"])
+    learner = summary["share"]["learner"]
+    assert abs(sum(learner.values()) - 1) < 0.01 and learner["training"] > 0 and learner["down"] > 0, learner
+    assert abs(sum(summary["share"]["gen-0"].values()) - 1) < 0.01, summary["share"]
+    # A trajectory the dead life trained after its last checkpoint: the second life trained (or
+    # dropped) it again, and only that second time counts.
+    audit = [json.loads(line) for line in (run_dir / AUDIT_NAME).read_text().splitlines()]
+    redone = next(a for a in audit if a.get("life") == 1 and a.get("step", 0) > saved)
+    tid = redone["trained"][0]
+    tr = hpcrl("traj", "trace", str(run_dir), tid)
+    text = finish(tr, 300)
+    assert tr.returncode == 0, text
+    lines = text.splitlines()
+    assert lines[0].startswith(f"episode {tid.rsplit('/', 1)[1]}: {tid} (arith/"), text
+    whats = [line.split("s  ", 1)[1] for line in lines[1:]]
+    assert whats[0].startswith("leased to gen-0") and any(w.startswith("stored as " + tid) for w in whats), text
+    first = f"{tid} trained in learner step {redone['step']} "
+    assert any(w.startswith(first) and w.endswith("after a restart)") for w in whats), text
+    assert any(" life 2" in w and "superseded" not in w for w in whats), text
 
 
 def _start_long_run(tmp_path, run_id: str):
@@ -233,6 +263,15 @@ def test_code_domains_run_through_a_sandbox_server(tmp_path):
     status = read_status(run_dir)
     assert status["completed_by_domain"].get("synth", 0) > 0
     no_processes_left(run_dir)
+    repair = next(t for t in code if t.domain == "code-repair" and len(t.steps) == 3)
+    tr = hpcrl("traj", "trace", str(run_dir), repair.id, "--json")
+    text = finish(tr, 300)
+    assert tr.returncode == 0, text
+    events = json.loads(text)["events"]
+    steps = [e for e in events if e["what"] == "step"]
+    assert [e["data"]["step"] for e in steps] == [1, 2, 3], text
+    assert all(e["data"]["sandbox"] == s.sandbox.status for e, s in zip(steps, repair.steps))
+    assert [e["time"] for e in events if e["time"]] == sorted(e["time"] for e in events if e["time"])
 
 
 @pytest.mark.slow
@@ -286,6 +325,16 @@ def test_generator_waits_out_a_coordinator_restart_and_a_hung_generator_is_resta
     assert [r["step"] for r in records] == list(range(1, 41))
     assert len(trained) == len(set(trained)), "a trajectory was trained twice"
     no_processes_left(run_dir)
+    # What the hung gen-0 held was issued again, when its lease ran out or (sooner, when the
+    # restart beat the lease) when its successor first synced; the trace says which.
+    from hpcrl.rl.events import LEASES_NAME, read_jsonl
+
+    lost = [(r.get("expired", {}).get("gen-0"), r.get("orphaned")) for r in read_jsonl(run_dir / LEASES_NAME)]
+    expired, orphaned = next((e or o) for e, o in lost if e or o), any(o for _, o in lost)
+    tr = hpcrl("traj", "trace", str(run_dir), str(expired[0]))
+    text = finish(tr, 300)
+    said = "gen-0 restarted: its previous process held it" if orphaned else "gen-0 went silent past the lease"
+    assert tr.returncode == 0 and said in text and text.count("leased to gen-0") == 2, text
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ VERBS = (
     "status",
     "cancel",
     "logs",
+    "plot",
     "traj",
     "chaos",
     "sandbox",

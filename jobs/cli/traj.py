@@ -5,8 +5,10 @@
     hpcrl traj verify runs/... [--repair]                       # exit 1 if any segment/manifest is bad
     hpcrl traj export runs/... -o trajs.jsonl                   # one JSON object per trajectory
     hpcrl traj synth /tmp/store --count 1000 --seed 1          # prints "acked <total>" after each flush
+    hpcrl traj trace runs/... 12                                # episode 12's life: leased, steps, stored, trained
 
-RUN_OR_DIR is a run directory (its `trajectories/` store is used) or a store directory.
+RUN_OR_DIR is a run directory (its `trajectories/` store is used) or a store directory; `trace`
+needs a run directory or a run id under config.yaml's run_root (rl/trace.py says what it joins).
 `synth` writes through the real ShardWriter, so it doubles as a benchmark load and a fault
 drill: every total it prints is durable, whatever happens to the process afterwards.
 Exit codes: 0 ok, 1 verify found damage, 2 bad input.
@@ -46,6 +48,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = store_cmd("export", "write every verified trajectory as JSON lines")
     q.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     q.set_defaults(func=run_export)
+    q = verbs.add_parser(
+        "trace",
+        help="one trajectory's life: leased, each step, stored where, trained or dropped and why",
+        description="One trajectory's life from the run's records: leased to which generator, each step, "
+        "the shard that stores it, the learner step that trained it or dropped it and why.",
+    )
+    q.add_argument("path", metavar="RUN", help="run directory, or a run id under the config's run_root")
+    q.add_argument("id", help="episode number (every attempt) or trajectory id run/generator/episode")
+    q.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    q.add_argument("--json", action="store_true", help="one JSON object: events and stored copies")
+    q.set_defaults(func=run_trace)
     q = verbs.add_parser(
         "synth",
         help="write N synthetic trajectories through the real writer",
@@ -243,6 +256,30 @@ def run_verify(args: argparse.Namespace) -> int:
     )
     _emit(args, {"ok": ok, "shards": report}, lines)
     return 0 if ok else 1
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    import time
+    from dataclasses import asdict
+
+    from hpcrl.jobs.cli.status import resolve_run_dir
+    from hpcrl.rl.trace import TraceError, trace
+
+    run_dir = resolve_run_dir(args.path, args.config)
+    try:
+        events, stored = trace(run_dir, args.id)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"events": [asdict(e) for e in events], "stored": [asdict(c) for c in stored]}, indent=1))
+        return 0
+    t0 = next((e.time for e in events if e.time), 0.0)
+    head = ", ".join(f"{c.id} ({c.domain} task {c.task})" for c in stored) or "not in the store"
+    print(f"episode {events[0].episode}: {head}")
+    for e in events:
+        when = f"{time.strftime('%H:%M:%S', time.localtime(e.time))} +{e.time - t0:8.3f}s" if e.time else " " * 19
+        print(f"  {when}  {e.detail}")
+    return 0
 
 
 def run_export(args: argparse.Namespace) -> int:

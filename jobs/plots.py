@@ -1,0 +1,319 @@
+"""`hpcrl plot RUN`'s pictures: reward per domain, throughput, staleness and where each
+component's time went, as PNGs in RUN/plots/, from the run's own records.
+
+    paths, summary = write_plots(run_dir)          # RUN/plots/{reward,throughput,staleness,utilisation}.png
+    ivs = learner_intervals(raw_metrics_rows)       # [Interval(start, end, {state: seconds})] from metrics.jsonl
+    ivs = generator_intervals(timeline_samples)     # {generator: [Interval]} from coordinator/timeline.jsonl
+    fractions = binned(ivs, STATES, t0, t1, bins)   # [{state: share of the bin}] for a stack plot
+
+The learner's timeline comes from its per-step report (metrics.jsonl): between two reports it
+trained for `step_s`, gathered weights for the generators for `publish_s`, checkpointed for
+`checkpoint_s` and waited for a batch for `wait_s`; the rest (reading and assembling the batch,
+reporting) is "other". The first report's interval starts at the coordinator's start, and what
+its parts leave is "starting" (model and DeepSpeed set-up). A restarted learner's gap (from its
+last report to its new life's first) is "down". A generator's
+timeline comes from the coordinator's samples of its cumulative counters (busy_s sampling,
+weights_s loading weights, source_s coordinating, env_wait_s waiting on environment steps with
+nothing to decode, idle_s with no episode to run, wall_s inside its loop); the difference of two
+samples is one interval (the first sample's reaches back to the loop's start), and a counter
+that went down means the generator restarted, so the new value is all there is of that
+interval. Time outside a generator's loop is "down". Backfill lending is not live yet (issue
+12), so no state "lent" appears.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.rl.coordinator import METRICS_NAME
+from hpcrl.rl.events import TIMELINE_NAME, read_jsonl
+
+__all__ = [
+    "Interval",
+    "LEARNER_STATES",
+    "GENERATOR_STATES",
+    "learner_intervals",
+    "generator_intervals",
+    "binned",
+    "shares",
+    "write_plots",
+]
+
+LEARNER_STATES = ("training", "syncing weights", "checkpointing", "waiting for data", "other", "starting", "down")
+GENERATOR_STATES = ("generating", "syncing weights", "coordination", "waiting for sandbox", "idle", "other", "down")
+_COUNTERS = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # rl/generator.py GeneratorStats
+_COLOURS = {
+    "training": "tab:green",
+    "generating": "tab:green",
+    "syncing weights": "tab:blue",
+    "checkpointing": "tab:purple",
+    "coordination": "tab:orange",
+    "waiting for sandbox": "tab:pink",
+    "idle": "tab:red",
+    "waiting for data": "tab:red",
+    "other": "lightgrey",
+    "starting": "dimgrey",
+    "down": "black",
+}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A stretch of one component's time and how it was spent: seconds per state, summing to
+    end - start. The records say how much of each, not in which order, so a plot spreads each
+    state evenly over its interval."""
+
+    start: float  # unix seconds
+    end: float
+    parts: dict[str, float]
+
+
+def _interval(t0: float, t1: float, parts: Sequence[tuple[str, float]], rest: str) -> Interval:
+    """[t0, t1] with the named parts (each clipped to what is left, in order) and `rest` the remainder."""
+    out: dict[str, float] = {}
+    left = t1 - t0
+    for state, secs in parts:
+        d = min(max(0.0, float(secs)), left)
+        if d > 0:
+            out[state] = out.get(state, 0.0) + d
+            left -= d
+    if left > 0:
+        out[rest] = out.get(rest, 0.0) + left
+    return Interval(t0, t1, out)
+
+
+def learner_intervals(rows: Sequence[dict], started_at: float | None = None) -> list[Interval]:
+    """The learner's timeline from metrics.jsonl rows in file order (restarted steps included)."""
+    rows = [r for r in rows if isinstance(r.get("time"), (int, float))]
+    if not rows:
+        return []
+    if started_at is None:
+        r0 = rows[0]
+        started_at = float(r0["time"]) - float(r0.get("elapsed_s", 0.0))
+    out: list[Interval] = []
+    prev_t, prev_life = started_at, rows[0].get("life", 1)
+    for n, r in enumerate(rows):
+        t = float(r["time"])
+        if t <= prev_t:
+            continue
+        parts = [
+            ("waiting for data", r.get("wait_s", 0.0)),
+            ("checkpointing", r.get("checkpoint_s", 0.0)),
+            ("training", r.get("step_s", 0.0)),
+            ("syncing weights", r.get("publish_s", 0.0)),
+        ]
+        if r.get("life", 1) != prev_life:
+            # A new life: what it spent on this step is at the end of the gap; the rest was down.
+            busy = min(t - prev_t, sum(max(0.0, float(s)) for _, s in parts))
+            out.append(_interval(prev_t, t - busy, [], "down"))
+            out.append(_interval(t - busy, t, parts, "other"))
+        else:  # before the first step, what is not accounted for is loading the model and engine
+            out.append(_interval(prev_t, t, parts, "starting" if n == 0 else "other"))
+        prev_t, prev_life = t, r.get("life", 1)
+    return [iv for iv in out if iv.end > iv.start]
+
+
+def generator_intervals(samples: Iterable[dict]) -> dict[str, list[Interval]]:
+    """Each generator's timeline from coordinator/timeline.jsonl samples in file order."""
+    last: dict[str, tuple[float, dict]] = {}
+    out: dict[str, list[Interval]] = {}
+    for s in samples:
+        if not isinstance(s.get("t"), (int, float)) or not isinstance(s.get("gens"), dict):
+            continue
+        for name, c in s["gens"].items():
+            if not isinstance(c, dict):
+                continue
+            cur = {k: float(c.get(k, 0.0)) for k in _COUNTERS}  # an older run lacks the newer counters: 0
+            t = float(c.get("seen", s["t"]))  # when the counters were reported
+            # A generator's first sample covers its loop from the start (its counters began at 0).
+            t_prev, prev = last.get(name, (t - cur["wall_s"], dict.fromkeys(_COUNTERS, 0.0)))
+            if t <= t_prev:
+                continue  # no sync since the last sample
+            last[name] = (t, cur)
+            restarted = cur["wall_s"] < prev["wall_s"]
+            d = {k: cur[k] if restarted else cur[k] - prev[k] for k in cur}
+            parts = [
+                ("generating", d["busy_s"]),
+                ("syncing weights", d["weights_s"]),
+                ("coordination", d["source_s"]),
+                ("waiting for sandbox", d["env_wait_s"]),
+                ("idle", d["idle_s"]),
+            ]
+            loop_s = min(t - t_prev, max(0.0, d["wall_s"]))
+            other = loop_s - sum(max(0.0, x) for _, x in parts)  # in the loop: environment steps, bookkeeping
+            out.setdefault(name, []).append(_interval(t_prev, t, [*parts, ("other", other)], "down"))
+    return out
+
+
+def binned(ivs: Sequence[Interval], states: Sequence[str], t0: float, t1: float, bins: int) -> list[dict[str, float]]:
+    """Per bin of [t0, t1], the share of the bin each state covers (bins with no record sum to < 1)."""
+    width = (t1 - t0) / bins if t1 > t0 and bins > 0 else 0.0
+    out = [dict.fromkeys(states, 0.0) for _ in range(bins if width > 0 else 0)]
+    for iv in ivs:
+        span = iv.end - iv.start
+        if width <= 0 or span <= 0:
+            continue
+        b = max(0, int((iv.start - t0) // width))
+        while b < bins:
+            lo, hi = t0 + b * width, t0 + (b + 1) * width
+            if lo >= iv.end:
+                break
+            overlap = min(hi, iv.end) - max(lo, iv.start)
+            if overlap > 0:
+                for state, secs in iv.parts.items():
+                    if state in out[b]:
+                        out[b][state] += overlap * secs / span / width
+            b += 1
+    return out
+
+
+def shares(ivs: Sequence[Interval]) -> dict[str, float]:
+    """Each state's share of the whole timeline."""
+    total = sum(iv.end - iv.start for iv in ivs)
+    out: dict[str, float] = {}
+    for iv in ivs:
+        for state, secs in iv.parts.items():
+            out[state] = out.get(state, 0.0) + secs / total
+    return out
+
+
+def _raw_metrics(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / METRICS_NAME) if isinstance(r.get("step"), int)]
+
+
+def _max_staleness(run_dir: Path) -> int | None:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.resolved.yaml").read_text())
+        return int(cfg["learner"]["max_staleness"])
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+
+
+def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
+    """Write RUN/plots/*.png; returns (paths, summary). ValueError if the run has no step yet."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpcrl.jobs.report import read_metrics, write_reward_png
+
+    run_dir = Path(run_dir)
+    raw = _raw_metrics(run_dir)
+    rows = read_metrics(run_dir)  # one row per step, the last report of each
+    if not rows:
+        raise ValueError(f"{run_dir / METRICS_NAME}: no learner step recorded yet; plot once the run has trained")
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    paths = [write_reward_png(run_dir, out_dir / "reward.png")]
+    t_start = float(raw[0]["time"]) - float(raw[0].get("elapsed_s", 0.0))
+    minutes = [(float(r["time"]) - t_start) / 60 for r in rows]
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    ax.plot(minutes, [r.get("traj_per_s", 0.0) for r in rows], color="tab:green", label="generated (coordinator)")
+    trained = [sum((r.get("staleness_hist") or {}).values()) for r in rows]
+    ax.plot(minutes, _rate(rows, trained), color="tab:blue", label="trained (learner, 10-step mean)")
+    ax.set_xlabel("minutes since the run started")
+    ax.set_ylabel("trajectories per second")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{run_dir.name}: throughput")
+    paths.append(_save(fig, out_dir / "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r.get("staleness_max", 0) for r in rows], color="tab:red", lw=1, label="oldest trained")
+    ax.plot(steps, [_mean_staleness(r) for r in rows], color="tab:orange", lw=1, label="mean trained")
+    bound = _max_staleness(run_dir)
+    if bound is not None:
+        ax.axhline(bound, color="black", ls="--", lw=1, label=f"bound (learner.max_staleness {bound})")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("staleness (policy versions behind)")
+    ax.set_ylim(bottom=0)
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r.get("dropped_stale", 0) for r in rows], color="grey", lw=1, ls=":", label="dropped as stale")
+    ax2.set_ylabel("trajectories dropped as stale (cumulative)")
+    ax2.set_ylim(bottom=0, top=max(1, max(r.get("dropped_stale", 0) for r in rows)) * 1.05)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{run_dir.name}: staleness")
+    paths.append(_save(fig, out_dir / "staleness.png"))
+
+    timelines = {"learner": (learner_intervals(raw, t_start), LEARNER_STATES)}
+    gens = generator_intervals(read_jsonl(run_dir / TIMELINE_NAME))
+    if len(gens) > 12:  # too many rows to read: one row of all generators together
+        timelines["generators"] = ([iv for ivs in gens.values() for iv in ivs], GENERATOR_STATES)
+    else:
+        timelines |= {g: (ivs, GENERATOR_STATES) for g, ivs in sorted(gens.items())}
+    paths.append(_utilisation_png(plt, run_dir, timelines, t_start, out_dir / "utilisation.png"))
+    summary = {
+        "steps": len(rows),
+        "last_step": rows[-1]["step"],
+        "minutes": round(minutes[-1], 2),
+        "share": {n: {k: round(v, 4) for k, v in shares(ivs).items()} for n, (ivs, _) in timelines.items() if ivs},
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    return paths, summary
+
+
+def _rate(rows: Sequence[dict], counts: Sequence[float], window: int = 10) -> list[float]:
+    """Per row, counts per second over the last `window` steps (the first row has no interval)."""
+    out = [0.0]
+    for i in range(1, len(rows)):
+        j = max(0, i - window)
+        dt = float(rows[i]["time"]) - float(rows[j]["time"])
+        out.append(sum(counts[j + 1 : i + 1]) / dt if dt > 0 else 0.0)
+    return out
+
+
+def _mean_staleness(row: dict) -> float:
+    hist = row.get("staleness_hist") or {}
+    n = sum(hist.values())
+    return sum(int(k) * v for k, v in hist.items()) / n if n else 0.0
+
+
+def _utilisation_png(plt, run_dir: Path, timelines: dict, t0: float, out: Path) -> Path:
+    t1 = max((iv.end for ivs, _ in timelines.values() for iv in ivs), default=t0 + 1)
+    bins = 120
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.3 + 1.1 * len(timelines)), dpi=100, sharex=True)
+    axes = [axes] if len(timelines) == 1 else list(axes)
+    xs = [(t0 + (b + 0.5) * (t1 - t0) / bins - t0) / 60 for b in range(bins)]
+    for ax, (name, (ivs, states)) in zip(axes, timelines.items()):
+        frac = binned(ivs, states, t0, t1, bins)
+        if name == "generators":  # several timelines summed into one row: shares of their sum
+            frac = [{k: v / max(1e-9, sum(f.values())) for k, v in f.items()} for f in frac]
+        ax.stackplot(
+            xs, *[[f[s] for f in frac] for s in states], labels=states, colors=[_COLOURS[s] for s in states], step="mid"
+        )
+        ax.set_ylim(0, 1)
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
+        ax.set_yticks([0, 1])
+    axes[-1].set_xlabel("minutes since the run started")
+    handles: dict = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    labels = list(handles)
+    axes[0].set_title(f"{run_dir.name}: where each component's time went", fontsize=10)
+    fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    return _save(fig, out, tight=False)
+
+
+def _save(fig, out: Path, tight: bool = True) -> Path:
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

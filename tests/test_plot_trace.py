@@ -1,0 +1,123 @@
+"""`hpcrl plot`'s timelines and `hpcrl traj trace`'s joins, on records written here by hand the way
+the components write them; tests/test_run.py runs both commands on real finished runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpcrl.jobs.plots import binned, generator_intervals, learner_intervals, shares
+from hpcrl.rl.events import LEASES_NAME, JsonLines, read_jsonl
+from hpcrl.rl.trace import TraceError, parse_ident, trace
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) < 1e-9
+
+
+def test_learner_timeline_accounts_every_second_between_reports():
+    rows = [
+        {"step": 1, "time": 110.0, "elapsed_s": 10.0, "wait_s": 2.0, "step_s": 1.0, "publish_s": 0.5, "life": 1},
+        {"step": 2, "time": 112.0, "wait_s": 0.5, "step_s": 1.0, "checkpoint_s": 0.25, "life": 1},
+        # The learner died after step 2 and its next life reported step 3 at 130 s.
+        {"step": 3, "time": 130.0, "wait_s": 1.0, "step_s": 1.0, "life": 2},
+    ]
+    ivs = learner_intervals(rows)
+    assert ivs[0].start == 100.0  # the first report reaches back to the run's start (time - elapsed_s)
+    assert ivs[0].parts == {"waiting for data": 2.0, "training": 1.0, "syncing weights": 0.5, "starting": 6.5}
+    assert ivs[1].parts == {"waiting for data": 0.5, "checkpointing": 0.25, "training": 1.0, "other": 0.25}
+    # The new life's gap: what it spent on step 3 is at the end, the rest is down.
+    assert (ivs[2].start, ivs[2].end, ivs[2].parts) == (112.0, 128.0, {"down": 16.0})
+    assert ivs[3].parts == {"waiting for data": 1.0, "training": 1.0}
+    for iv in ivs:
+        assert _close(sum(iv.parts.values()), iv.end - iv.start)
+    assert _close(sum(shares(ivs).values()), 1.0)
+
+
+def test_learner_parts_never_exceed_their_interval():
+    # Clock skew or a report written late: the parts are clipped, never negative time.
+    rows = [{"step": 1, "time": 10.0, "elapsed_s": 1.0, "wait_s": 5.0, "step_s": 5.0}]
+    (iv,) = learner_intervals(rows)
+    assert iv.parts == {"waiting for data": 1.0}
+
+
+def test_generator_timeline_from_cumulative_samples_with_a_restart():
+    samples = [
+        {"t": 20, "gens": {"gen-0": {"wall_s": 10, "busy_s": 4, "idle_s": 3, "seen": 20}}},
+        {"t": 30, "gens": {"gen-0": {"wall_s": 20, "busy_s": 9, "idle_s": 3, "env_wait_s": 2, "seen": 30}}},
+        {"t": 35, "gens": {"gen-0": {"wall_s": 20, "busy_s": 9, "idle_s": 3, "env_wait_s": 2, "seen": 30}}},
+        # Restarted at ~46 s: its counters start again from 0.
+        {"t": 50, "gens": {"gen-0": {"wall_s": 4, "busy_s": 1, "seen": 50}}},
+        {"t": 60, "torn": True},
+        "not a record",
+    ]
+    ivs = generator_intervals([s for s in samples if isinstance(s, dict)])["gen-0"]
+    # The first sample reaches back to the loop's start; an unchanged `seen` adds nothing.
+    assert [(iv.start, iv.end) for iv in ivs] == [(10, 20), (20, 30), (30, 50)]
+    assert ivs[0].parts == {"generating": 4, "idle": 3, "other": 3}
+    assert ivs[1].parts == {"generating": 5, "waiting for sandbox": 2, "other": 3}
+    assert ivs[2].parts == {"generating": 1, "other": 3, "down": 16}
+    frac = binned(ivs, ("generating", "waiting for sandbox", "idle", "other", "down"), 10, 50, 4)
+    assert all(_close(sum(f.values()), 1.0) for f in frac)  # every bin of [10, 50] is covered
+    assert _close(frac[0]["generating"], 0.4) and _close(frac[3]["down"], 0.8)
+
+
+def test_binned_leaves_unrecorded_time_empty():
+    ivs = learner_intervals([{"step": 1, "time": 20.0, "elapsed_s": 10.0, "step_s": 10.0}])
+    frac = binned(ivs, ("training", "starting"), 0.0, 20.0, 2)
+    assert _close(sum(frac[0].values()), 0.0) and _close(frac[1]["training"], 1.0)
+
+
+@pytest.mark.parametrize(
+    "ident,parsed",
+    [("12", (12, None)), ("gen-0/12", (12, "gen-0/12")), ("r1/gen-0/12", (12, "r1/gen-0/12"))],
+)
+def test_parse_ident(ident, parsed):
+    assert parse_ident(ident) == parsed
+
+
+@pytest.mark.parametrize("ident", ["", "x", "r1/gen-0/x", "-3", "a/b/c/4", "r1//4"])
+def test_parse_ident_refuses_what_is_no_id(ident):
+    with pytest.raises(TraceError, match="is not a trajectory id"):
+        parse_ident(ident)
+
+
+def test_trace_joins_leases_and_the_audit_log(tmp_path):
+    """An episode leased to gen-0, lost when gen-0 went silent, finished by gen-1 and trained in a
+    step a later learner life redid: every event, in time order, the redone step marked."""
+    log = JsonLines(tmp_path / LEASES_NAME)
+    log.write({"t": 1.0, "g": "gen-0", "leased": [[7, 0], [8, 0]]})
+    log.write({"t": 5.0, "expired": {"gen-0": [7, 8]}})
+    log.write({"t": 6.0, "g": "gen-1", "leased": [[7, 1]]})
+    log.write({"t": 7.0, "g": "gen-1", "done": [7], "released": [8]})
+    log.close()
+    (tmp_path / "learner").mkdir()
+    audit = [
+        {"life": 1, "resumed_step": 0, "version": 0, "time": 0.5},
+        {"life": 1, "step": 1, "version": 1, "trained": ["r/gen-1/7"], "dropped": [], "time": 8.0},
+        {"life": 2, "resumed_step": 0, "version": 1, "time": 9.0},
+        {"life": 2, "step": 1, "version": 2, "trained": [], "dropped": ["r/gen-1/7"], "dropped_why": ["stale"]},
+    ]
+    (tmp_path / "learner" / "trained.jsonl").write_text("".join(json.dumps(a) + "\n" for a in audit))
+    events, stored = trace(tmp_path, "7")
+    assert stored == []  # no store in this run directory
+    assert [e.what for e in events] == ["leased", "expired", "leased", "done", "trained", "dropped"]
+    assert events[0].detail == "leased to gen-0 (attempt 0)" and events[2].generator == "gen-1"
+    assert "superseded" in events[4].detail and events[4].data["superseded"]
+    assert "stale: more than learner.max_staleness" in events[5].detail and not events[5].data["superseded"]
+    assert events[5].time == 0.0  # an audit record without a time goes last
+    # One trajectory id: gen-0's leases are another attempt's, not this trajectory's.
+    events, _ = trace(tmp_path, "gen-1/7")
+    assert [e.what for e in events] == ["leased", "done", "trained", "dropped"]
+    assert [e.what for e in trace(tmp_path, "8")[0]] == ["leased", "expired", "released"]
+    with pytest.raises(TraceError, match="no record of '9'"):
+        trace(tmp_path, "9")
+
+
+def test_a_torn_lease_line_is_skipped(tmp_path):
+    path = tmp_path / LEASES_NAME
+    path.parent.mkdir()
+    path.write_text('{"t": 1, "g": "gen-0", "leased": [[1, 0]]}\n{"t": 2, "g": "gen-0", "do')
+    assert list(read_jsonl(path)) == [{"t": 1, "g": "gen-0", "leased": [[1, 0]]}]
+    assert [e.what for e in trace(tmp_path, "1")[0]] == ["leased"]

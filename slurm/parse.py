@@ -110,6 +110,22 @@ def _expand_one(item: str) -> list[str]:
     return out
 
 
+def expand_array_ids(job_id: str) -> list[str]:
+    """sacct's row for a job array whose tasks have not started yet, `123_[0-3%2]`, as the task ids
+    ['123_0', ..., '123_3'] (the `%2` throttle dropped); any other id as itself."""
+    m = re.fullmatch(r"(\d+)_\[([^\]]*)\]", job_id.strip())
+    if not m:
+        return [job_id.strip()]
+    base, spec = m.group(1), m.group(2).split("%", 1)[0]
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise SlurmParseError(f"not a job array id: {job_id!r}")
+        out.extend(f"{base}_{n}" for n in range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def parse_duration_s(text: str) -> int | None:
     """Slurm durations (`[days-]hours:minutes:seconds`, `minutes:seconds`, `minutes`) to seconds.
 

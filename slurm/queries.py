@@ -11,6 +11,7 @@ status` build on these.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 
@@ -102,6 +103,9 @@ class JobRecord:
     nodes: tuple[str, ...]
     start: dt.datetime | None
     end: dt.datetime | None
+    submit: dt.datetime | None = None  # a requeued life's Submit is when it was requeued
+    cpus: int = 0  # AllocCPUS: over all its nodes; 0 until it starts
+    gpus: int = 0  # gres/gpu of AllocTRES, over all its nodes
 
 
 def nodes() -> list[NodeState]:
@@ -200,41 +204,82 @@ def expected_start(sbatch_args: list[str], script: str | None = None) -> parse.T
     return parse.parse_test_only(out.stderr + "\n" + out.stdout)
 
 
-_SACCT_FIELDS = ("job_id", "partition", "state", "exit_code", "elapsed", "start", "end", "nodelist", "name")
+SACCT_FIELDS = (
+    "job_id",
+    "partition",
+    "state",
+    "exit_code",
+    "elapsed",
+    "submit",
+    "start",
+    "end",
+    "alloc_cpus",
+    "alloc_tres",
+    "nodelist",
+    "name",
+)
+_SACCT_FORMAT = "JobID,Partition,State,ExitCode,Elapsed,Submit,Start,End,AllocCPUS,AllocTRES,NodeList,JobName"
+
+
+def record_from_row(row: dict[str, str]) -> JobRecord:
+    """One row of `parse_delimited(sacct output, SACCT_FIELDS)` as a JobRecord (pure)."""
+    state, by = parse.split_state(row["state"])
+    code, sig = parse.parse_exit_code(row["exit_code"])
+    return JobRecord(
+        job_id=row["job_id"],
+        name=row["name"],
+        partition=row["partition"],
+        state=state,
+        cancelled_by=by,
+        exit_code=code,
+        signal=sig,
+        elapsed_s=parse.parse_duration_s(row["elapsed"]),
+        nodes=tuple(parse.expand_hostlist(row["nodelist"]) if row["nodelist"] != "None assigned" else ()),
+        start=parse.parse_timestamp(row["start"]),
+        end=parse.parse_timestamp(row["end"]),
+        submit=parse.parse_timestamp(row["submit"]),
+        cpus=int(row["alloc_cpus"] or 0),
+        gpus=parse.gpus_in_tres(row["alloc_tres"]),
+    )
+
+
+def _sacct(job_ids, *flags: str) -> list[JobRecord]:
+    argv = ["sacct", "-X", *flags, "-n", "-P", "-j", ",".join(job_ids), "-o", _SACCT_FORMAT]
+    # A user's SLURM_TIME_FORMAT (relative, or a strftime of their own) would change the
+    # timestamps parse_timestamp reads; "standard" is ISO 8601 whatever their shell sets.
+    out = run_slurm(argv, env={"SLURM_TIME_FORMAT": "standard"})
+    return [record_from_row(r) for r in parse.parse_delimited(out.stdout, SACCT_FIELDS)]
 
 
 def job_records(job_ids: list[str] | tuple[str, ...]) -> dict[str, JobRecord]:
-    """Accounting records (`sacct -X`) by job id. Jobs accounting has not seen yet are absent."""
+    """Accounting records (`sacct -X`) by job id, a requeued job's latest life. Jobs accounting
+    has not seen yet are absent."""
     if not job_ids:
         return {}
-    argv = [
-        "sacct",
-        "-X",
-        "-n",
-        "-P",
-        "-j",
-        ",".join(job_ids),
-        "-o",
-        "JobID,Partition,State,ExitCode,Elapsed,Start,End,NodeList,JobName",
-    ]
-    result = {}
-    for r in parse.parse_delimited(run_slurm(argv).stdout, _SACCT_FIELDS):
-        state, by = parse.split_state(r["state"])
-        code, sig = parse.parse_exit_code(r["exit_code"])
-        result[r["job_id"]] = JobRecord(
-            job_id=r["job_id"],
-            name=r["name"],
-            partition=r["partition"],
-            state=state,
-            cancelled_by=by,
-            exit_code=code,
-            signal=sig,
-            elapsed_s=parse.parse_duration_s(r["elapsed"]),
-            nodes=tuple(parse.expand_hostlist(r["nodelist"]) if r["nodelist"] != "None assigned" else ()),
-            start=parse.parse_timestamp(r["start"]),
-            end=parse.parse_timestamp(r["end"]),
-        )
-    return result
+    return {r.job_id: r for r in _sacct(job_ids)}
+
+
+def job_history(job_ids: list[str] | tuple[str, ...]) -> list[JobRecord]:
+    """Every life of these jobs (`sacct -X -D`: a requeued job's earlier lives too), in sacct's
+    order, for the ids asked only. sacct lists a job array whose tasks have not started as one
+    row `123_[0-3]`, which `-j 123_0` does not find: array tasks are asked by their array's id
+    too, and such a row becomes one record per task."""
+    if not job_ids:
+        return []
+    arrays = {j.split("_", 1)[0] for j in job_ids if "_" in j}
+    return select_lives(_sacct(sorted(set(job_ids) | arrays), "-D"), job_ids)
+
+
+def select_lives(records: list[JobRecord], job_ids: list[str] | tuple[str, ...]) -> list[JobRecord]:
+    """The records of `job_ids` among those sacct gave (pure): a pending array's `123_[0-3]` row
+    becomes one record per asked task, other tasks and jobs are left out."""
+    wanted = set(job_ids)
+    out = []
+    for rec in records:
+        for jid in parse.expand_array_ids(rec.job_id):
+            if jid in wanted:
+                out.append(rec if jid == rec.job_id else dataclasses.replace(rec, job_id=jid))
+    return out
 
 
 def show_job(job_id: str) -> dict[str, str] | None:

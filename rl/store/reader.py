@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.store.columns import ARRAY_NAMES, Columns
 from hpcrl.rl.store.layout import SegmentError, SegmentInfo, ShardState, list_shards, parse_segment_name, read_segment
 from hpcrl.rl.trajectory import Trajectory
 
@@ -92,12 +92,15 @@ def _segments_of(state: ShardState) -> list[_Seg]:
     return [_Seg(*parse_segment_name(n), n, None) for n in state.segment_names]
 
 
-def iter_segments(store: Path, on_error=None) -> Iterator[tuple[ShardState, str, Columns]]:
-    """Every readable segment of every shard, verified; `on_error(shard, name, reason)` for the rest."""
+def iter_segments(
+    store: Path, on_error=None, fields: tuple[str, ...] = ARRAY_NAMES
+) -> Iterator[tuple[ShardState, str, Columns]]:
+    """Every readable segment of every shard, verified; `on_error(shard, name, reason)` for the rest.
+    With `fields` a subset (e.g. ("traj", "steps")) only those arrays are read and checked."""
     for state in list_shards(store):
         for seg in _segments_of(state):
             try:
-                yield state, seg.name, read_segment(state.path / seg.name, seg.expect)
+                yield state, seg.name, read_segment(state.path / seg.name, seg.expect, fields)
             except SegmentError as exc:
                 if on_error:
                     on_error(state, seg.name, str(exc))

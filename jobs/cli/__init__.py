@@ -31,6 +31,7 @@ VERBS = (
     "cancel",
     "logs",
     "plot",
+    "report",
     "traj",
     "chaos",
     "sandbox",

@@ -15,10 +15,11 @@ last report to its new life's first) is "down". A generator's
 timeline comes from the coordinator's samples of its cumulative counters (busy_s sampling,
 weights_s loading weights, source_s coordinating, env_wait_s waiting on environment steps with
 nothing to decode, idle_s with no episode to run, wall_s inside its loop); the difference of two
-samples is one interval (the first sample's reaches back to the loop's start), and a counter
-that went down means the generator restarted, so the new value is all there is of that
-interval. Time outside a generator's loop is "down". Backfill lending is not live yet (issue
-12), so no state "lent" appears.
+samples is one interval (the first sample's reaches back to the loop's start); when the
+sample's `life` changed (or, in an older run, a counter went down) the generator restarted, so
+the interval is down until the new process's loop began and its counters are all there is.
+Time outside a generator's loop is "down". Backfill lending is not live yet (issue 12), so no
+state "lent" appears.
 """
 
 from __future__ import annotations
@@ -130,11 +131,13 @@ def generator_intervals(samples: Iterable[dict]) -> dict[str, list[Interval]]:
             cur = {k: float(c.get(k, 0.0)) for k in _COUNTERS}  # an older run lacks the newer counters: 0
             t = float(c.get("seen", s["t"]))  # when the counters were reported
             # A generator's first sample covers its loop from the start (its counters began at 0).
-            t_prev, prev = last.get(name, (t - cur["wall_s"], dict.fromkeys(_COUNTERS, 0.0)))
+            life = c.get("life")
+            t_prev, prev, prev_life = last.get(name, (t - cur["wall_s"], dict.fromkeys(_COUNTERS, 0.0), life))
             if t <= t_prev:
                 continue  # no sync since the last sample
-            last[name] = (t, cur)
-            restarted = cur["wall_s"] < prev["wall_s"]
+            last[name] = (t, cur, life)
+            # A new process: its life id changed (an older run's records have none: its counters went down).
+            restarted = life != prev_life or cur["wall_s"] < prev["wall_s"]
             d = {k: cur[k] if restarted else cur[k] - prev[k] for k in cur}
             parts = [
                 ("generating", d["busy_s"]),
@@ -145,8 +148,12 @@ def generator_intervals(samples: Iterable[dict]) -> dict[str, list[Interval]]:
             ]
             loop_s = min(t - t_prev, max(0.0, d["wall_s"]))
             other = loop_s - sum(max(0.0, x) for _, x in parts)  # in the loop: environment steps, bookkeeping
-            out.setdefault(name, []).append(_interval(t_prev, t, [*parts, ("other", other)], "down"))
-    return out
+            ivs = out.setdefault(name, [])
+            if restarted:  # down until the new process's loop began, then what it did
+                ivs.append(_interval(t_prev, t - loop_s, [], "down"))
+                t_prev = t - loop_s
+            ivs.append(_interval(t_prev, t, [*parts, ("other", other)], "down"))
+    return {n: [iv for iv in ivs if iv.end > iv.start] for n, ivs in out.items()}
 
 
 def binned(ivs: Sequence[Interval], states: Sequence[str], t0: float, t1: float, bins: int) -> list[dict[str, float]]:

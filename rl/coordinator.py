@@ -432,7 +432,7 @@ class Coordinator:
         counters = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # GeneratorStats, cumulative
         gens = {
             n: {k: float(g["stats"][k]) for k in counters if isinstance(g.get("stats", {}).get(k), (int, float))}
-            | {"seen": g["last_seen"]}  # the counters are as of the generator's last sync
+            | {"seen": g["last_seen"], "life": g.get("life")}  # counters as of its last sync, by which process
             for n, g in self.generators.items()
             if not g.get("lost")
         }

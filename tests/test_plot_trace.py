@@ -49,18 +49,22 @@ def test_generator_timeline_from_cumulative_samples_with_a_restart():
         {"t": 35, "gens": {"gen-0": {"wall_s": 20, "busy_s": 9, "idle_s": 3, "env_wait_s": 2, "seen": 30}}},
         # Restarted at ~46 s: its counters start again from 0.
         {"t": 50, "gens": {"gen-0": {"wall_s": 4, "busy_s": 1, "seen": 50}}},
+        # A new life whose counters already passed the old one's at its first sample.
+        {"t": 80, "gens": {"gen-0": {"wall_s": 6, "busy_s": 2, "seen": 80, "life": "b"}}},
         {"t": 60, "torn": True},
         "not a record",
     ]
     ivs = generator_intervals([s for s in samples if isinstance(s, dict)])["gen-0"]
     # The first sample reaches back to the loop's start; an unchanged `seen` adds nothing.
-    assert [(iv.start, iv.end) for iv in ivs] == [(10, 20), (20, 30), (30, 50)]
+    assert [(iv.start, iv.end) for iv in ivs] == [(10, 20), (20, 30), (30, 46), (46, 50), (50, 74), (74, 80)]
+    assert ivs[4].parts == {"down": 24} and ivs[5].parts == {"generating": 2, "other": 4}
+    ivs = ivs[:4]
     assert ivs[0].parts == {"generating": 4, "idle": 3, "other": 3}
     assert ivs[1].parts == {"generating": 5, "waiting for sandbox": 2, "other": 3}
-    assert ivs[2].parts == {"generating": 1, "other": 3, "down": 16}
+    assert ivs[2].parts == {"down": 16} and ivs[3].parts == {"generating": 1, "other": 3}
     frac = binned(ivs, ("generating", "waiting for sandbox", "idle", "other", "down"), 10, 50, 4)
     assert all(_close(sum(f.values()), 1.0) for f in frac)  # every bin of [10, 50] is covered
-    assert _close(frac[0]["generating"], 0.4) and _close(frac[3]["down"], 0.8)
+    assert _close(frac[0]["generating"], 0.4) and _close(frac[3]["down"], 0.6) and _close(frac[3]["generating"], 0.1)
 
 
 def test_binned_leaves_unrecorded_time_empty():

@@ -10,5 +10,7 @@ submitit executor (the one translation); `boot` is the first thing every job's p
 and restarts what dies, locally (`LocalRun`) and on Slurm (`SupervisorComponent`), deciding as
 `restarts` says (budgets that refill, backoff, hangs from heartbeats); `scripts` renders plain
 sbatch scripts and is the command they run; `rundir` creates run directories; `report` and
-`slurmstatus` are what `hpcrl run` and `hpcrl status` print; `cli/` has one module per verb.
+`slurmstatus` are what `hpcrl run` and `hpcrl status` print, `plots` draws `hpcrl plot`'s
+pictures and `accounting` is `hpcrl report`'s sacct and cost figures; `chaos` is the fault
+drill; `cli/` has one module per verb.
 """

@@ -19,5 +19,7 @@ device, `distenv` its ranks, `checkpoints` which checkpoint to resume from) and
 `learner_service` its loop. `weights` publishes policy
 versions as per-rank shards, `weight_direct` also sends them over torch.distributed; `meter`
 measures busy fractions; `inprocess` runs generator and learner in one process for debugging;
-`synth` makes synthetic trajectories for benchmarks and drills.
+`synth` makes synthetic trajectories for benchmarks and drills. What a run recorded of itself:
+`audit` (the learner's lineage, checked against the store), `events` (the coordinator's lease
+and timeline logs) and `trace` (one trajectory's life, for `hpcrl traj trace`).
 """

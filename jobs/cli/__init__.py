@@ -53,6 +53,17 @@ def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None
         p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
 
 
+def add_run_args(p: argparse.ArgumentParser, dest: str = "run", optional: bool = False, note: str = "") -> None:
+    """RUN (a run directory, or a run id under --config's run_root) and --config, as every verb
+    that reads a run takes them; `jobs.cli.status.resolve_run_dir` turns them into a directory."""
+    help_ = "run directory, or a run id under the config's run_root" + note
+    if optional:
+        p.add_argument(dest, nargs="?", help=help_)
+    else:
+        p.add_argument(dest, metavar="RUN", help=help_)
+    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+
+
 class UsageError(Exception):
     """Bad command-line input that argparse cannot catch; exits 2 with the message."""
 

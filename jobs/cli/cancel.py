@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "cancel", help="cancel every Slurm job of a run", description=__doc__.split("\n\n")[2].replace("\n", " ")
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p)
     p.add_argument("--grace-s", type=float, default=20.0, help="seconds the store writer gets to finalize (default 20)")
     p.set_defaults(func=run)
 

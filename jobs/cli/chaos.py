@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -26,8 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="inject faults into a live run, then check its invariants",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p)
     p.add_argument("--duration", default="30m", help="how long to inject faults, e.g. 30m, 90s (default 30m)")
     p.add_argument("--every", default="60s", help="time between faults, e.g. 60s (default 60s)")
     p.add_argument("--stall", help="how long a stalled component stays stopped (default: longest lease + 5 s)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -20,12 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="print or follow the logs of a Slurm run's components",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
+    add_run_args(p)
     p.add_argument("component", nargs="?", help="store, coordinator, learner, gen-N, sandbox-N or supervisor")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended (Ctrl-C stops)")
     p.add_argument("-n", "--lines", type=int, default=30, help="lines per file without COMPONENT (default 30)")
     p.add_argument("--all", action="store_true", help="also the jobs the component had before its restarts")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
     p.set_defaults(func=run)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -19,8 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write a run's reward, throughput, staleness and utilisation PNGs into RUN/plots/",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object: paths and shares")
     p.set_defaults(func=run)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -23,8 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="GPU-/CPU-hours and queue wait of a run per role and per domain (sacct + the trajectories' costs)",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (roles, total, jobs, domains, rules)")
     p.add_argument("--jobs", action="store_true", help="also list every job life (sacct row) of a Slurm run")
     p.set_defaults(func=run)

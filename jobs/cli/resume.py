@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -24,8 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="continue a run whose launcher or supervisor is gone",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p)
     p.add_argument("--timeout-min", type=float, help="local: give up (exit 1) if not done after this many minutes")
     p.add_argument("--quiet", action="store_true", help="local: no progress line, only the summary")
     p.set_defaults(func=run)

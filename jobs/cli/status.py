@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -24,8 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Summarise RUN: its components' Slurm jobs (one squeue, one sacct) and the "
         "status.json its coordinator writes every second. Without RUN: recent runs.",
     )
-    p.add_argument("run", nargs="?", help="run directory, or a run id under the config's run_root; omit to list runs")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p, optional=True, note="; omit to list runs")
     p.add_argument("--json", action="store_true", help="print one JSON object (with a `components` list)")
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds until Ctrl-C")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch (default 2)")

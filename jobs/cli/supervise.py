@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpcrl.jobs.cli import add_run_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -20,8 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="submit a supervisor job for a Slurm run that has none alive",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
-    p.add_argument("run", help="run directory, or a run id under the config's run_root")
-    p.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
+    add_run_args(p)
     p.set_defaults(func=run)
 
 

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from hpcrl.jobs.cli import UsageError
+from hpcrl.jobs.cli import UsageError, add_run_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,9 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="One trajectory's life from the run's records: leased to which generator, each step, "
         "the shard that stores it, the learner step that trained it or dropped it and why.",
     )
-    q.add_argument("path", metavar="RUN", help="run directory, or a run id under the config's run_root")
+    add_run_args(q, dest="path")
     q.add_argument("id", help="episode number (every attempt) or trajectory id run/generator/episode")
-    q.add_argument("--config", default="config.yaml", help="config whose run_root holds run ids (default config.yaml)")
     q.add_argument("--json", action="store_true", help="one JSON object: events and stored copies")
     q.set_defaults(func=run_trace)
     q = verbs.add_parser(

@@ -106,6 +106,16 @@ class SandboxConfig:
     apptainer_seccomp: bool = spec(
         True, help="pass hpcrl's seccomp profile to apptainer (--security seccomp:, needs Apptainer with libseccomp)"
     )
+    session_dir: str = spec(
+        "/var/tmp/hpcrl-sessions",
+        help="where a sandbox server keeps its sessions' workspaces and snapshots (not under /tmp)",
+        min_len=1,
+    )
+    session_idle_s: float = spec(
+        600.0, help="a session no operation touched for this many seconds is closed and its files removed", gt=0
+    )
+    max_sessions: int = spec(64, help="open sessions per sandbox server; more are refused", ge=1)
+    max_snapshots: int = spec(8, help="snapshots a session may hold at once (each up to its work_mb, on disk)", ge=1)
     ceiling: Limits = spec(
         factory=lambda: Limits(
             wall_s=300.0,

@@ -72,6 +72,7 @@ from hpcrl.sandbox.spec import Limits, SourceFile
 __all__ = ["ApptainerBackend", "ProcessSession", "apptainer_args", "build_args", "build_image", "default_def_file"]
 
 _COPY_SH = 'cp -R /src/. /work/ && exec prlimit "$@"'
+_RUN_SH = 'exec prlimit "$@"'
 _MIB = 1024 * 1024
 
 
@@ -98,8 +99,10 @@ def apptainer_args(
     memory_fallback: str = "address_space",
     reserve_mb: int = 0,
     seccomp_profile: str | None = None,
+    workspace: str | None = None,
 ) -> list[str]:
-    """The arguments after `apptainer` for running `argv` from `src_dir` under `limits`. Pure."""
+    """The arguments after `apptainer` for running `argv` from `src_dir` under `limits`; with
+    `workspace` (a session's host directory) that is bound as /work instead of a scratch copy. Pure."""
     args = [
         "exec",
         "--containall",
@@ -114,11 +117,11 @@ def apptainer_args(
     ]
     if seccomp_profile is not None:
         args += ["--security", f"seccomp:{seccomp_profile}"]
+    work = ["--bind", f"{workspace}:/work"] if workspace is not None else ["--scratch", "/work"]
     args += [
         "--bind",
         f"{src_dir}:/src:ro",
-        "--scratch",
-        "/work",
+        *work,
         "--pwd",
         "/work",
         "--env",
@@ -142,7 +145,9 @@ def apptainer_args(
             f"{limits.cpus:g}",
         ]
     memory = "cgroup" if cgroups else memory_fallback
-    args += [image, "/bin/sh", "-c", _COPY_SH, "sh", *rlimit_args(limits, memory=memory, reserve_mb=reserve_mb)]
+    # A session's workspace already holds its files: nothing to copy in.
+    run_sh = _RUN_SH if workspace is not None else _COPY_SH
+    args += [image, "/bin/sh", "-c", run_sh, "sh", *rlimit_args(limits, memory=memory, reserve_mb=reserve_mb)]
     args += ["--", *argv]
     return args
 
@@ -233,7 +238,13 @@ class ApptainerBackend(Backend):
         return languages()  # the image installs all of them
 
     def _launch(
-        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+        self,
+        files: tuple[SourceFile, ...],
+        argv: tuple[str, ...],
+        limits: Limits,
+        *,
+        reserve_mb: int = 0,
+        workspace: str | None = None,
     ) -> Session:
         # The container runs as this user: the copy is for it alone (0700 directories, 0600 files).
         src = tempfile.mkdtemp(prefix="hpcrl-src-")
@@ -251,6 +262,7 @@ class ApptainerBackend(Backend):
                 memory_fallback=self.memory_fallback,
                 reserve_mb=reserve_mb,
                 seccomp_profile=self._profile,
+                workspace=workspace,
             )
             env = {k: v for k, v in os.environ.items() if k in ("PATH", "APPTAINER_CACHEDIR", "APPTAINER_TMPDIR")}
             return ProcessSession([self.apptainer, *args], limits, env=env, cleanup=[src])

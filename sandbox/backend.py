@@ -271,10 +271,18 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def _launch(
-        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+        self,
+        files: tuple[SourceFile, ...],
+        argv: tuple[str, ...],
+        limits: Limits,
+        *,
+        reserve_mb: int = 0,
+        workspace: str | None = None,
     ) -> Session:
         """Start `argv` in a fresh sandbox with `files` in /work; raise SandboxError if it cannot start.
-        `reserve_mb`: address space the program's runtime reserves beyond its memory (see rlimit_args)."""
+        `reserve_mb`: address space the program's runtime reserves beyond its memory (see rlimit_args).
+        `workspace`: a host directory to bind as /work instead of a fresh one (a session's, which
+        outlives the run; hpcrl.sandbox.session), with every other isolation step unchanged."""
 
     def describe(self) -> str:
         """One line: what this backend enforces on this machine."""
@@ -320,6 +328,20 @@ class Backend(abc.ABC):
                 return s.finish()
         except CompileFailed as exc:
             return exc.result
+
+    def run_in(
+        self, workspace: str, argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0, stdin: bytes = b""
+    ) -> ExecResult:
+        """Run `argv` with the host directory `workspace` as /work (and working directory): a
+        session's command, through the same `_launch` as every one-shot run, so the same isolation."""
+        s = self._launch((), tuple(argv), limits, reserve_mb=reserve_mb, workspace=workspace)
+        try:
+            if stdin:
+                s.send(stdin)
+            return s.finish()
+        finally:
+            s.kill()
+            s.finish()
 
     def build(self, spec: ExecSpec) -> ExecResult | SourceFile:
         """Compile a compiled language in its own sandbox: the binary as a SourceFile, or the failed result."""

@@ -15,7 +15,9 @@ What it isolates (checked by tests/test_sandbox_adversarial.py, test_sandbox_mem
 * Files: read-only /usr (+ the /bin, /lib symlinks, /etc/alternatives, /etc/ld.so.cache),
   a read-only root, nothing else of the host: no /home, /root, run directories or sockets.
   /work (the program, copied in through memfds), /tmp and /dev/shm are tmpfs capped in bytes
-  and in inodes (`Limits.inodes`: empty files take no space) that vanish with the run. The
+  and in inodes (`Limits.inodes`: empty files take no space) that vanish with the run (a
+  session's run binds its workspace as /work instead: a tmpfs with the same caps that lives
+  until the session closes, hpcrl.sandbox.workspace). The
   environment is cleared (PATH, HOME, TMPDIR, LANG; MALLOC_ARENA_MAX under RLIMIT_AS).
 * Network: a new network namespace with loopback only; no DNS, no host TCP or unix sockets.
 * Resources: rlimits set inside (CPU seconds, file size, processes, open files, no core
@@ -116,9 +118,12 @@ def bwrap_args(
     seccomp_fd: int | None = None,
     bwrap: str = "bwrap",
     layout: list[str] | None = None,
+    workspace: str | None = None,
 ) -> list[str]:
     """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work, memory capped
-    by `memory` (backend.rlimit_args), the filter of hpcrl.sandbox.seccomp read from `seccomp_fd`. Pure."""
+    by `memory` (backend.rlimit_args), the filter of hpcrl.sandbox.seccomp read from `seccomp_fd`.
+    `workspace`: a host directory bound as /work instead of the run's tmpfs (a session's; it must
+    not lie under /tmp, which the launcher covers with its own tmpfs). Pure."""
     args = [
         bwrap,
         # Everything but the pid namespace, which is the launcher's (bwrap is its pid 1).
@@ -154,7 +159,7 @@ def bwrap_args(
         f"{TMPFS_DIR}/tmp",
         "/tmp",
         "--bind",
-        f"{TMPFS_DIR}/work",
+        workspace if workspace is not None else f"{TMPFS_DIR}/work",
         "/work",
     ]
     made = set()
@@ -308,7 +313,13 @@ class BwrapBackend(Backend):
         return f"bwrap as {who}; {memory}; {seccomp}; cgroups: {self.cgroups.describe()}"
 
     def _launch(
-        self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0
+        self,
+        files: tuple[SourceFile, ...],
+        argv: tuple[str, ...],
+        limits: Limits,
+        *,
+        reserve_mb: int = 0,
+        workspace: str | None = None,
     ) -> Session:
         fds: list[int] = []
         file_fds = []
@@ -337,6 +348,7 @@ class BwrapBackend(Backend):
                 seccomp_fd=seccomp_fd,
                 bwrap=self.bwrap,
                 layout=self._layout,
+                workspace=workspace,
             )
             cmd = launcher_args(limits, self.uid if self._root else None) + cmd
             if self.cgroups.dirs():

@@ -29,7 +29,7 @@ from hpcrl.core.rpc import RequestClient, RequestTimeout
 from hpcrl.core.transport import Node, TransportError, read_endpoint
 from hpcrl.sandbox.judge import FunctionTask, IOCase, Verdict
 from hpcrl.sandbox.languages import get_language
-from hpcrl.sandbox.result import ExecResult, SandboxError, sink_bytes
+from hpcrl.sandbox.result import ExecResult, SandboxError, lift_bytes, sink_bytes
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 __all__ = ["SandboxClient", "SandboxBusy", "RequestTimeout"]
@@ -103,6 +103,16 @@ class SandboxClient:
         budget = (limits.wall_s if limits else 10.0) + self.slack_s
         return Verdict.from_wire(self._call("judge_function", body, budget, timeout_s).body)
 
+    def session(self, op: dict, *, timeout_s: float | None = None) -> dict:
+        """One session operation (hpcrl.sandbox.session: {"op": ..., "session": ID, ...}); its result
+        mapping, with `ok` and `error`. A run's budget is its timeout_s; other operations are quick."""
+        t = op.get("timeout_s") if op.get("op") == "run" else None
+        budget = (t if isinstance(t, (int, float)) and not isinstance(t, bool) else 10.0) + self.slack_s
+        # Text as bytes, so that a big write travels as a frame: the wire caps a header at 1 MiB.
+        op = {k: v.encode() if k in ("content", "stdin") and isinstance(v, str) else v for k, v in op.items()}
+        body, frames = lift_bytes(op)
+        return self._call("session", body, budget, timeout_s, frames).body
+
     def info(self, *, timeout_s: float = 10.0) -> dict:
         return self._call("info", {}, timeout_s, timeout_s).body
 
@@ -117,7 +127,7 @@ class SandboxClient:
             t += (compile_limits or lang.compile_limits).wall_s
         return t
 
-    def _call(self, kind: str, body: Any, budget_s: float, timeout_s: float | None):
+    def _call(self, kind: str, body: Any, budget_s: float, timeout_s: float | None, arrays: Sequence = ()):
         total = timeout_s or self.total_timeout_s or max(60.0, 3 * budget_s)
         deadline = time.monotonic() + total
         backoff = 0.05
@@ -127,7 +137,7 @@ class SandboxClient:
             attempt = min(self.attempt_s, max(left, 0.05))
             retries = max(0, math.ceil(left / attempt) - 1)
             try:
-                env = self._rc.request(kind, body, timeout_s=attempt, retries=retries)
+                env = self._rc.request(kind, body, arrays, timeout_s=attempt, retries=retries)
             except RequestTimeout as exc:
                 raise RequestTimeout(f"{exc} (sandbox {kind}, {total:.0f} s budget)") from None
             if env.kind == "busy":

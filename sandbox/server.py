@@ -12,6 +12,12 @@ Requests (envelopes with an id; body -> reply kind and body):
     judge_io        {language, files, cases, limits, stop_on_fail} -> verdict  Verdict.to_wire()
     judge_function  {program, entry_point, test, trusted_prelude, name, limits} -> verdict
     info            {}                                            -> info {backend, languages, slots, queue, ...}
+    session         {op, session?, ...} (hpcrl.sandbox.session)  -> session {ok, error?, ...}
+
+Sessions (`session`, served when the server has a SessionManager, as `serve` gives it) keep a
+workspace on this server across operations; a session is pinned to the server that opened it.
+Each operation is a job on the pool like an exec; a malformed one is answered at once with
+ok: false (not bad_request: a script driving a session reads every answer the same way).
 
 Bytes of 4 KiB or more in a reply (a program's stdout, up to `output_kb`) travel as frames
 after the header, not in it (`result.lift_bytes`; the client puts them back): the wire caps a
@@ -54,7 +60,8 @@ from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 from hpcrl.core.transport import Node
 from hpcrl.sandbox import judge
 from hpcrl.sandbox.pool import SlotPool
-from hpcrl.sandbox.result import SandboxError, lift_bytes
+from hpcrl.sandbox.result import SandboxError, lift_bytes, sink_bytes
+from hpcrl.sandbox.session import SessionManager, SessionOp
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 from hpcrl.sandbox.warm import WarmHarness
 
@@ -139,7 +146,7 @@ def _job(
             "verdict",
             judge.judge_function(backend, task, limits, warm=warm_for(backend, limits)).to_wire(),
         )
-    raise ValueError(f"unknown request kind {kind!r}; kinds: exec, judge_io, judge_function, info")
+    raise ValueError(f"unknown request kind {kind!r}; kinds: exec, judge_io, judge_function, session, info")
 
 
 class SandboxServer:
@@ -154,8 +161,10 @@ class SandboxServer:
         replay_cache: int = 4096,
         replay_cache_bytes: int = 64 << 20,
         ceiling: Limits | None = None,
+        sessions: SessionManager | None = None,
     ):
         self.node = node
+        self.sessions = sessions  # None: this server opens no sessions
         self.ceiling = ceiling  # requests over it are refused (bad_request), whoever sends them
         self.service = service
         self.pool = pool
@@ -203,6 +212,7 @@ class SandboxServer:
             "busy": self.pool.busy,
             "queued": self.pool.queued,
             "ceiling": self.ceiling.to_wire() if self.ceiling is not None else None,
+            "sessions": len(self.sessions) if self.sessions is not None else None,
         }
 
     def poll_once(self, timeout_s: float = 0.1) -> None:
@@ -217,6 +227,8 @@ class SandboxServer:
             rid, reply = self._done.get()
             self._count(reply)
             self.server.reply(rid, reply)
+        if self.sessions is not None:
+            self.sessions.expire()
 
     def _count(self, reply: Reply) -> None:
         self.replies[reply.kind] += 1
@@ -243,6 +255,7 @@ class SandboxServer:
             "sandbox_replies_total:kind": dict(self.replies),
             "sandbox_results_total:status": dict(self.statuses),
             "sandbox_exec_wall_seconds_total": self.exec_wall_s,
+            "sandbox_sessions": len(self.sessions) if self.sessions is not None else 0,
         }
 
     def serve(self, stop: threading.Event, poll_s: float = 0.1) -> None:
@@ -253,10 +266,19 @@ class SandboxServer:
     def _handle(self, env) -> Any:
         if env.kind == "info":
             return Reply("info", self.info(), remember=False)
-        try:
-            fn = _job(env.kind, env.body, self._warm_for, self.ceiling)
-        except ValueError as exc:
-            return Reply("bad_request", {"message": str(exc)})
+        if env.kind == "session":
+            try:
+                if self.sessions is None:
+                    raise ValueError("this sandbox server serves no sessions (started without a SessionManager)")
+                op = SessionOp.from_wire(sink_bytes(env.body, env.arrays))
+            except ValueError as exc:
+                return Reply("session", {"ok": False, "error": str(exc)})
+            fn = lambda backend: ("session", self.sessions.execute(op, backend))
+        else:
+            try:
+                fn = _job(env.kind, env.body, self._warm_for, self.ceiling)
+            except ValueError as exc:
+                return Reply("bad_request", {"message": str(exc)})
         rid = env.msg_id
         if not self.pool.try_submit(fn, lambda res, exc: self._complete(rid, res, exc)):
             self.refused += 1
@@ -290,6 +312,8 @@ class SandboxServer:
         for warm in self._warm.values():
             warm.close()
         self._warm.clear()
+        if self.sessions is not None:
+            self.sessions.close_all()  # their workspaces and snapshots go with the server
         with self._close_lock:
             if self._closed:
                 return
@@ -311,7 +335,7 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
     pool.backends[0].check()
     node = Node(run_dir, name)
     try:
-        server = SandboxServer(node, name, pool, ceiling=cfg.ceiling)
+        server = SandboxServer(node, name, pool, ceiling=cfg.ceiling, sessions=SessionManager.from_config(cfg))
         provide(server.metrics)
         log.info(
             "sandbox server %s at %s: %d slot(s), queue %d; %s",

@@ -1,13 +1,14 @@
-"""`hpcrl sandbox exec|info|build-image|serve`: run code in the configured sandbox, build its image, serve it.
+"""`hpcrl sandbox exec|session|info|build-image|serve`: run code in the configured sandbox, build its image, serve it.
 
     hpcrl sandbox exec --lang python prog.py --stdin in.txt --timeout-s 5 --json
+    hpcrl sandbox session --json < ops.jsonl   # a session's operations, one JSON line each, in and out
     hpcrl sandbox info                          # backend, languages, which limits are enforced
     hpcrl sandbox build-image --out sandbox.sif # Apptainer image from containers/sandbox.def
     hpcrl sandbox serve --slots 4 --run-dir runs/x
 
 `exec` exits 0 whenever the sandbox ran, whatever the program did (its status is in the
 output); 1 when the sandbox itself failed (status sandbox_error, or no sandbox available);
-2 for bad input.
+2 for bad input. `session` exits 0 when every operation's result is ok, 1 when one is not.
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--json", action="store_true", help="print one JSON object instead of the program's output")
     _common(e)
     e.set_defaults(func=run_exec)
+
+    se = verbs.add_parser(
+        "session",
+        help="run a JSON-lines script of session operations from stdin",
+        description=(
+            "Read one operation per line from stdin and print one JSON result per operation: "
+            '{"op": "open"}, {"op": "write", "path": P, "content": S}, {"op": "read", "path": P}, '
+            '{"op": "list"}, {"op": "run", "cmd": [ARGV], "timeout_s": T}, {"op": "snapshot"}, '
+            '{"op": "restore", "snapshot": ID}, {"op": "close"}. Paths are relative to the workspace, '
+            "which is the working directory of run. Operations apply to the session the script opened last "
+            'unless they name one ("session": ID). Every result has "ok" and, when false, "error". '
+            "Locally (default) the sessions end with the script; with --run-dir they live on that run's "
+            "sandbox server until closed or idle for sandbox.session_idle_s."
+        ),
+    )
+    se.add_argument("--json", action="store_true", help="JSON lines out (the one output format; required)")
+    se.add_argument("--run-dir", metavar="DIR", help="drive a sandbox server of this run instead of a local sandbox")
+    se.add_argument("--name", default="sandbox-0", help="the server's name within the run (with --run-dir)")
+    _common(se)
+    se.set_defaults(func=run_session)
 
     i = verbs.add_parser("info", help="show the backend, its languages and which limits it enforces here")
     _common(i)
@@ -145,6 +166,84 @@ def run_exec(args: argparse.Namespace) -> int:
         cut = " (output truncated)" if result.stdout_truncated or result.stderr_truncated else ""
         print(f"[{Path(args.file).name}: {result.summary()}{cut}]", file=sys.stderr)
     return 1 if result.status == "sandbox_error" else 0
+
+
+def run_session(args: argparse.Namespace) -> int:
+    import json
+
+    from hpcrl.jobs.cli import UsageError
+    from hpcrl.sandbox.result import SandboxError
+    from hpcrl.sandbox.session import json_result
+
+    if not args.json:
+        raise UsageError("sandbox session: give --json (one JSON object per operation is the output format)")
+    try:
+        execute, finish = _session_driver(args)
+    except SandboxError as exc:
+        print(f"hpcrl sandbox session: sandbox failed: {exc}", file=sys.stderr)
+        return 1
+    current, failed = None, False
+    try:
+        for n, line in enumerate(sys.stdin, 1):
+            if not line.strip():
+                continue
+            try:
+                op = json.loads(line)
+            except ValueError as exc:
+                op, res = None, {"ok": False, "error": f"line {n}: not JSON ({exc}); one object per line"}
+            else:
+                if isinstance(op, dict) and op.get("op") != "open" and "session" not in op and current:
+                    op = {**op, "session": current}  # the session the script opened last
+                res = execute(op)
+            if isinstance(op, dict) and op.get("op") == "open" and res.get("ok"):
+                current = res["session"]
+            failed |= not res.get("ok")
+            kind = op.get("op") if isinstance(op, dict) else None
+            print(json.dumps({"op": kind, **json_result(res)}), flush=True)
+    finally:
+        finish()
+    return 1 if failed else 0
+
+
+def _session_driver(args: argparse.Namespace):
+    """(execute(op) -> result, finish()) against a local sandbox, or the run's server with --run-dir."""
+    import os
+
+    from hpcrl.core.transport import Node, TransportError
+    from hpcrl.sandbox.session import SessionManager, SessionOp
+
+    if args.run_dir:
+        from hpcrl.sandbox.client import SandboxClient
+
+        node = Node(args.run_dir, f"session-cli-{os.getpid()}")
+        client = SandboxClient(node, args.name)
+
+        def remote(op):
+            try:
+                return client.session(op)
+            except (TransportError, ValueError) as exc:
+                return {"ok": False, "error": f"{args.name}: {exc}"}
+
+        def close_remote():
+            client.close()
+            node.close()
+
+        return remote, close_remote
+    cfg = _sandbox_cfg(args)
+    backend = _backend(args)
+    mgr = SessionManager.from_config(cfg)
+
+    def local(op):
+        try:
+            return mgr.execute(SessionOp.from_wire(op), backend)
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
+
+    def close_local():
+        mgr.close_all()  # a local session cannot outlive this process: its workspace goes too
+        backend.close()
+
+    return local, close_local
 
 
 def _read(path: str, what: str) -> bytes:

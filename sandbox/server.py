@@ -233,8 +233,8 @@ class SandboxServer:
     def _count(self, reply: Reply) -> None:
         self.replies[reply.kind] += 1
         body = reply.body if isinstance(reply.body, dict) else {}
-        # An exec's ExecResult is the body; a judge's Verdict holds the candidate's as "result".
-        res = body if reply.kind == "result" else body.get("result")
+        # An exec's ExecResult is the body (and a session run's); a judge's Verdict holds the candidate's as "result".
+        res = body if reply.kind in ("result", "session") else body.get("result")
         if res is None and isinstance(body.get("cases"), list):  # judged case by case: the last run's
             res = next(
                 (c.get("result") for c in reversed(body["cases"]) if isinstance(c, dict) and c.get("result")), None

@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -115,7 +117,7 @@ class SessionOp:
                 raise ValueError("run: 'cmd' must be a non-empty list of strings (argv), e.g. ['python3', 'main.py']")
             kw["cmd"] = tuple(cmd)
             t = d.get("timeout_s")
-            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
                 raise ValueError(f"run: 'timeout_s' must be a positive number of seconds (got {t!r})")
             kw["timeout_s"] = None if t is None else float(t)
             stdin = d.get("stdin", b"")
@@ -179,6 +181,14 @@ class SessionManager:
                 "own tmpfs (the workspace would not be seen); use e.g. /var/tmp/hpcrl-sessions"
             )
         os.makedirs(real, mode=0o711, exist_ok=True)
+        st = os.lstat(real)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            # In a world-writable place (/var/tmp) someone else's directory could have our
+            # workspaces renamed under us, and a tmpfs mounted where they point.
+            raise ValueError(
+                f"sandbox.session_dir {real} must be a directory of uid {os.geteuid()} that only it can write "
+                f"(it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); remove it, or name another"
+            )
         sweep(real)
         # Ours alone to list; slot uids may only pass through to their own workspace (0711).
         self.root = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=real)
@@ -285,7 +295,8 @@ class SessionManager:
         return {"content": s.ws.read(op.path, s.limits.output_kb * 1024)}
 
     def _list(self, s: _Session, op: SessionOp, backend) -> dict:
-        return {"entries": s.ws.tree(s.limits.inodes)}
+        entries, truncated = s.ws.tree(s.limits.inodes)
+        return {"entries": entries, "truncated": truncated}
 
     def _run(self, s: _Session, op: SessionOp, backend) -> dict:
         t = op.timeout_s if op.timeout_s is not None else s.limits.wall_s
@@ -295,6 +306,8 @@ class SessionManager:
         s.ws.chown(getattr(backend, "uid", None))
         res = backend.run_in(s.ws.root, op.cmd, limits, reserve_mb=s.reserve_mb, stdin=op.stdin)
         out = res.to_wire()
+        # The program owns the workspace's root and may have opened it to every host user.
+        os.chmod(s.ws.root, 0o700)
         if not s.ws.mounted and s.ws.usage() > s.ws.quota_bytes:
             raise WorkspaceError(
                 f"the run left the workspace over its quota of {s.limits.work_mb} MiB (limits.work_mb; measured, "

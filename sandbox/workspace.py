@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -45,6 +46,8 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger(__name__)
+_warned = False
 
 
 class WorkspaceError(ValueError):
@@ -85,6 +88,14 @@ class Workspace:
         if os.geteuid() == 0:
             opts = tmpfs_options(limits.work_mb, limits.inodes, "0700").encode()
             mounted = _libc.mount(b"hpcrl-session", root.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) == 0
+            global _warned
+            if not mounted and not _warned:
+                _warned = True
+                log.warning(
+                    "cannot mount a tmpfs for session workspaces (%s): their quota is measured, not enforced "
+                    "by the kernel (a run can pass it until it ends)",
+                    os.strerror(ctypes.get_errno()),
+                )
         ws = cls(root, limits.work_mb * _MIB, None, mounted)
         ws.chown(uid)
         return ws
@@ -155,10 +166,14 @@ class Workspace:
         finally:
             os.close(fd)
 
-    def tree(self, max_entries: int) -> list[dict]:
-        """Every entry: {path, type: file|dir|symlink|other, size}, sorted by path; at most `max_entries`."""
+    def tree(self, max_entries: int, max_bytes: int = 512 << 10) -> tuple[list[dict], bool]:
+        """Entries {path, type: file|dir|symlink|other, size} sorted by path, and whether some were
+        left out: at most `max_entries`, and about `max_bytes` of paths (a reply header is capped)."""
         out: list[dict] = []
+        size = 0
         for rel, name, st in self._walk(self.root):
+            if len(out) >= max_entries or size >= max_bytes:
+                return sorted(out, key=lambda e: e["path"]), True
             kind = (
                 "dir"
                 if stat.S_ISDIR(st.st_mode)
@@ -168,11 +183,10 @@ class Workspace:
                 if stat.S_ISLNK(st.st_mode)
                 else "other"
             )
-            out.append({"path": os.path.join(rel, name) if rel else name, "type": kind, "size": st.st_size})
-            if len(out) >= max_entries:
-                break
-        out.sort(key=lambda e: e["path"])
-        return out
+            path = os.path.join(rel, name) if rel else name
+            out.append({"path": path, "type": kind, "size": st.st_size})
+            size += len(path) + 32
+        return sorted(out, key=lambda e: e["path"]), False
 
     def usage(self) -> int:
         """Bytes the workspace holds (allocated blocks, as a quota counts them)."""

@@ -21,11 +21,11 @@ from hpcrl.core.config import load_config
 from hpcrl.core.rpc import RequestClient
 from hpcrl.core.transport import Node
 from hpcrl.sandbox.apptainer import apptainer_args
-from hpcrl.sandbox.bwrap import bwrap_args
+from hpcrl.sandbox.bwrap import BwrapBackend, bwrap_args
 from hpcrl.sandbox.client import SandboxClient
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.server import SandboxServer
-from hpcrl.sandbox.session import SessionManager
+from hpcrl.sandbox.session import SessionManager, SessionOp
 from hpcrl.sandbox.spec import Limits
 
 from conftest import require_bwrap, server_thread, wait_for
@@ -237,9 +237,46 @@ def test_session_commands_use_the_one_launch_path():
     assert a[-3:] == ["--", "python3", "main.py"] and "--containall" in a
 
 
-def test_session_dir_under_tmp_is_refused():
+def test_session_dir_under_tmp_or_someone_elses_is_refused():
     with pytest.raises(ValueError, match="under /tmp"):
         SessionManager("/tmp/hpcrl-sessions-test")
+    theirs = Path(SESSION_DIR + f"-theirs-{os.getpid()}")
+    theirs.mkdir(mode=0o755)
+    try:
+        os.chown(theirs, UID + 3, UID + 3)  # e.g. made first by another user in world-writable /var/tmp
+        with pytest.raises(ValueError, match="must be a directory of uid"):
+            SessionManager(str(theirs))
+    finally:
+        theirs.rmdir()
+
+
+def test_a_session_moves_between_slots_with_its_files(bwrap_ok):
+    # Slots run as different host uids: the workspace is handed to the uid of the slot that runs.
+    a, b = BwrapBackend(uid=UID + 2), BwrapBackend(uid=UID + 3)
+    mgr = SessionManager(SESSION_DIR)
+    try:
+
+        def do(backend, **op):
+            res = mgr.execute(SessionOp.from_wire(op), backend)
+            assert res["ok"], (op, res)
+            return res
+
+        sid = do(a, op="open")["session"]
+        do(a, op="write", session=sid, path="d/f.txt", content="1")
+        work = Path(mgr.root, sid, "work")
+        assert (work / "d" / "f.txt").stat().st_uid == UID + 2
+        for backend, uid in ((b, UID + 3), (a, UID + 2), (b, UID + 3)):
+            res = do(backend, op="run", session=sid, cmd=["sh", "-c", "echo x >> d/f.txt; mkdir -p e; touch e/$$"])
+            assert res["status"] == "ok", res
+            assert {p.stat().st_uid for p in (work, *work.rglob("*"))} == {uid}
+        assert do(a, op="read", session=sid, path="d/f.txt")["content"] == b"1x\nx\nx\n"
+        do(b, op="close", session=sid)
+        assert not work.exists()
+    finally:
+        mgr.close_all()
+        a.close()
+        b.close()
+    assert host_residue(UIDS) == []
 
 
 def hpcrl(*args, stdin: str, timeout=120):

@@ -8,6 +8,7 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -123,7 +124,8 @@ def test_a_50_operation_episode_keeps_its_files_and_runs_in_the_workspace(bwrap_
 def test_a_run_has_its_own_timeout_and_the_session_lives_on(bwrap_ok, run_dir):
     with server(run_dir) as _, client(run_dir) as c:
         sid = ok(c, op="open")["session"]
-        res = ok(c, op="run", session=sid, cmd=["sh", "-c", "echo started > s.txt; sleep 30"], timeout_s=0.5)
+        ok(c, op="run", session=sid, cmd=["sh", "-c", "echo started > s.txt"])
+        res = ok(c, op="run", session=sid, cmd=["sleep", "30"], timeout_s=0.5)
         assert res["status"] == "timeout"
         assert ok(c, op="read", session=sid, path="s.txt")["content"] == b"started\n"
         assert ok(c, op="run", session=sid, cmd=["sh", "-c", "exit 3"])["status"] == "nonzero_exit"
@@ -193,13 +195,16 @@ def test_quota_exceeded_is_a_clean_error(bwrap_ok, run_dir):
 
 
 def test_idle_sessions_expire_and_leave_nothing(bwrap_ok, run_dir):
-    with server(run_dir, "sandbox.session_idle_s=0.3") as srv, client(run_dir) as c:
+    with server(run_dir, "sandbox.session_idle_s=3600") as srv, client(run_dir) as c:
+        assert srv.sessions.idle_s == 3600
         sid = ok(c, op="open")["session"]
         ok(c, op="run", session=sid, cmd=["sh", "-c", "echo x > f"])
         snap = ok(c, op="snapshot", session=sid)["snapshot"]
         home = Path(srv.sessions.root, sid)
         assert (home / "work" / "f").exists() and (home / "snap" / snap / "f").exists()
-        wait_for(lambda: len(srv.sessions) == 0, 30, 0.05, "the idle session to expire")
+        # Made tiny only now, so the operations above never race it on a slow machine.
+        srv.sessions.idle_s = 0.05
+        wait_for(lambda: len(srv.sessions) == 0, 60, 0.05, "the idle session to expire")
         assert not home.exists()
         assert "no open session" in refused(c, op="list", session=sid)
     assert host_residue(UIDS) == []
@@ -292,7 +297,7 @@ def test_cli_session_json_runs_a_script_from_stdin(bwrap_ok, tmp_path):
         {"op": "open"},
         {"op": "write", "path": "main.py", "content": "print(open('data.txt').read())"},
         {"op": "write", "path": "data.txt", "content": "héllo"},
-        {"op": "run", "cmd": ["python3", "main.py"], "timeout_s": 5},
+        {"op": "run", "cmd": ["python3", "main.py"], "timeout_s": 60},
         {"op": "snapshot"},
         {"op": "write", "path": "data.txt", "content": "changed"},
         "not json",
@@ -301,6 +306,8 @@ def test_cli_session_json_runs_a_script_from_stdin(bwrap_ok, tmp_path):
         {"op": "read", "path": "data.txt"},
         {"op": "read", "path": "../etc/passwd"},
         {"op": "list"},
+        {"op": "write", "path": "blob", "content_b64": base64.b64encode(b"\xff\x00").decode()},
+        {"op": "read", "path": "blob"},  # not UTF-8: comes back as content_b64
         {"op": "close"},
     ]
     lines = [op if isinstance(op, str) else json.dumps(op) for op in script]
@@ -315,7 +322,8 @@ def test_cli_session_json_runs_a_script_from_stdin(bwrap_ok, tmp_path):
     assert results[8]["ok"] and results[9]["content"] == "héllo"
     assert results[10]["ok"] is False and "'..'" in results[10]["error"]
     assert {e["path"] for e in results[11]["entries"]} == {"main.py", "data.txt"}
-    assert results[12] == {"op": "close", "ok": True}
+    assert results[12]["bytes"] == 2 and base64.b64decode(results[13]["content_b64"]) == b"\xff\x00"
+    assert results[14] == {"op": "close", "ok": True}
     assert hpcrl("sandbox", "session", stdin="").returncode == 2  # --json is the format
 
 

@@ -340,3 +340,25 @@ def test_cli_session_json_drives_a_server(bwrap_ok, run_dir):
         results = [json.loads(line) for line in out.stdout.decode().splitlines()]
         assert out.returncode == 0 and results[0]["content"] == "kept" and results[1]["ok"], out
         assert len(srv.sessions) == 0
+
+
+def test_a_killed_servers_workspaces_are_swept_by_the_next():
+    if os.geteuid() != 0:
+        pytest.skip("tmpfs workspaces need root")
+    code = (
+        "import sys, time\n"
+        "from hpcrl.sandbox.session import SessionManager, SessionOp\n"
+        f"m = SessionManager({SESSION_DIR!r})\n"
+        "r = m.execute(SessionOp.from_wire({'op': 'open'}), None)\n"
+        "print(m.root + '/' + r['session'] + '/work', r['quota'], flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        work, quota = proc.stdout.readline().split()
+        assert quota == "tmpfs" and work in Path("/proc/self/mounts").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+    SessionManager(SESSION_DIR).close_all()  # starting sweeps what dead servers left
+    assert work not in Path("/proc/self/mounts").read_text() and not Path(work).parent.parent.exists()

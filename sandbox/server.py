@@ -269,7 +269,7 @@ class SandboxServer:
         if env.kind == "session":
             try:
                 if self.sessions is None:
-                    raise ValueError("this sandbox server serves no sessions (started without a SessionManager)")
+                    raise ValueError("this sandbox server serves no sessions (its log says why: sandbox.session_dir)")
                 op = SessionOp.from_wire(sink_bytes(env.body, env.arrays))
             except ValueError as exc:
                 return Reply("session", {"ok": False, "error": str(exc)})
@@ -335,7 +335,12 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
     pool.backends[0].check()
     node = Node(run_dir, name)
     try:
-        server = SandboxServer(node, name, pool, ceiling=cfg.ceiling, sessions=SessionManager.from_config(cfg))
+        try:
+            sessions = SessionManager.from_config(cfg)
+        except (ValueError, OSError) as exc:  # executions need no session directory: serve them anyway
+            log.warning("sandbox server %s: no sessions: %s", name, exc)
+            sessions = None
+        server = SandboxServer(node, name, pool, ceiling=cfg.ceiling, sessions=sessions)
         provide(server.metrics)
         log.info(
             "sandbox server %s at %s: %d slot(s), queue %d; %s",

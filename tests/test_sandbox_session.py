@@ -20,7 +20,7 @@ import pytest
 
 from hpcrl.core.config import load_config
 from hpcrl.core.rpc import RequestClient
-from hpcrl.core.transport import Node
+from hpcrl.core.transport import Node, read_endpoint
 from hpcrl.sandbox.apptainer import apptainer_args
 from hpcrl.sandbox.bwrap import BwrapBackend, bwrap_args
 from hpcrl.sandbox.client import SandboxClient
@@ -362,3 +362,43 @@ def test_a_killed_servers_workspaces_are_swept_by_the_next():
         proc.wait()
     SessionManager(SESSION_DIR).close_all()  # starting sweeps what dead servers left
     assert work not in Path("/proc/self/mounts").read_text() and not Path(work).parent.parent.exists()
+
+
+def test_hpcrl_sandbox_serve_serves_sessions_and_a_restart_sweeps_the_killed_ones(bwrap_ok, run_dir, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(f"sandbox:\n  uid_base: {UID}\n")
+    serve = [sys.executable, "-m", "hpcrl.jobs.cli", "sandbox", "serve", "--slots", "1", "--run-dir", str(run_dir)]
+
+    def start() -> subprocess.Popen:
+        old = _instance(run_dir)
+        proc = subprocess.Popen([*serve, "--config", str(config)], stderr=subprocess.DEVNULL)
+        wait_for(lambda: _instance(run_dir) not in (None, old), 60, 0.05, "the server's endpoint")
+        return proc
+
+    proc = start()
+    try:
+        script = [{"op": "open"}, {"op": "run", "cmd": ["sh", "-c", "echo kept > a.txt"]}]
+        out = hpcrl("sandbox", "session", "--json", "--run-dir", str(run_dir), stdin="\n".join(map(json.dumps, script)))
+        results = [json.loads(line) for line in out.stdout.decode().splitlines()]
+        assert out.returncode == 0 and results[1]["status"] == "ok", out
+        sid = results[0]["session"]
+        work = next(line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines() if sid in line)
+        assert Path(work, "a.txt").read_text() == "kept\n"
+        proc.kill()
+        proc.wait()
+        proc = start()  # its session manager sweeps what the killed one left
+        assert sid not in Path("/proc/self/mounts").read_text() and not Path(work).exists()
+        script = [{"op": "list", "session": sid}]
+        out = hpcrl("sandbox", "session", "--json", "--run-dir", str(run_dir), stdin=json.dumps(script[0]))
+        assert "no open session" in json.loads(out.stdout)["error"] and out.returncode == 1
+    finally:
+        proc.terminate()
+        code = proc.wait(30)
+    assert code == 0 and host_residue(UIDS) == []
+
+
+def _instance(run_dir: Path) -> str | None:
+    try:
+        return read_endpoint(run_dir, "sandbox-0", 0.01).instance
+    except Exception:  # no endpoint yet
+        return None

@@ -45,6 +45,7 @@ import stat
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +202,9 @@ class SessionManager:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
         self.opened = self.expired = 0
+        # Successful operations by kind and the bytes writes brought: what an episode sent (tests, metrics).
+        self.ops: Counter = Counter()
+        self.bytes_written = 0
 
     @classmethod
     def from_config(cls, cfg) -> SessionManager:
@@ -219,13 +223,19 @@ class SessionManager:
         """The result of `op`, always a mapping with `ok`; never raises for the client's mistakes."""
         try:
             if op.op == "open":
-                return {"ok": True, **self._open(op, backend)}
+                out = {"ok": True, **self._open(op, backend)}
+                with self._lock:
+                    self.ops["open"] += 1
+                return out
             s = self._take(op.session)
             try:
                 out = getattr(self, f"_{op.op}")(s, op, backend)
             finally:
                 s.last_used = self._clock()
                 s.lock.release()
+            with self._lock:
+                self.ops[op.op] += 1
+                self.bytes_written += len(op.content)
             return {"ok": True, **out}
         except (ValueError, SandboxError) as exc:  # WorkspaceError is a ValueError
             return {"ok": False, "error": f"{op.op}: {exc}" if not str(exc).startswith(op.op) else str(exc)}

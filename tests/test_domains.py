@@ -40,7 +40,8 @@ def test_registry_rejects_duplicates_and_lists_known_names():
 def test_unknown_family_and_variant_say_what_exists():
     with pytest.raises(
         DomainError,
-        match=r"unknown domain family 'arihm' \(did you mean 'arith'\?\); registered: arith, code-repair, synth",
+        match=r"unknown domain family 'arihm' \(did you mean 'arith'\?\); "
+        r"registered: arith, code-repair, session-repair, synth",
     ):
         get_domain("arihm/copy")
     with pytest.raises(DomainError, match=r"arith: unknown variant 'add-mod11'; variants: copy, add<k>-mod<m>"):

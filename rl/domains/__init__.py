@@ -3,6 +3,7 @@
     from hpcrl.rl.domains import get_domain, load_domains
     get_domain("arith/max2")                    # family "arith", variant "max2"
     get_domain("code-repair")                   # a family that accepts no variant: every problem
+    get_domain("session-repair")                # multi-step tool calls on a sandbox session
     domains = load_domains(cfg.domains)         # {name: Domain}, built-ins and `module:` ones
 
 A name is `family` or `family/variant`; the family's factory parses the variant, so one
@@ -13,6 +14,13 @@ config.yaml without touching hpcrl:
     domains:
       - name: my-quiz                 # the label trajectories and metrics carry
         module: my_tasks:make_domain  # make_domain("my-quiz") -> a Domain (e.g. a PromptDomain)
+
+Modules: `types` (Task, StepResult, ActionSpec, ExecFeedback) and `base` (Environment, Domain,
+PromptDomain) are the interfaces; `rewards` the registered rewards; `arith` the arithmetic
+family; `code` the single-shot code domains (synth, code-repair) and their sandbox judge,
+`problems` their problems; `toolcalls` the tool-call syntax of session episodes, `session_env`
+the environment that runs those calls on a sandbox session (session-repair), `session_tasks`
+its projects with seeded bugs and hidden checks.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from hpcrl.rl.domains.base import (
 )
 from hpcrl.rl.domains.code import CodeJudge, SandboxJudge, make_repair, make_synth
 from hpcrl.rl.domains.rewards import REWARDS
+from hpcrl.rl.domains.session_env import make_session_repair
 from hpcrl.rl.registry import Registry, UnknownName
 
 __all__ = [
@@ -61,6 +70,7 @@ DOMAIN_FAMILIES: Registry[DomainFactory] = Registry("domain family")
 DOMAIN_FAMILIES.register("arith", make_arith)
 DOMAIN_FAMILIES.register("synth", make_synth)
 DOMAIN_FAMILIES.register("code-repair", make_repair)
+DOMAIN_FAMILIES.register("session-repair", make_session_repair)
 
 
 class DomainError(ValueError):

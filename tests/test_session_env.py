@@ -1,0 +1,287 @@
+"""Session episodes (issue 14 part 2): the tool-call syntax, and `session-repair` environments driven
+by scripted policies against a real sandbox server (bwrap sandboxes, the CURVE transport):
+a fix earns reward 1, 50+ operations keep their files without re-sending the workspace,
+malformed actions are answered, and a lost server is the infrastructure's failure, not the model's.
+
+The server tests need bubblewrap and root; they skip without, fail with HPCRL_REQUIRE_SANDBOX=1 (CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from hpcrl.core.config import load_config
+from hpcrl.core.transport import Node
+from hpcrl.rl.domains import DomainError, get_domain
+from hpcrl.rl.domains.session_env import SessionEnv, SessionRepairDomain
+from hpcrl.rl.domains.toolcalls import MAX_CALLS, ListFiles, Read, Run, Submit, Write, parse_action
+from hpcrl.sandbox.client import SandboxClient
+from hpcrl.sandbox.pool import SlotPool
+from hpcrl.sandbox.result import SandboxError
+from hpcrl.sandbox.server import SandboxServer
+from hpcrl.sandbox.session import SessionManager
+
+from conftest import require_bwrap, server_thread
+
+UID = 61280  # apart from test_sandbox_session's slot uids
+SESSION_DIR = "/var/tmp/hpcrl-sessions-envtest"
+
+# -- the syntax -------------------------------------------------------------------------------
+
+
+def test_parse_calls_of_every_tool_several_per_action_prose_ignored():
+    text = (
+        "Let me look first, since a < b here.\n"
+        '<read path="stats/core.py"/> <list/>\n'
+        '<write path="stats/core.py">\ndef f():\n    return "<b>"\n</write>\n'
+        "<run>python3 -m unittest -q</run>\n"
+        "<run timeout=\"20\">python3 -c 'print(1 + 1)'</run>\n"
+        "<submit/>"
+    )
+    p = parse_action(text)
+    assert p.error is None
+    assert p.calls == (
+        Read("stats/core.py"),
+        ListFiles(),
+        Write("stats/core.py", 'def f():\n    return "<b>"\n'),  # the newline after the tag is layout
+        Run(("python3", "-m", "unittest", "-q")),
+        Run(("python3", "-c", "print(1 + 1)"), 20.0),
+        Submit(),
+    )
+    assert parse_action('<write path="a.py"></write>').calls == (Write("a.py", ""),)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("I would fix it by sorting.", "no tool call"),
+        ('<delete path="a.py"/>', "unknown tool <delete>"),
+        ("<read/>", 'needs path="..."'),
+        ('<read path="a.py" mode="r"/>', "no attribute 'mode'"),
+        ("<read path='a.py'/>", "malformed attributes"),
+        ('<read path="a.py"></read>', "takes no body"),
+        ('<write path="a.py">print(1)', "unterminated <write>"),
+        ("<run/>", "needs a body"),
+        ("<run>  </run>", "has no command"),
+        ('<run>python3 -c "print(1)</run>', "cannot be split"),
+        ('<run timeout="soon">ls</run>', "positive number of seconds"),
+        ('<read path="../etc/passwd"/>', "contains '..'"),
+        ('<write path="/etc/passwd">x</write>', "is absolute"),
+        ('<write path="a.py"\nprint(1)</write>', "malformed tool tag"),
+        ("</run>", "closes nothing"),
+        ('<submit/><read path="a.py"/>', "must be the last"),
+        ("<list/>" * (MAX_CALLS + 1), f"more than {MAX_CALLS} tool calls"),
+    ],
+)
+def test_malformed_actions_give_one_line_reasons(text, says):
+    p = parse_action(text)
+    assert p.calls == () and p.error is not None
+    assert says in p.error and "\n" not in p.error, p.error
+
+
+def test_the_domain_is_registered_and_the_default_config_does_not_use_it():
+    d = get_domain("session-repair")
+    assert d.size == 5 and d.needs_executor and d.action.stop == ("<submit/>",)
+    assert get_domain("session-repair/rle").size == 1
+    with pytest.raises(DomainError, match="unknown problem 'nope'"):
+        get_domain("session-repair/nope")
+    t = d.task(7)
+    assert t.id == "cart-total-7" and "<submit/>" in t.prompt
+    assert t.data["hidden"] not in t.prompt and "18" not in t.prompt  # a hidden expected value
+    assert all(not dc.name.startswith("session-repair") for dc in load_config(None).domains)
+    with pytest.raises(ValueError, match="need a sandbox server"):
+        d.make_env(t, object())
+
+
+# -- against a real sandbox server ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bwrap_ok():
+    require_bwrap(UID)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    return d
+
+
+@contextlib.contextmanager
+def server(run_dir: Path):
+    """A SandboxServer with sessions, in a thread of this process, as `hpcrl sandbox serve` builds it."""
+    cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.session_dir={SESSION_DIR}"]).sandbox
+    pool = SlotPool.from_config(cfg, slots=2)
+    sessions = SessionManager.from_config(cfg)
+
+    def close(srv):
+        pool.close()
+        srv.close()
+
+    try:
+        with server_thread(
+            run_dir,
+            "sandbox-0",
+            lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling, sessions=sessions),
+            close=close,
+        ) as srv:
+            yield srv
+    finally:
+        pool.close()
+        sessions.close_all()
+
+
+@contextlib.contextmanager
+def executor(run_dir: Path):
+    """What a generator hands the domains: a sandbox client of the run."""
+    with Node(run_dir, "gen-0") as node:
+        c = SandboxClient(node)
+        try:
+            yield c
+        finally:
+            c.close()
+
+
+FIXES = {
+    "median": (
+        "stats/core.py",
+        "def mean(xs):\n    return sum(xs) / len(xs)\n\n\ndef median(xs):\n    xs = sorted(xs)\n    n = len(xs)\n"
+        "    mid = n // 2\n    if n % 2:\n        return xs[mid]\n    return (xs[mid - 1] + xs[mid]) / 2\n",
+    ),
+    "slugify": ("textkit/slug.py", 'def slugify(s):\n    return "-".join(s.lower().split())\n'),
+    "cart-total": (
+        "shop/cart.py",
+        "from shop.prices import PRICES\n\n\ndef total(items):\n"
+        "    return sum(PRICES[name] * qty for name, qty in items)\n",
+    ),
+    "merge-intervals": (
+        "geom/intervals.py",
+        "def merge(intervals):\n    out = []\n    for lo, hi in sorted(intervals):\n"
+        "        if out and lo <= out[-1][1]:\n            out[-1] = (out[-1][0], max(out[-1][1], hi))\n"
+        "        else:\n            out.append((lo, hi))\n    return out\n",
+    ),
+    "rle": (
+        "codec/rle.py",
+        "import re\n\n\ndef encode(s):\n"
+        "    return ''.join(f'{len(m.group(0))}{m.group(1)}' for m in re.finditer(r'(.)\\1*', s))\n"
+        "\n\ndef decode(s):\n    return ''.join(c * int(n) for n, c in re.findall(r'(\\d+)(\\D)', s))\n",
+    ),
+}
+VISIBLE = "<run>python3 -m unittest -q</run>"
+
+
+def test_a_scripted_policy_reads_runs_fixes_and_submits_for_reward_1(bwrap_ok, run_dir):
+    domain = get_domain("session-repair")
+    with server(run_dir) as srv, executor(run_dir) as ex:
+        for i, p in enumerate(domain.problems):
+            env = domain.make_env(domain.task(i), ex)
+            assert env.reset().startswith("Fix the bug")
+            path, fixed = FIXES[p.name]
+            obs, r, done, info = env.step(f'<read path="{path}"/>{VISIBLE}')
+            assert not done and r == 0 and f"[read {path}]" in obs
+            assert "FAILED" in obs and info["feedback"].status == "error", obs  # the seeded bug shows
+            obs, r, done, info = env.step(f'<write path="{path}">\n{fixed}</write>{VISIBLE}')
+            assert "OK" in obs and info["feedback"].status == "ok" and info["feedback"].exit_code == 0, obs
+            obs, r, done, info = env.step("Tests pass.\n<submit/>")
+            assert (obs, r, done) == ("", 1.0, True), (p.name, info)
+            assert info["feedback"].all_passed and info["feedback"].message == "hidden tests passed"
+            assert env.session is None  # closed when the episode ended
+            env.close()
+        assert len(srv.sessions) == 0
+
+
+def test_the_buggy_code_or_a_cheat_gets_reward_0_and_never_sees_hidden_values(bwrap_ok, run_dir):
+    domain = get_domain("session-repair/median")
+    hidden_values = ("3.5", "[5, 3, 1, 4]")
+    with server(run_dir) as srv, executor(run_dir) as ex:
+        env = domain.make_env(domain.task(0), ex)
+        env.reset()
+        obs, r, done, info = env.step("<submit/>")
+        assert (obs, r, done) == ("", 0.0, True) and info["feedback"].passed == 0
+        assert info["feedback"].message == "hidden tests failed"
+        assert not any(v in info["feedback"].message for v in hidden_values)
+        # Exiting 0 at import, before the checks run, does not pass: the nonce is missing.
+        env = domain.make_env(domain.task(0), ex)
+        env.reset()
+        cheat = "import os\nprint('ok')\nos._exit(0)\n"
+        env.step(f'<write path="stats/__init__.py">{cheat}</write>')
+        _, r, done, _ = env.step("<submit/>")
+        assert (r, done) == (0.0, True)
+        assert len(srv.sessions) == 0
+
+
+def test_a_60_operation_episode_keeps_its_files_and_never_resends_the_workspace(bwrap_ok, run_dir):
+    domain = SessionRepairDomain("median", max_ops=60)
+    with server(run_dir) as srv, executor(run_dir) as ex:
+        env = domain.make_env(domain.task(0), ex)
+        env.reset()
+        setup = dict(srv.sessions.ops)
+        assert setup == {"open": 1, "write": 3} and srv.sessions.bytes_written == env.sent_bytes
+        model_bytes = 0
+        for k in range(1, 20):
+            note = f"note {k}\n"
+            obs, _, done, _ = env.step(
+                f'<write path="notes/{k}.txt">{note}</write><read path="notes/{k}.txt"/>'
+                "<run>python3 -c \"import os; print(len(os.listdir('notes')))\"</run>"
+            )
+            model_bytes += len(note)
+            assert not done and f"[read notes/{k}.txt]\n{note}" in obs and f"\n{k}\n" in obs, obs
+        assert env.ops == 57
+        obs, _, done, _ = env.step('<list/><read path="stats/core.py"/>')
+        assert not done and all(f"notes/{k}.txt" in obs for k in range(1, 20)) and "def median" in obs
+        ops = srv.sessions.ops
+        assert ops["write"] == 3 + 19 and ops["read"] == 20 and ops["run"] == 19 and ops["list"] == 1
+        # Only what the model wrote travelled after the setup: the project was sent once.
+        assert srv.sessions.bytes_written == env.sent_bytes == setup_bytes(domain) + model_bytes
+        # The 60th operation is the last: the episode ends, unscored, truncated.
+        obs, r, done, info = env.step('<read path="a"/><read path="b"/><list/>')
+        assert (obs, r, done, info["truncation"]) == ("", 0.0, True, "max_steps") and env.ops == 60
+        assert len(srv.sessions) == 0 and srv.sessions.ops["close"] == 1
+
+
+def setup_bytes(domain: SessionRepairDomain) -> int:
+    return sum(len(c.encode()) for _, c in domain.problems[0].files)
+
+
+def test_malformed_actions_and_refused_operations_are_observations(bwrap_ok, run_dir):
+    domain = SessionRepairDomain("slugify", max_ops=8)
+    with server(run_dir) as srv, executor(run_dir) as ex:
+        env = domain.make_env(domain.task(0), ex)
+        env.reset()
+        obs, r, done, info = env.step("the bug is in slug.py")
+        assert obs.startswith("[error] no tool call") and (r, done) == (0.0, False) and "feedback" not in info
+        obs, _, done, _ = env.step('<write path="../x.py">1</write>')
+        assert obs.startswith("[error] tool call 1: <write> path '../x.py' contains '..'") and not done
+        # What parses but the server refuses: a missing file, a symlink the sandboxed code made.
+        obs, _, done, _ = env.step('<read path="nope.py"/><run>ln -s /etc/passwd link</run><read path="link"/>')
+        assert "[read nope.py] error: read 'nope.py': no such file" in obs and "root:" not in obs
+        assert "[read link] error: read 'link': it is a symlink" in obs
+        assert not done and env.ops == 5
+        obs, _, done, _ = env.step("<run>no-such-program</run>")
+        assert "[run no-such-program]" in obs and not done
+        assert srv.sessions.ops["write"] == 3  # the task's three files; nothing malformed was sent
+
+
+def test_a_lost_server_is_an_infrastructure_error_not_the_models_failure(bwrap_ok, run_dir):
+    domain = get_domain("session-repair/rle")
+    with executor(run_dir) as ex:
+        with server(run_dir):
+            env = domain.make_env(domain.task(0), ex)
+            env.reset()
+            assert not env.step(VISIBLE).done
+        # A restarted server (same run, new instance) does not hold the session: its work is gone.
+        with server(run_dir):
+            with pytest.raises(SandboxError, match="no open session"):
+                env.step(VISIBLE)
+            assert env.done and env.session is None
+        # No server at all: the request times out (a short budget; nothing answers however long).
+        env = SessionEnv(domain.task(0), ex, max_ops=8, client_timeout_s=2.0)
+        with server(run_dir):
+            env.reset()
+        with pytest.raises(SandboxError, match="RequestTimeout"):
+            env.step('<write path="codec/rle.py">pass\n</write>')
+        env.close()

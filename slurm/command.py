@@ -31,6 +31,14 @@ class SlurmCommandError(RuntimeError):
             msg += f"\n  hint: {hint}"
         super().__init__(msg)
 
+    def summary(self) -> str:
+        """One line for a person: the command, how it failed, the stderr line that says why (the
+        one a hint matches, else the last), and the hint."""
+        lines = [ln.strip() for ln in self.stderr.splitlines() if ln.strip()]
+        why = next((ln for ln in lines if _hint(ln)), lines[-1] if lines else "(no stderr)")
+        code = "timed out" if self.returncode is None else f"exit code {self.returncode}"
+        return f"`{shlex.join(self.argv)}` failed ({code}): {why}" + (f"; {self.hint}" if self.hint else "")
+
 
 @dataclass(frozen=True)
 class SlurmOutput:
@@ -45,6 +53,8 @@ def _hint(stderr: str) -> str:
         return 'export SLURM_CONF (for the dev cluster: eval "$(make -s devcluster-env)")'
     if "Unable to contact slurm controller" in stderr or "Connection refused" in stderr:
         return "slurmctld is not answering: is the cluster up (`make devcluster` here), and SLURM_CONF right?"
+    if "Munge encode failed" in stderr or "munge.socket" in stderr:
+        return "munged is not running here (or its socket is elsewhere): start munge (`make devcluster` here)"
     if "Invalid account" in stderr or "Invalid qos" in stderr:
         return "check slurm.account / slurm.qos in the config against `sacctmgr show assoc user=$USER`"
     if "Requested node configuration is not available" in stderr:

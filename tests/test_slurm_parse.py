@@ -137,7 +137,7 @@ def test_states_and_exit_codes():
     assert parse.parse_exit_code("0:15") == (0, 15)
 
 
-def test_run_slurm_error_carries_command_code_stderr():
+def test_run_slurm_error_carries_command_code_stderr(tmp_path):
     with pytest.raises(SlurmCommandError) as info:
         run_slurm(["bash", "-c", "echo 'sbatch: error: Invalid account' >&2; exit 1"])
     err = info.value
@@ -145,8 +145,43 @@ def test_run_slurm_error_carries_command_code_stderr():
     assert "`bash -c" in str(err) and "exit code 1" in str(err) and "slurm.account" in str(err)
     with pytest.raises(SlurmCommandError, match="timed out"):
         run_slurm(["sleep", "5"], timeout_s=0.2)
+    # What a user sees: one line, the stderr line that says why, and what to do.
+    munge = (
+        "squeue: error: If munged is up, restart with --num-threads=10\n"
+        'squeue: error: Munge encode failed: Failed to access "/x/munge.socket": No such file or directory\n'
+        "slurm_load_jobs error: Protocol authentication error\n"
+    )
+    (tmp_path / "stderr").write_text(munge)
+    with pytest.raises(SlurmCommandError) as info:
+        run_slurm(["bash", "-c", f"cat {tmp_path / 'stderr'} >&2; exit 1"])
+    line = info.value.summary()
+    assert "\n" not in line and "Munge encode failed" in line and "start munge" in line, line
+    with pytest.raises(SlurmCommandError) as info:
+        run_slurm(["bash", "-c", "echo first >&2; echo last >&2; exit 3"])
+    assert info.value.summary() == "`bash -c 'echo first >&2; echo last >&2; exit 3'` failed (exit code 3): last"
     out = run_slurm(["bash", "-c", "echo out; echo err >&2; exit 4"], check=False)
     assert (out.returncode, out.stdout, out.stderr) == (4, "out\n", "err\n")
+
+
+def test_submit_to_a_cluster_that_does_not_answer_is_one_line_and_leaves_no_run(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "slurm.conf").write_text("")  # scontrol stops at once on an empty one
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcrl.jobs.cli", "submit", "config.yaml", "executor=slurm"]
+        + [f"experiment.run_root={tmp_path / 'runs'}", "--run-id", "x"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env=dict(os.environ, SLURM_CONF=str(tmp_path / "slurm.conf")),
+        timeout=120,
+    )
+    assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("hpcrl submit: error: `scontrol show config` failed (exit code 1): ")
+    assert not (tmp_path / "runs" / "x").exists()
 
 
 def test_role_resources_become_submitit_parameters():

@@ -18,6 +18,7 @@ from hpcrl import __version__
 from hpcrl.core.files import StateFileError
 from hpcrl.core.schema import ConfigError
 from hpcrl.jobs.rundir import RunDirError
+from hpcrl.slurm.command import SlurmCommandError
 
 # Verb modules in the order `--help` lists them.
 VERBS = (
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StateFileError as exc:  # a run's state file and its previous copy are both unreadable
         print(f"hpcrl {args.verb}: error: {exc}", file=sys.stderr)
+        return 1
+    except SlurmCommandError as exc:  # the cluster did not answer as asked: no traceback, the reason
+        print(f"hpcrl {args.verb}: error: {exc.summary()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

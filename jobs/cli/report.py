@@ -43,9 +43,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         acct = account_run(run_dir)
     except SlurmCommandError as exc:
-        why = exc.stderr.strip().splitlines()[-1] if exc.stderr.strip() else f"exit code {exc.returncode}"
-        hint = exc.hint or "run it where the run's cluster answers (SLURM_CONF)"
-        print(f"hpcrl report: error: sacct failed for run {run_dir.name}: {why}; {hint}", file=sys.stderr)
+        hint = "" if exc.hint else "; run it where the run's cluster answers (SLURM_CONF)"
+        print(f"hpcrl report: error: sacct failed for run {run_dir.name}: {exc.summary()}{hint}", file=sys.stderr)
         return 1
     print(json.dumps(acct) if args.json else accounting_text(acct, jobs=args.jobs))
     return 0

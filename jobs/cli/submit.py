@@ -48,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
         for name, text in dry_run_scripts(cfg, run_dir, plan(cfg, run_dir, domains, search)).items():
             print(f"# ===== {name} =====\n{text}")
         return 0
+    # Asked before the run directory exists: a cluster that does not answer leaves nothing behind.
+    warnings = preflight(cfg)
     run_dir = create_run_dir(cfg, args.run_id)
-    for warning in preflight(cfg):
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     record = submit_run(cfg, run_dir, plan(cfg, run_dir, domains, search), search)
     print(f"run {run_dir.name}  ({run_dir})")

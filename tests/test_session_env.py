@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.core.config import load_config
+from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig, load_config
 from hpcrl.core.transport import Node
 from hpcrl.rl.domains import DomainError, get_domain
 from hpcrl.rl.domains.session_env import SessionEnv, SessionRepairDomain
 from hpcrl.rl.domains.toolcalls import MAX_CALLS, ListFiles, Read, Run, Submit, Write, parse_action
+from hpcrl.rl.generator import Generator
+from hpcrl.rl.policy import Policy
+from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
 from hpcrl.sandbox.client import SandboxClient
 from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.result import SandboxError
@@ -285,3 +288,45 @@ def test_a_lost_server_is_an_infrastructure_error_not_the_models_failure(bwrap_o
         with pytest.raises(SandboxError, match="RequestTimeout"):
             env.step('<write path="codec/rle.py">pass\n</write>')
         env.close()
+
+
+class _Recording(LocalTaskSource):
+    """The local task source, keeping the reasons episodes failed for."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.reasons: list[str] = []
+
+    def failed(self, ticket, reason):
+        self.reasons.append(reason)
+        super().failed(ticket, reason)
+
+
+def test_the_generator_runs_session_episodes_and_fails_them_without_a_server(bwrap_ok, run_dir):
+    tiny = PolicyConfig(
+        tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=2048),
+        device="cpu",
+    )
+    policy = Policy.load(tiny, seed=0)
+    domains = {"session-repair": SessionRepairDomain(client_timeout_s=5.0)}
+    cfg = GeneratorConfig(episodes_in_flight=4, env_threads=2, max_turns=3, max_new_tokens=64)
+    sampler = TaskSampler({"session-repair": 1.0}, group_size=2, seed=0)
+    with executor(run_dir) as ex:
+        with server(run_dir) as srv:
+            gen = Generator(cfg, policy, domains, run="r", name="g0", seed=0, executor=ex)
+            source, out = _Recording(sampler), []
+            gen.run(source, out.append, stop=lambda: len(out) >= 2)
+            # An untrained policy writes no valid call: each action is answered, none crashes.
+            for t in out:
+                assert t.final_reward == 0 and t.truncation in ("max_steps", "max_tokens") and t.steps
+            assert not source.reasons
+            gen.close()
+            assert srv.sessions.ops["open"] >= 2 and len(srv.sessions) == 0  # abandoned episodes closed theirs
+        # The server is gone: episodes fail as the infrastructure's (and are issued again); none
+        # is scored as the model's reward 0.
+        gen = Generator(cfg, policy, domains, run="r", name="g1", seed=0, executor=ex)
+        source, out = _Recording(sampler, max_attempts=10), []
+        gen.run(source, out.append, stop=lambda: source.reasons)
+        gen.close()
+        assert out == [] and source.reasons
+        assert all(r.startswith("reset: SandboxError") and "RequestTimeout" in r for r in source.reasons)

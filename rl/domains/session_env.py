@@ -95,13 +95,19 @@ class SessionEnv(Environment):
         with self._lock:
             self._end()
             self._client = SandboxClient(self._node, self._service, total_timeout_s=self._client_timeout_s)
-            self._sid = self._op({"op": "open", "language": "python"})["session"]
-            for path, content in self.task.data["files"]:
-                r = self._op({"op": "write", "path": path, "content": content})
-                if not r["ok"]:  # our own files: not the model's doing
-                    raise SandboxError(f"writing the task's {path} into the session failed: {r['error']}")
-                self.sent_bytes += len(content.encode())
-            self.ops, self.done, self._close_requested = 0, False, False
+            try:
+                self._sid = self._op({"op": "open", "language": "python"})["session"]
+                for path, content in self.task.data["files"]:
+                    r = self._op({"op": "write", "path": path, "content": content})
+                    if not r["ok"]:  # our own files: not the model's doing
+                        raise SandboxError(f"writing the task's {path} into the session failed: {r['error']}")
+                    self.sent_bytes += len(content.encode())
+            except BaseException:
+                self._end()
+                raise
+            self.ops, self.done = 0, False
+            if self._close_requested:  # closed (an abandoned episode) while the session opened
+                self._end()
             return self.task.prompt
 
     def step(self, action: str) -> StepResult:
@@ -231,7 +237,9 @@ class SessionEnv(Environment):
             return
         try:
             if sid is not None:
-                client.session({"op": "close", "session": sid}, timeout_s=self._client_timeout_s or 10.0)
+                # Briefly: the generator closes finished episodes from its loop; a server that
+                # does not answer expires the session itself.
+                client.session({"op": "close", "session": sid}, timeout_s=min(self._client_timeout_s or 5.0, 5.0))
         except Exception:  # the server's idle expiry removes what we could not close
             pass
         finally:
@@ -266,7 +274,13 @@ class SessionRepairDomain(Domain):
     # Several calls per action: room for a rewritten module; stopping at submit saves the rest.
     action = ActionSpec(max_tokens=512, stop=("<submit/>",))
 
-    def __init__(self, variant: str | None = None, max_ops: int = 64, run_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        variant: str | None = None,
+        max_ops: int = 64,
+        run_timeout_s: float = 10.0,
+        client_timeout_s: float | None = None,
+    ):
         problems = SESSION_PROBLEMS
         if variant:
             problems = tuple(p for p in SESSION_PROBLEMS if p.name == variant)
@@ -275,6 +289,7 @@ class SessionRepairDomain(Domain):
                 raise ValueError(f"session-repair: unknown problem {variant!r}; problems: {names} (or no variant)")
         self.name = f"session-repair/{variant}" if variant else "session-repair"
         self.problems, self.max_ops, self.run_timeout_s = problems, max_ops, run_timeout_s
+        self.client_timeout_s = client_timeout_s  # None: the sandbox client's own deadline
         self.size = len(problems)
 
     def task(self, index: int) -> Task:
@@ -291,7 +306,7 @@ class SessionRepairDomain(Domain):
         return Task(self.name, f"{p.name}-{index}", prompt, data)
 
     def make_env(self, task: Task, executor: Any = None) -> Environment:
-        return SessionEnv(task, executor, self.max_ops, self.run_timeout_s)
+        return SessionEnv(task, executor, self.max_ops, self.run_timeout_s, self.client_timeout_s)
 
 
 def make_session_repair(variant: str | None) -> SessionRepairDomain:

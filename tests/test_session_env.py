@@ -330,3 +330,38 @@ def test_the_generator_runs_session_episodes_and_fails_them_without_a_server(bwr
         gen.close()
         assert out == [] and source.reasons
         assert all(r.startswith("reset: SandboxError") and "RequestTimeout" in r for r in source.reasons)
+
+
+@pytest.mark.slow
+def test_hpcrl_run_trains_on_session_repair_through_a_sandbox_server(bwrap_ok, tmp_path):
+    """The whole run: the generator job's environments open sessions on the sandbox server job."""
+    from hpcrl.rl.coordinator import read_status
+    from hpcrl.rl.store.reader import StoreReader
+
+    from conftest import RUN_GUARD_S
+    from test_run import finish, hpcrl, no_processes_left
+
+    proc = hpcrl(
+        "run",
+        "config.yaml",
+        f"experiment.run_root={tmp_path}",
+        "domains=[{name: session-repair}]",
+        "learner.max_steps=2",
+        "learner.batch_groups=4",
+        "learner.group_size=4",
+        "generators.max_new_tokens=48",
+        "generators.episodes_in_flight=16",
+        "--run-id",
+        "sessions",
+    )
+    out = finish(proc, RUN_GUARD_S)
+    assert proc.returncode == 0, out[-4000:]
+    run_dir = tmp_path / "sessions"
+    trajs = [t for t in StoreReader(run_dir) if t.domain == "session-repair"]
+    assert len(trajs) >= 16
+    # An untrained model writes no valid tool call: every action is answered until the episode
+    # runs out of turns or context, none is scored as a pass, none fails the run.
+    assert all(t.final_reward == 0 and t.truncation in ("max_steps", "max_tokens") for t in trajs)
+    assert any(len(t.steps) > 1 for t in trajs)
+    assert read_status(run_dir)["completed_by_domain"].get("session-repair", 0) > 0
+    no_processes_left(run_dir)

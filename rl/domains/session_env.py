@@ -202,14 +202,12 @@ class SessionEnv(Environment):
             {"op": "run", "cmd": ["python3", "-I", path], "stdin": nonce + "\n", "timeout_s": self.run_timeout_s}
         )
         passed = bool(r["ok"]) and r.get("exit_code") == 0 and bytes(r["stdout"]).split()[-1:] == [nonce.encode()]
+        status, code, wall = _outcome(_Result(r)) if r["ok"] else ("error", -1, 0.0)
+        if not passed and status == "ok":
+            status = "error"  # it ran but a check failed: the store's "error", as judge_function reports it
         # Only the verdict: the hidden cases' values and output never reach the model or the store.
-        if r["ok"]:
-            fb = _feedback(r, "hidden tests passed" if passed else "hidden tests failed")
-            if not passed and fb.status == "ok":
-                fb = ExecFeedback(0, 1, "error", fb.exit_code, fb.duration_s, fb.message)
-        else:
-            fb = ExecFeedback(0, 1, "error", -1, 0.0, "hidden tests failed")
-        fb = ExecFeedback(int(passed), 1, fb.status, fb.exit_code, fb.duration_s, fb.message)
+        verdict = "hidden tests passed" if passed else "hidden tests failed"
+        fb = ExecFeedback(int(passed), 1, status, code, wall, verdict)
         return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops})
 
     # -- machinery ------------------------------------------------------------------------------

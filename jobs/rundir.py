@@ -40,13 +40,24 @@ def new_run_id(cfg: Config) -> str:
     return f"{cfg.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def create_run_dir(cfg: Config, run_id: str | None = None) -> Path:
-    """Create `<run_root>/<run_id>/` with the resolved config in it; refuse to reuse one."""
-    if run_id is not None and not RUN_ID_RE.fullmatch(run_id):
+def check_run_id(cfg: Config, run_id: str | None) -> None:
+    """RunDirError for a --run-id that is malformed or names a run that exists; creates nothing
+    (a verb that asks something slow first, like the cluster, checks this before it asks)."""
+    if run_id is None:
+        return
+    if not RUN_ID_RE.fullmatch(run_id):
         raise RunDirError(
             f"--run-id {run_id[:80]!r}: use 1-64 letters, digits, '_', '.', '-', starting with a letter "
             "or digit (it names a folder under experiment.run_root)"
         )
+    run_dir = Path(cfg.experiment.run_root) / run_id
+    if run_dir.exists():
+        raise RunDirError(f"run directory {run_dir} already exists; pick another --run-id or remove it")
+
+
+def create_run_dir(cfg: Config, run_id: str | None = None) -> Path:
+    """Create `<run_root>/<run_id>/` with the resolved config in it; refuse to reuse one."""
+    check_run_id(cfg, run_id)
     private_umask()
     root = Path(cfg.experiment.run_root)
     root.mkdir(parents=True, exist_ok=True)

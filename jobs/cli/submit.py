@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
-    from hpcrl.jobs.rundir import create_run_dir
+    from hpcrl.jobs.rundir import check_run_id, create_run_dir
     from hpcrl.jobs.supervise import submit_run
 
     cfg, search, domains = load_experiment(args, "submit", slurm=True)
@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
         for name, text in dry_run_scripts(cfg, run_dir, plan(cfg, run_dir, domains, search)).items():
             print(f"# ===== {name} =====\n{text}")
         return 0
-    # Asked before the run directory exists: a cluster that does not answer leaves nothing behind.
+    # The cluster is asked before the run directory exists, so one that does not answer leaves
+    # nothing behind; a bad --run-id is still refused first, without asking it.
+    check_run_id(cfg, args.run_id)
     warnings = preflight(cfg)
     run_dir = create_run_dir(cfg, args.run_id)
     for warning in warnings:

@@ -106,6 +106,8 @@ def start_component(run_dir: Path, name: str, role: str, metrics_cfg=None) -> _S
         if signal.SIGUSR2 in take_early():  # it came while the job was still importing and unpickling
             time_limit()
     _watch_launcher(stop, name)
+    if role != "supervisor":
+        _watch_supervisor(run_dir, stop, name)
     procs = run_dir / "procs"
     procs.mkdir(exist_ok=True)
     atomic_write_json(
@@ -134,11 +136,30 @@ def finish_job(stop: _Stop, result):
     return result
 
 
-def _watch_supervisor(run_dir: Path, stop: _Stop, stale_s: float) -> None:
-    """Slurm runs: when the supervisor's heartbeat is older than `stale_s`, run `hpcrl supervise
-    RUN` (jobs/resume.py), which submits a new supervisor only if the recorded one left the queue."""
+# A supervisor whose heartbeat is this old may just be gone (killed, its node failed): ask
+# squeue through `hpcrl supervise`, which replaces it only if it left the queue (or is hung).
+SUPERVISOR_QUIET_S = 60.0
+
+
+def _watch_supervisor(run_dir: Path, stop: _Stop, name: str) -> None:
+    """Slurm runs, every component: when the supervisor's heartbeat is older than
+    SUPERVISOR_QUIET_S (or supervise.hang_s if shorter), run `hpcrl supervise RUN --stale-s
+    hang_s` (jobs/resume.py): a new supervisor if the recorded one left the queue, or is RUNNING
+    with a heartbeat older than hang_s. Every component watches, not the coordinator alone: with
+    the supervisor and the coordinator both dead, nobody else would bring either back. The run
+    lock makes the watchers' calls one at a time, and each finds the one before it done."""
     if not os.environ.get("SLURM_JOB_ID") or not (run_dir / "jobs.json").exists():
         return
+    try:
+        from hpcrl.jobs.resume import load_run_config
+
+        hang_s = load_run_config(run_dir).supervise.hang_s
+    except Exception as exc:  # an unreadable config must not stop the component itself
+        log.warning("%s: not watching the supervisor: %s", name, exc)
+        return
+    if not hang_s:
+        return
+    quiet_s = min(SUPERVISOR_QUIET_S, hang_s)
     started = time.time()
 
     def watch() -> None:
@@ -147,22 +168,18 @@ def _watch_supervisor(run_dir: Path, stop: _Stop, stale_s: float) -> None:
 
         from hpcrl.core.liveness import read_heartbeats
 
-        while not stop.wait(min(30.0, stale_s / 2)):
+        while not stop.wait(min(15.0, quiet_s / 2)):
             last = max([b["time"] for b in read_heartbeats(run_dir, "supervisor")], default=started)
-            if time.time() - max(last, started) < stale_s:
+            if time.time() - max(last, started) < quiet_s:
                 continue
+            argv = [sys.executable, "-m", "hpcrl.jobs.cli", "supervise", str(run_dir), "--stale-s", str(hang_s)]
             try:
-                out = subprocess.run(
-                    [sys.executable, "-m", "hpcrl.jobs.cli", "supervise", str(run_dir)],
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
+                out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired) as exc:  # squeue is busy: look again next time
-                log.warning("coordinator: hpcrl supervise did not answer: %s", exc)
+                log.warning("%s: hpcrl supervise did not answer: %s", name, exc)
                 continue
             said = (out.stdout + out.stderr).strip()
-            (log.warning if out.returncode or said.startswith("submitted") else log.info)("coordinator: %s", said)
+            (log.warning if out.returncode or said.startswith("submitted") else log.info)("%s: %s", name, said)
 
     threading.Thread(target=watch, name="hpcrl-supervisor-watch", daemon=True).start()
 
@@ -217,11 +234,10 @@ class SandboxComponent(submitit.helpers.Checkpointable):
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
-    """The coordinator (hpcrl.rl.coordinator); on Slurm it also restarts a supervisor that died."""
+    """The coordinator (hpcrl.rl.coordinator)."""
 
-    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None, supervise_cfg=None):
+    def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None):
         self.run_dir, self.cfg, self.seed = Path(run_dir), coordinator_cfg, seed
-        self.supervise = supervise_cfg
         self.weights = {d.name: d.weight for d in domains}
         self.sizes = dict(sizes or {})  # {domain: number of tasks} of domains with a finite list
         self.group_size, self.batch_groups = learner_cfg.group_size, learner_cfg.batch_groups
@@ -232,8 +248,6 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.coordinator import Coordinator
 
         stop = start_component(self.run_dir, "coordinator", "coordinator", getattr(self, "metrics", None))
-        if getattr(self, "supervise", None) is not None and self.supervise.hang_s:
-            _watch_supervisor(self.run_dir, stop, self.supervise.hang_s)
         coord = Coordinator(
             self.run_dir,
             self.weights,

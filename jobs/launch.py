@@ -108,7 +108,7 @@ def plan(
         Role(
             "coordinator",
             "coordinator",
-            CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes, cfg.supervise),
+            CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes),
         ),
         *[
             Role(s, "sandbox", SandboxComponent(run_dir, server_sandbox_config(cfg.sandbox, i), s))

@@ -107,13 +107,28 @@ def local_resume_check(run_dir: str | os.PathLike, cfg: Config, wait_s: float = 
     return None
 
 
-def ensure_supervisor(run_dir: str | os.PathLike, revive: bool = False) -> str:
+def _hung(run_dir: Path, name: str, job_id: str, state: str, started: float | None, stale_s: float | None) -> bool:
+    """A RUNNING supervisor job whose heartbeat (or, before its first, its start) is older than
+    stale_s. A pending one is never hung: it has not had its chance yet."""
+    from hpcrl.core.liveness import read_heartbeats
+
+    if stale_s is None or state != "RUNNING":
+        return False
+    beats = [b["time"] for b in read_heartbeats(run_dir, name) if str(b.get("job_id")) == job_id]
+    last = max(beats, default=started or time.time())
+    return time.time() - last > stale_s
+
+
+def ensure_supervisor(run_dir: str | os.PathLike, revive: bool = False, stale_s: float | None = None) -> str:
     """Submit a supervisor job for a Slurm run unless one is alive; returns what it did.
 
     `revive`: also continue a run that failed (its restart budgets start afresh) or was cancelled;
-    without it those are left alone (a cron job must not undo an operator's `hpcrl cancel`)."""
+    without it those are left alone (a cron job must not undo an operator's `hpcrl cancel`).
+    `stale_s`: a supervisor job RUNNING with a heartbeat older than this is hung: cancelled and
+    replaced (without it, any supervisor still in the queue counts as alive)."""
     from hpcrl.jobs.launch import SUPERVISOR, read_jobs, slurm_executor, write_jobs
-    from hpcrl.jobs.supervise import CANCEL_NAME, SupervisorComponent, queue_states
+    from hpcrl.jobs.supervise import CANCEL_NAME, SupervisorComponent, queue_jobs
+    from hpcrl.slurm.command import outside_job, run_slurm
 
     run_dir = Path(run_dir)
     with run_lock(run_dir):
@@ -126,8 +141,14 @@ def ensure_supervisor(run_dir: str | os.PathLike, revive: bool = False) -> str:
         if state in ("failed", "cancelled") and not revive:
             return f"run {run_dir.name} is {state}; `hpcrl resume {run_dir}` continues it"
         sup = (record.get("supervisor") or {}).get("job_id")
-        if sup and queue_states([sup]):
-            return f"supervisor job {sup} is alive; nothing to do"
+        queued = queue_jobs([sup]) if sup else {}
+        if sup in queued:
+            state, started = queued[sup]
+            if not _hung(run_dir, SUPERVISOR, sup, state, started, stale_s):
+                return f"supervisor job {sup} is alive; nothing to do"
+            # RUNNING, and its main loop has not turned for stale_s: a hung supervisor is as
+            # good as none, and it would never give way by itself.
+            run_slurm(["scancel", sup], check=False)
         if revive and state in ("failed", "cancelled"):
             (run_dir / CANCEL_NAME).unlink(missing_ok=True)
             for c in record["components"].values():
@@ -136,9 +157,10 @@ def ensure_supervisor(run_dir: str | os.PathLike, revive: bool = False) -> str:
                 c.pop("ended", None)
             record.update(state="running", message="")
         cfg = load_run_config(run_dir)
-        job = slurm_executor(cfg, run_dir, "coordinator", SUPERVISOR).submit(
-            SupervisorComponent(run_dir, cfg, tuple(record.get("search_path", ())))
-        )
+        with outside_job():  # called from a component's job too: its environment is not the supervisor's
+            job = slurm_executor(cfg, run_dir, "coordinator", SUPERVISOR).submit(
+                SupervisorComponent(run_dir, cfg, tuple(record.get("search_path", ())))
+            )
         history = [*(record.get("supervisor") or {}).get("history", []), job.job_id]
         record["supervisor"] = {"job_id": job.job_id, "history": history}
         record["state"] = "running"

@@ -8,10 +8,12 @@ down). Parsing the output is the job of the pure functions in `hpcrl.slurm.parse
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 SLURM_TOOLS = ("sbatch", "squeue", "sinfo", "scontrol", "sacct", "scancel", "sacctmgr", "srun", "sdiag", "sprio")
@@ -38,6 +40,29 @@ class SlurmCommandError(RuntimeError):
         why = next((ln for ln in lines if _hint(ln)), lines[-1] if lines else "(no stderr)")
         code = "timed out" if self.returncode is None else f"exit code {self.returncode}"
         return f"`{shlex.join(self.argv)}` failed ({code}): {why}" + (f"; {self.hint}" if self.hint else "")
+
+
+# Variables that say where Slurm is, not which job we are in: kept by outside_job().
+_SITE_VARS = ("SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT")
+
+
+@contextlib.contextmanager
+def outside_job() -> Iterator[None]:
+    """Submit as if from outside any job: drop the calling job's SLURM_*/SBATCH_*/SRUN_* variables
+    for the block. A job submitted from inside another inherits its environment, and its srun then
+    reads the caller's (a supervisor submitted from a GPU job asked for GRES its CPU job did not
+    have: "Step requested GRES but job doesn't have GRES")."""
+    saved = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k not in _SITE_VARS
+    }
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import pytest
 
@@ -227,3 +228,15 @@ def test_hetjob_rendering():
     assert "#SBATCH --signal=USR1@90" in lines and "#SBATCH --requeue" in lines
     with pytest.raises(ValueError):
         render_script([], [], job_name="x", output="y")
+
+
+def test_outside_job_drops_the_calling_jobs_variables_for_a_submission(monkeypatch):
+    from hpcrl.slurm.command import outside_job
+
+    monkeypatch.setenv("SLURM_GPUS_PER_NODE", "1")  # a GPU job's: its srun would ask a CPU job for GRES
+    monkeypatch.setenv("SBATCH_PARTITION", "gpu")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")  # where the cluster is: kept
+    with outside_job():
+        assert "SLURM_GPUS_PER_NODE" not in os.environ and "SBATCH_PARTITION" not in os.environ
+        assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+    assert os.environ["SLURM_GPUS_PER_NODE"] == "1" and os.environ["SBATCH_PARTITION"] == "gpu"

@@ -4,7 +4,9 @@
     */10 * * * * hpcrl supervise /lustre/me/runs/RUN       # a crontab line: the supervisor of the supervisor
 
 Idempotent: under the run's lock it looks the recorded supervisor job up in squeue and submits
-a new one only when it is gone (killed, its node failed, out of requeues). The new supervisor
+a new one only when it is gone (killed, its node failed, out of requeues), or with `--stale-s S`
+also when it is RUNNING but its heartbeat is older than S seconds (hung: cancelled first). Every
+component of a Slurm run calls it so when the supervisor's heartbeat goes stale. The new supervisor
 re-reads jobs.json (components, restart times) and carries on. A finished, failed or cancelled
 run is left alone (`hpcrl resume` continues failed and cancelled ones).
 """
@@ -23,6 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[2].replace("\n", " "),
     )
     add_run_args(p)
+    p.add_argument(
+        "--stale-s",
+        type=float,
+        help="also replace a RUNNING supervisor whose heartbeat is older than this many seconds (hung)",
+    )
     p.set_defaults(func=run)
 
 
@@ -33,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = resolve_run_dir(args.run, args.config)
     try:
-        print(ensure_supervisor(run_dir))
+        print(ensure_supervisor(run_dir, stale_s=args.stale_s))
     except (RunLocked, ValueError) as exc:
         raise UsageError(str(exc)) from None
     return 0

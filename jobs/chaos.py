@@ -9,9 +9,10 @@ Locally it signals the component's process (procs/<name>.json, the pid checked a
 start time, so a recycled pid is never hit); on Slurm it signals the whole job (`scancel
 --signal=KILL|STOP|CONT --full`). The supervisor is a target too: locally that is the `hpcrl
 run` launcher that holds run.lock, after which the drill runs `hpcrl resume RUN` as an operator
-would (its output in chaos/resume-<n>.log); on Slurm the supervisor job, which the coordinator
-replaces once its heartbeat is older than `supervise.hang_s`. (The Slurm path has not yet been
-run against the dev cluster: tests/test_chaos.py drills the local executor only.)
+would (its output in chaos/resume-<n>.log); on Slurm the supervisor job, which any component
+replaces once its heartbeat is older than `supervise.hang_s`. (On the dev cluster it was run once,
+docs/benchmarks.md: a STOP sent that way stops `srun`, not the component under it, so Slurm
+stalls stall nothing yet; tests/test_chaos.py drills the local executor only.)
 
 After `duration_s` it stops injecting and waits for the run to end, then checks (rl/audit.py):
   reached_max_steps                      the lineage holds steps 1..max_steps, the cursor max_steps

@@ -151,9 +151,9 @@ def _watch_supervisor(run_dir: Path, stop: _Stop, name: str) -> None:
     if not os.environ.get("SLURM_JOB_ID") or not (run_dir / "jobs.json").exists():
         return
     try:
-        from hpcrl.jobs.resume import load_run_config
+        from hpcrl.core.config import RESOLVED_NAME, load_config
 
-        hang_s = load_run_config(run_dir).supervise.hang_s
+        hang_s = load_config(run_dir / RESOLVED_NAME).supervise.hang_s
     except Exception as exc:  # an unreadable config must not stop the component itself
         log.warning("%s: not watching the supervisor: %s", name, exc)
         return

@@ -6,13 +6,13 @@
 Every `every_s` the drill picks a live component at random and kills it (SIGKILL) or stalls it
 (SIGSTOP for `stall_s`, by default longer than the episode and store leases, then SIGCONT).
 Locally it signals the component's process (procs/<name>.json, the pid checked against its
-start time, so a recycled pid is never hit); on Slurm it signals the whole job (`scancel
---signal=KILL|STOP|CONT --full`). The supervisor is a target too: locally that is the `hpcrl
-run` launcher that holds run.lock, after which the drill runs `hpcrl resume RUN` as an operator
-would (its output in chaos/resume-<n>.log); on Slurm the supervisor job, which any component
-replaces once its heartbeat is older than `supervise.hang_s`. (On the dev cluster it was run once,
-docs/benchmarks.md: a STOP sent that way stops `srun`, not the component under it, so Slurm
-stalls stall nothing yet; tests/test_chaos.py drills the local executor only.)
+start time, so a recycled pid is never hit); on Slurm it signals the job (`scancel
+--signal=KILL --full`, `scancel --signal=STOP|CONT` to its steps: a STOP sent to srun never
+reaches the component under it). The supervisor is a target too: locally that is the `hpcrl
+run` launcher that holds run.lock, after which the drill runs `hpcrl resume RUN` as an
+operator would (its output in chaos/resume-<n>.log); on Slurm the supervisor job, which any
+component replaces once its heartbeat goes stale (docs/benchmarks.md has both drills;
+tests/test_chaos.py drills the local executor only).
 
 After `duration_s` it stops injecting and waits for the run to end, then checks (rl/audit.py):
   reached_max_steps                      the lineage holds steps 1..max_steps, the cursor max_steps
@@ -197,7 +197,11 @@ class Drill:
             job = self._slurm_targets().get(target)
             if job is None:
                 return False
-            out = run_slurm(["scancel", f"--signal={sig.name[3:]}", "--full", job], check=False)
+            # KILL goes to the batch script too (--full), so the job ends. STOP and CONT go to the
+            # job's steps only: with --full they reach srun, which cannot pass a STOP on, and the
+            # component under it ran on (seen on the dev cluster).
+            full = ["--full"] if sig == signal.SIGKILL else []
+            out = run_slurm(["scancel", f"--signal={sig.name[3:]}", *full, job], check=False)
             return out.returncode == 0
         if target == "supervisor":
             proc = self._launcher()

@@ -156,6 +156,10 @@ class Coordinator:
                 "abandoned_groups": sorted(self.abandoned_groups),
                 "abandoned_episodes": {str(g): n for g, n in self._abandoned_episodes.items()},
                 "reserved": list(self._reserved),
+                # What the learner consumed: without it a successor's flow control counts the
+                # window full until the learner next reports, and a learner waiting for data
+                # reports only when its counts change: the run stalled (seen in CI).
+                "consumed": {k: int(self.learner.get(k, 0)) for k in ("trained_groups", "dropped_groups")},
             },
             keep_previous=True,  # a state.json found corrupt later falls back to the one before
         )
@@ -171,6 +175,9 @@ class Coordinator:
         if state is None:
             return
         self.sampler.restore(state["sampler"])
+        consumed = state.get("consumed")
+        if isinstance(consumed, dict):
+            self.learner.update({k: int(v) for k, v in consumed.items() if k in ("trained_groups", "dropped_groups")})
         self.sampler.skip_to(*state.get("reserved", (0, 0)))  # above whatever the lost second issued
         self._reserved = self.sampler.next_numbers
         self.groups_issued = int(state["groups_issued"])

@@ -134,6 +134,21 @@ def test_a_group_whose_every_episode_is_abandoned_no_longer_counts_as_outstandin
     assert group in again.abandoned_groups
 
 
+def test_a_restarted_coordinator_knows_what_the_learner_consumed(tmp_path):
+    """Its flow control counts groups issued against groups consumed. A successor that forgot
+    the consumption issued nothing until the learner reported again, and a learner waiting for
+    data reports only when its counts change: a run stalled for 8 minutes."""
+    c = make(tmp_path, lease_s=60)
+    issued, _ = sync(c, "g", want=100)
+    assert len(issued) == 16 and sync(c, "g", want=100)[0] == []  # the window (4 groups) is full
+    sync(c, "g", done=[t.episode for t in issued])
+    c.handle("learner", {"step": 1, "version": 1, "reward": 0.1, "trained_groups": 2, "dropped_groups": 0})
+    c.handle("progress", {"trained_groups": 2, "dropped_groups": 2})
+    c._save()
+    again = make(tmp_path, lease_s=60)  # no learner report since
+    assert len(sync(again, "g", want=100)[0]) == 16
+
+
 def test_status_metrics_stop_and_restart(tmp_path):
     c = make(tmp_path, lease_s=60)
     issued, _ = sync(c, "g", want=12)

@@ -131,3 +131,46 @@ def server_thread(run_dir: Path, name: str, make, limits=None, *, close=None):
     finally:
         stop.set()
         t.join(10)
+
+
+@contextlib.contextmanager
+def session_server(run_dir: Path, uid_base: int, *overrides: str, slots: int = 2):
+    """A SandboxServer with sessions, in a thread of this process, as `hpcrl sandbox serve` builds it."""
+    from hpcrl.core.config import load_config
+    from hpcrl.sandbox.pool import SlotPool
+    from hpcrl.sandbox.server import SandboxServer
+    from hpcrl.sandbox.session import SessionManager
+
+    cfg = load_config(None, [f"sandbox.uid_base={uid_base}", *overrides]).sandbox
+    pool = SlotPool.from_config(cfg, slots=slots)
+    sessions = SessionManager.from_config(cfg)
+
+    def close(srv):
+        pool.close()
+        srv.close()
+
+    try:
+        with server_thread(
+            run_dir,
+            "sandbox-0",
+            lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling, sessions=sessions),
+            close=close,
+        ) as srv:
+            yield srv
+    finally:
+        pool.close()
+        sessions.close_all()
+
+
+@contextlib.contextmanager
+def sandbox_client(run_dir: Path):
+    """A sandbox client of the run, as a generator holds one (named gen-0)."""
+    from hpcrl.core.transport import Node
+    from hpcrl.sandbox.client import SandboxClient
+
+    with Node(run_dir, "gen-0") as node:
+        c = SandboxClient(node)
+        try:
+            yield c
+        finally:
+            c.close()

@@ -9,7 +9,6 @@ Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import subprocess
@@ -18,18 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.core.config import load_config
 from hpcrl.core.rpc import RequestClient
-from hpcrl.core.transport import Node, read_endpoint
+from hpcrl.core.transport import read_endpoint
 from hpcrl.sandbox.apptainer import apptainer_args
 from hpcrl.sandbox.bwrap import BwrapBackend, bwrap_args
 from hpcrl.sandbox.client import SandboxClient
-from hpcrl.sandbox.pool import SlotPool
-from hpcrl.sandbox.server import SandboxServer
 from hpcrl.sandbox.session import SessionManager, SessionOp
 from hpcrl.sandbox.spec import Limits
 
-from conftest import require_bwrap, server_thread, wait_for
+from conftest import require_bwrap, sandbox_client, session_server, wait_for
 from residue import host_residue
 
 UID = 61180
@@ -49,38 +45,12 @@ def run_dir(tmp_path):
     return d
 
 
-@contextlib.contextmanager
 def server(run_dir: Path, *overrides: str, slots: int = 2):
-    """A SandboxServer with sessions, in a thread of this process, as `serve` builds it."""
-    cfg = load_config(None, [f"sandbox.uid_base={UID}", *overrides]).sandbox
-    pool = SlotPool.from_config(cfg, slots=slots)
-    sessions = SessionManager.from_config(cfg)
-
-    def close(srv):
-        pool.close()
-        srv.close()
-
-    try:
-        with server_thread(
-            run_dir,
-            "sandbox-0",
-            lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling, sessions=sessions),
-            close=close,
-        ) as srv:
-            yield srv
-    finally:
-        pool.close()
-        sessions.close_all()
+    return session_server(run_dir, UID, *overrides, slots=slots)
 
 
-@contextlib.contextmanager
 def client(run_dir: Path):
-    with Node(run_dir, "gen-0") as node:
-        c = SandboxClient(node)
-        try:
-            yield c
-        finally:
-            c.close()
+    return sandbox_client(run_dir)
 
 
 def ok(c: SandboxClient, **op) -> dict:

@@ -8,26 +8,20 @@ The server tests need bubblewrap and root; they skip without, fail with HPCRL_RE
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig, load_config
-from hpcrl.core.transport import Node
 from hpcrl.rl.domains import DomainError, get_domain
 from hpcrl.rl.domains.session_env import SessionEnv, SessionRepairDomain
 from hpcrl.rl.domains.toolcalls import MAX_CALLS, ListFiles, Read, Run, Submit, Write, parse_action
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
-from hpcrl.sandbox.client import SandboxClient
-from hpcrl.sandbox.pool import SlotPool
 from hpcrl.sandbox.result import SandboxError
-from hpcrl.sandbox.server import SandboxServer
-from hpcrl.sandbox.session import SessionManager
 
-from conftest import require_bwrap, server_thread
+from conftest import require_bwrap, sandbox_client, session_server
 
 UID = 61280  # apart from test_sandbox_session's slot uids
 SESSION_DIR = "/var/tmp/hpcrl-sessions-envtest"
@@ -114,39 +108,13 @@ def run_dir(tmp_path):
     return d
 
 
-@contextlib.contextmanager
 def server(run_dir: Path):
-    """A SandboxServer with sessions, in a thread of this process, as `hpcrl sandbox serve` builds it."""
-    cfg = load_config(None, [f"sandbox.uid_base={UID}", f"sandbox.session_dir={SESSION_DIR}"]).sandbox
-    pool = SlotPool.from_config(cfg, slots=2)
-    sessions = SessionManager.from_config(cfg)
-
-    def close(srv):
-        pool.close()
-        srv.close()
-
-    try:
-        with server_thread(
-            run_dir,
-            "sandbox-0",
-            lambda node: SandboxServer(node, "sandbox-0", pool, ceiling=cfg.ceiling, sessions=sessions),
-            close=close,
-        ) as srv:
-            yield srv
-    finally:
-        pool.close()
-        sessions.close_all()
+    return session_server(run_dir, UID, f"sandbox.session_dir={SESSION_DIR}")
 
 
-@contextlib.contextmanager
 def executor(run_dir: Path):
     """What a generator hands the domains: a sandbox client of the run."""
-    with Node(run_dir, "gen-0") as node:
-        c = SandboxClient(node)
-        try:
-            yield c
-        finally:
-            c.close()
+    return sandbox_client(run_dir)
 
 
 FIXES = {

@@ -178,6 +178,23 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    every_steps: int = spec(0, help="evaluate pass@k on held-out tasks every this many learner steps; 0: never", ge=0)
+    domains: tuple[str, ...] = spec(factory=tuple, help="registered domains to evaluate, e.g. [humaneval]")
+    k: tuple[int, ...] = spec(factory=lambda: (1,), help="the k of each pass@k reported", min_len=1)
+    tasks: int = spec(16, help="held-out tasks per evaluation (fewer if the domain holds out fewer)", ge=1)
+    samples: int = spec(0, help="samples per task; 0: the largest k", ge=0)
+
+    def validate(self):
+        if any(k < 1 for k in self.k):
+            yield "k", f"every k must be >= 1 (got {list(self.k)})"
+        if self.samples and max(self.k) > self.samples:
+            yield "samples", f"must be >= the largest k ({max(self.k)}), or 0"
+        if self.every_steps and not self.domains:
+            yield "domains", "name the domains to evaluate (e.g. [humaneval]) when every_steps > 0"
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     lr: float = spec(5e-4, help="AdamW learning rate", gt=0)
     max_staleness: int = spec(2, help="drop trajectories more than this many policy versions behind the learner", ge=0)
@@ -229,6 +246,9 @@ class LearnerConfig:
     deepspeed: dict[str, Any] = spec(
         factory=dict, help="DeepSpeed config merged over hpcrl's (checked: unknown keys are refused)"
     )
+    eval: EvalConfig = spec(
+        factory=EvalConfig, help="periodic held-out evaluation (pass@k into metrics.jsonl), off by default"
+    )
 
 
 @dataclass(frozen=True)
@@ -248,6 +268,11 @@ class GeneratorConfig:
     )
     weight_swap: Literal["continue", "restart"] = spec(
         "continue", help="new weights: actions in flight continue under them, or restart (exactly on-policy)"
+    )
+    session_fault: Literal["resume", "reissue"] = spec(
+        "resume",
+        help="a sandbox session's server fails mid-episode: resume on another server from the last good step, "
+        "or reissue the episode",
     )
 
 

@@ -36,6 +36,7 @@ from hpcrl.rl.engine import ContextTooLong, DecodeEngine, SamplingSpec
 from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import EpisodeTicket, TaskSource
 from hpcrl.rl.trajectory import SandboxOutcome, Step, Trajectory
+from hpcrl.sandbox.result import SandboxError
 
 __all__ = ["Generator", "GeneratorStats"]
 
@@ -81,6 +82,7 @@ class _Episode:
     sampling: bool = False  # a row in the decode engine
     version: int = -1  # the policy version its current action started under
     chat: bool = False  # prompt and feedback are chat turns
+    fault: str = ""  # the last sandbox infrastructure fault its environment resumed after
 
 
 class Generator:
@@ -192,6 +194,8 @@ class Generator:
             except Exception as exc:  # a broken site domain fails its episode, not the generator
                 source.failed(ticket, f"make_env: {type(exc).__name__}: {exc}")
                 continue
+            if hasattr(env, "on_fault"):  # a session environment: what its sandbox faults do
+                env.on_fault = self.cfg.session_fault
             ep = _Episode(ticket, domain, env, task.id, time.time())
             self.episodes.append(ep)
             if domain.needs_executor:
@@ -276,7 +280,10 @@ class Generator:
         version, prompt, sample, gen_s = ep.pending
         ep.pending = None
         if exc is not None:
-            self._fail(ep, source, f"step {len(ep.steps) + 1}: {type(exc).__name__}: {exc}")
+            # An infrastructure fault is never the model's reward: the attempt is dropped
+            # (not stored, not trained) and the coordinator issues the episode again.
+            tag = "sandbox_error: " if isinstance(exc, SandboxError) else ""
+            self._fail(ep, source, f"{tag}step {len(ep.steps) + 1}: {type(exc).__name__}: {exc}")
             return
         if not isinstance(result, StepResult):
             result = StepResult(*result)  # a plain 4-tuple from a site environment
@@ -296,7 +303,7 @@ class Generator:
                 loss_mask=np.ones(n, np.uint8),
                 observation_tokens=np.asarray(obs_ids, np.int32),
                 reward=float(result.reward),
-                sandbox=_outcome(fb),
+                sandbox=_outcome(fb, result.info),
                 generate_s=gen_s,
                 env_s=env_s,
             )
@@ -304,6 +311,8 @@ class Generator:
         self.stats.steps += 1
         if ep.domain.needs_executor:
             self.stats.sandbox_s += env_s
+        if result.info and result.info.get("fault"):
+            ep.fault = str(result.info["fault"])
         ep.context.extend(obs_ids)
         ep.prompt = []
         truncation = str(result.info.get("truncation", "none")) if result.info else "none"
@@ -334,6 +343,7 @@ class Generator:
             truncation=truncation,
             started_at=ep.started_at,
             finished_at=time.time(),
+            fault=ep.fault,
         )
         self.stats.trajectories += 1
         self.stats.reward_sum += reward
@@ -373,10 +383,16 @@ def _timed(fn, *args):
         return None, time.perf_counter() - t0, exc
 
 
-def _outcome(fb: Any) -> SandboxOutcome:
+def _outcome(fb: Any, info: Mapping | None = None) -> SandboxOutcome:
+    """The step's sandbox outcome: its feedback's, and what a session environment reports
+    (`command`, `resumes`)."""
+    info = info or {}
+    extra = {"command": str(info.get("command", "")), "resumes": min(int(info.get("resumes", 0)), 255)}
     if isinstance(fb, ExecFeedback):
-        return SandboxOutcome(fb.status, fb.exit_code, fb.duration_s)
-    return SandboxOutcome()
+        total = max(int(fb.total), 0)
+        passed = min(max(int(fb.passed), 0), total)
+        return SandboxOutcome(fb.status, fb.exit_code, fb.duration_s, tests_passed=passed, tests_total=total, **extra)
+    return SandboxOutcome(**extra)
 
 
 def _close(env: Environment) -> None:

@@ -40,11 +40,14 @@ __all__ = [
     "SANDBOX_STATUSES",
     "TrajectoryError",
     "SandboxOutcome",
+    "clip_text",
     "Step",
     "Trajectory",
 ]
 
-SCHEMA_VERSION = 1
+# v2 (issue 14): per-step command, tests passed/total and session resumes; the trajectory's fault.
+# v1 records read as v2 with those fields at their defaults.
+SCHEMA_VERSION = 2
 
 # Codes are positions in these tuples (stored as uint8). Append new names at the end only:
 # stored files keep their own copy of the tuple, so old files decode even if this one grows.
@@ -55,6 +58,8 @@ TruncationReason = Literal["none", "max_steps", "max_tokens", "timeout", "sandbo
 SandboxStatus = Literal["none", "ok", "error", "timeout", "oom", "crash"]
 
 MAX_NAME_LEN = 200
+MAX_COMMAND_BYTES = 96  # a step's sandbox command as stored: a label for reading, not the program
+MAX_FAULT_BYTES = 200  # the trajectory's infrastructure fault message as stored
 _CONTROL = re.compile(r"[\x00-\x1f]")
 # log p <= 0 in exact arithmetic; samplers working in bf16/fp16 can overshoot a little.
 _LOGPROB_SLACK = 1e-3
@@ -126,13 +131,31 @@ def _tokens(value: Any, where: str) -> np.ndarray:
     return _frozen(np.ascontiguousarray(arr))
 
 
+def clip_text(text: str, max_bytes: int) -> str:
+    """`text` on one line, cut to at most `max_bytes` of UTF-8 (at a character boundary, '...' marking
+    a cut): commands and fault messages are stored in fixed-width fields."""
+    text = _CONTROL.sub(" ", str(text))
+    raw = text.encode()
+    if len(raw) <= max_bytes:
+        return text
+    return raw[: max_bytes - 3].decode("utf-8", "ignore") + "..."
+
+
 @dataclass(frozen=True)
 class SandboxOutcome:
-    """What executing the step's action in a sandbox gave; status 'none' when nothing ran."""
+    """What executing the step's action in a sandbox gave; status 'none' when nothing ran.
+
+    `command` names what ran (e.g. `python3 -m unittest -q`, cut to MAX_COMMAND_BYTES), `tests_passed`
+    of `tests_total` is what the run's own checks reported (0 of 0: none), `resumes` counts the
+    sandbox sessions reopened for this step after infrastructure faults (the step was retried)."""
 
     status: SandboxStatus = "none"
     exit_code: int = 0
     duration_s: float = 0.0
+    command: str = ""
+    tests_passed: int = 0
+    tests_total: int = 0
+    resumes: int = 0
 
     def __post_init__(self) -> None:
         if self.status not in SANDBOX_STATUSES:
@@ -145,14 +168,42 @@ class SandboxOutcome:
             raise TrajectoryError(f"sandbox.exit_code: expected an int32 (got {self.exit_code!r})")
         object.__setattr__(self, "exit_code", int(self.exit_code))
         object.__setattr__(self, "duration_s", _float(self.duration_s, "sandbox.duration_s", ge=0.0))
+        if not isinstance(self.command, str):
+            raise TrajectoryError(f"sandbox.command: expected a string (got {type(self.command).__name__})")
+        object.__setattr__(self, "command", clip_text(self.command, MAX_COMMAND_BYTES))
+        for k, hi in (("tests_passed", _INT32_MAX), ("tests_total", _INT32_MAX), ("resumes", 255)):
+            v = _int(getattr(self, k), f"sandbox.{k}")
+            if v > hi:
+                raise TrajectoryError(f"sandbox.{k}: at most {hi} (got {v})")
+            object.__setattr__(self, k, v)
+        if self.tests_passed > self.tests_total:
+            raise TrajectoryError(
+                f"sandbox.tests_passed: {self.tests_passed} is more than tests_total {self.tests_total}"
+            )
 
 
 NO_SANDBOX = SandboxOutcome()
 
 
-def _sandbox_trusted(status: str, exit_code: int, duration_s: float) -> SandboxOutcome:
+def _sandbox_trusted(
+    status: str,
+    exit_code: int,
+    duration_s: float,
+    command: str = "",
+    tests_passed: int = 0,
+    tests_total: int = 0,
+    resumes: int = 0,
+) -> SandboxOutcome:
     out = object.__new__(SandboxOutcome)
-    out.__dict__.update(status=status, exit_code=exit_code, duration_s=duration_s)
+    out.__dict__.update(
+        status=status,
+        exit_code=exit_code,
+        duration_s=duration_s,
+        command=command,
+        tests_passed=tests_passed,
+        tests_total=tests_total,
+        resumes=resumes,
+    )
     return out
 
 
@@ -258,7 +309,11 @@ _ARRAY_FIELDS = ("prompt_tokens", "action_tokens", "action_logprobs", "loss_mask
 
 @dataclass(frozen=True, eq=False)
 class Trajectory:
-    """One episode: ids, the steps in order, the final reward and why it ended."""
+    """One episode: ids, the steps in order, the final reward and why it ended.
+
+    `fault` is a short message of the sandbox infrastructure fault the episode met (a lost
+    server, a session gone): the one that truncated it, or the last one it was resumed after;
+    "" when none. Cut to MAX_FAULT_BYTES."""
 
     run: str
     domain: str
@@ -271,6 +326,7 @@ class Trajectory:
     started_at: float = 0.0  # unix seconds
     finished_at: float = 0.0
     schema_version: int = SCHEMA_VERSION
+    fault: str = ""
 
     def __post_init__(self) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
@@ -300,7 +356,10 @@ class Trajectory:
             raise _fail(
                 where, f"schema_version {version} is newer than this hpcrl reads ({SCHEMA_VERSION}); upgrade hpcrl"
             )
-        put("schema_version", SCHEMA_VERSION)  # v1 is the only version so far: nothing to upgrade
+        if not isinstance(self.fault, str):
+            raise _fail(where, f"fault: expected a string (got {type(self.fault).__name__})")
+        put("fault", clip_text(self.fault, MAX_FAULT_BYTES))
+        put("schema_version", SCHEMA_VERSION)  # v1 records lack only v2's defaulted fields
 
     @classmethod
     def _trusted(cls, steps: tuple[Step, ...], **fields: Any) -> Trajectory:
@@ -356,6 +415,10 @@ class Trajectory:
                     "status": s.sandbox.status,
                     "exit_code": s.sandbox.exit_code,
                     "duration_s": s.sandbox.duration_s,
+                    "command": s.sandbox.command,
+                    "tests_passed": s.sandbox.tests_passed,
+                    "tests_total": s.sandbox.tests_total,
+                    "resumes": s.sandbox.resumes,
                 },
                 "generate_s": s.generate_s,
                 "env_s": s.env_s,
@@ -408,4 +471,5 @@ _SCALAR_FIELDS = (
     "started_at",
     "finished_at",
     "schema_version",
+    "fault",
 )

@@ -242,6 +242,7 @@ def test_a_lost_server_is_an_infrastructure_error_not_the_models_failure(bwrap_o
     with executor(run_dir) as ex:
         with server(run_dir):
             env = domain.make_env(domain.task(0), ex)
+            env.on_fault = "reissue"
             env.reset()
             assert not env.step(VISIBLE).done
         # A restarted server (same run, new instance) does not hold the session: its work is gone.
@@ -249,6 +250,17 @@ def test_a_lost_server_is_an_infrastructure_error_not_the_models_failure(bwrap_o
             with pytest.raises(SandboxError, match="no open session"):
                 env.step(VISIBLE)
             assert env.done and env.session is None
+        # With on_fault resume (the default) the step runs again on a session restored from the
+        # good steps' writes: the model's fix is there, the faulted step's reward is its own.
+        path, fix = FIXES["rle"]
+        with server(run_dir):
+            env = domain.make_env(domain.task(0), ex)
+            env.reset()
+            assert not env.step(f'<write path="{path}">{fix}</write>').done
+        with server(run_dir):
+            obs, _, _, info = env.step(VISIBLE)
+            assert info["resumes"] == 1 and "no open session" in info["fault"] and "exit code 0" in obs
+            assert env.step("<submit/>").reward == 1.0
         # No server at all: the request times out (a short budget; nothing answers however long).
         env = SessionEnv(domain.task(0), ex, max_ops=8, client_timeout_s=2.0)
         with server(run_dir):

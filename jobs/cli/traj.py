@@ -6,6 +6,7 @@
     hpcrl traj export runs/... -o trajs.jsonl                   # one JSON object per trajectory
     hpcrl traj synth /tmp/store --count 1000 --seed 1          # prints "acked <total>" after each flush
     hpcrl traj trace runs/... 12                                # episode 12's life: leased, steps, stored, trained
+    hpcrl traj show runs/... 12 [--json]                        # its steps: text, reward, sandbox command, tests
 
 RUN_OR_DIR is a run directory (its `trajectories/` store is used) or a store directory; `trace`
 needs a run directory or a run id under config.yaml's run_root (rl/trace.py says what it joins).
@@ -48,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = store_cmd("export", "write every verified trajectory as JSON lines")
     q.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     q.set_defaults(func=run_export)
+    q = store_cmd("show", "one stored trajectory step by step: text, reward, sandbox command and results")
+    q.add_argument("id", help="episode number (every stored attempt) or trajectory id run/generator/episode")
+    q.set_defaults(func=run_show)
     q = verbs.add_parser(
         "trace",
         help="one trajectory's life: leased, each step, stored where, trained or dropped and why",
@@ -278,6 +282,104 @@ def run_trace(args: argparse.Namespace) -> int:
     for e in events:
         when = f"{time.strftime('%H:%M:%S', time.localtime(e.time))} +{e.time - t0:8.3f}s" if e.time else " " * 19
         print(f"  {when}  {e.detail}")
+    return 0
+
+
+def _find(store: Path, ident: str) -> list:
+    """The stored trajectories `ident` names (an episode number or run/generator/episode)."""
+    from hpcrl.rl.store.layout import list_shards
+    from hpcrl.rl.store.reader import _segments_of
+    from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
+    from hpcrl.rl.trace import TraceError, _matches, parse_ident
+
+    try:
+        episode, suffix = parse_ident(ident)
+    except TraceError as exc:
+        raise UsageError(str(exc)) from None
+    out = []
+    for state in list_shards(store):
+        for seg in _segments_of(state):
+            path = state.path / seg.name
+            try:  # the id column first: only segments holding a match are read whole
+                ids = read_segment(path, seg.expect, fields=("traj",)).ids()
+                rows = [i for i, tid in enumerate(ids) if _matches(tid, episode, suffix)]
+                if rows:
+                    cols, _ = load_segment(path, seg.expect)
+                    out += [cols.trajectory(i) for i in rows]
+            except SegmentError:
+                continue  # damaged or being written: `hpcrl traj verify` reports it
+    return out
+
+
+def _decoder(store: Path):
+    """The run's tokenizer's decode (its config.resolved.yaml beside the store), or None."""
+    try:
+        from hpcrl.core.config import load_config
+        from hpcrl.rl.policy import load_tokenizer
+
+        cfg = load_config(str(store.parent / "config.resolved.yaml"), [])
+        tok = load_tokenizer(cfg.policy)
+        return lambda ids: tok.decode([int(i) for i in ids])
+    except Exception:  # no run config, no tokenizer files here: token counts only
+        return None
+
+
+def run_show(args: argparse.Namespace) -> int:
+    store = _store(args)
+    found = _find(store, args.id)
+    if not found:
+        raise UsageError(f"{args.id}: no such trajectory in {store}; `hpcrl traj export` lists the stored ids")
+    decode = _decoder(store)
+    data, lines = [], []
+    for t in found:
+        steps = []
+        head = f"{t.id}  {t.domain} task {t.task}: reward {t.final_reward:g}, ended by {t.truncation}"
+        lines.append(head + (f"\n  fault: {t.fault}" if t.fault else ""))
+        for k, s in enumerate(t.steps):
+            sb = s.sandbox
+            step = {
+                "policy_version": s.policy_version,
+                "reward": s.reward,
+                "tokens": {
+                    "prompt": len(s.prompt_tokens),
+                    "action": len(s.action_tokens),
+                    "observation": len(s.observation_tokens),
+                },
+                "sandbox": {
+                    "command": sb.command,
+                    "status": sb.status,
+                    "exit_code": sb.exit_code,
+                    "tests_passed": sb.tests_passed,
+                    "tests_total": sb.tests_total,
+                    "duration_s": sb.duration_s,
+                    "resumes": sb.resumes,
+                },
+            }
+            if decode is not None:
+                step["text"] = {k2: decode(getattr(s, f"{k2}_tokens")) for k2 in ("prompt", "action", "observation")}
+            steps.append(step)
+            n = step["tokens"]
+            lines.append(
+                f"  step {k + 1}  policy v{s.policy_version}  reward {s.reward:g}  "
+                f"tokens {n['prompt']}+{n['action']}+{n['observation']}"
+            )
+            if sb.status != "none" or sb.command:
+                tests = f", tests {sb.tests_passed}/{sb.tests_total}" if sb.tests_total else ""
+                again = f", resumed {sb.resumes}x after a sandbox fault" if sb.resumes else ""
+                lines.append(
+                    f"    sandbox: {sb.command or '(command not recorded)'} -> {sb.status}, exit {sb.exit_code}"
+                    f"{tests}, {sb.duration_s:.2f} s{again}"
+                )
+            for part, text in (step.get("text") or {}).items():
+                if text:
+                    lines.append(f"    {part}: " + text.replace("\n", "\n      "))
+        data.append(
+            {
+                **{k: getattr(t, k) for k in ("id", "domain", "task", "final_reward", "truncation", "fault")},
+                "steps": steps,
+            }
+        )
+    _emit(args, data if len(data) > 1 else data[0], lines)
     return 0
 
 

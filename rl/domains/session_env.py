@@ -16,9 +16,23 @@ the domain's `max_ops` tool calls. The session is closed when the episode ends o
 environment is closed (the generator closes abandoned episodes; the server's idle expiry is
 the backstop).
 
-Infrastructure failures (the server unreachable, the session gone with a restarted server, a
-sandbox_error run) raise `SandboxError`, as the code domains do: the generator fails the
-episode (the coordinator issues it again) instead of scoring the model on it.
+Infrastructure faults (the server unreachable or not answering within a run's limit plus the
+client's slack, the session gone with a restarted server, a sandbox_error run) are never the
+model's: its own code failing or timing out under its own limit is an ordinary observation.
+What a fault does is `on_fault` (the generator sets it from `generators.session_fault`):
+
+  resume   the environment opens a session on the next sandbox service (the same one, restarted,
+           where there is only one), restores the workspace there and runs the faulted step's
+           action again, up to `max_resumes` times per step; the step's info says `resumes` and
+           `fault`. The workspace is restored from a client-side log of the writes of the good
+           steps (the task's files and the model's writes in order), not from a server snapshot:
+           a server's snapshots live in its session_dir and die with it, while the log is what
+           the model already sent (no extra operation per step). What runs left in the workspace
+           (build outputs, caches) is not restored; a later run makes it again.
+  reissue  the fault raises `SandboxError`; the generator drops the episode unstored and untrained
+           (reason "sandbox_error: ...") and the coordinator issues it again from the start.
+
+Either way a step whose operations faulted gets no reward: it is retried or the episode is dropped.
 
 The executor is what the generator hands every code domain: a `ThreadLocalJudge` (its node and
 sandbox services), or a `SandboxClient`, or a `SandboxJudge` over one. The environment opens its
@@ -29,6 +43,8 @@ generator steps an episode on whichever pool thread is free (one thread at a tim
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 import secrets
 import shlex
 import threading
@@ -41,23 +57,30 @@ from hpcrl.rl.domains.session_tasks import HIDDEN_HARNESS, SESSION_PROBLEMS, VIS
 from hpcrl.rl.domains.toolcalls import SYNTAX, ListFiles, Read, Run, Submit, ToolCall, Write, parse_action
 from hpcrl.sandbox.result import SandboxError
 
-__all__ = ["SessionEnv", "SessionRepairDomain", "make_session_repair"]
+__all__ = ["SessionEnv", "SessionRepairDomain", "make_session_repair", "FAULT_POLICIES"]
+
+log = logging.getLogger(__name__)
 
 _OUTPUT_CHARS = 2000  # of a read file or a run's output, per call: the context is the model's budget
 _GONE = "no open session"  # the server's words for a session it does not hold (SessionManager._take)
 _services = itertools.count()  # spreads environments over the sandbox services round-robin
+_UNITTEST_RAN = re.compile(rb"^Ran (\d+) tests? in ", re.M)
+_UNITTEST_BAD = re.compile(rb"^FAILED \((?:failures=(\d+))?(?:, )?(?:errors=(\d+))?", re.M)
+FAULT_POLICIES = ("resume", "reissue")
 
 
-def _session_target(executor: Any) -> tuple[Any, str]:
-    """(node, sandbox service) for the environment's own client; ValueError if the executor has none."""
+def _session_target(executor: Any) -> tuple[Any, list[str]]:
+    """(node, sandbox services, this environment's first) for its own client; ValueError if the
+    executor has none. The others are where a faulted session resumes."""
     from hpcrl.sandbox.client import SandboxClient
 
     target = getattr(executor, "sandbox", executor)  # a SandboxJudge wraps a client or a local backend
     if isinstance(target, SandboxClient):
-        return target.node, target.service
+        return target.node, [target.service]
     services: Sequence[str] = getattr(executor, "services", ())
     if getattr(executor, "node", None) is not None and services:
-        return executor.node, services[next(_services) % len(services)]
+        k = next(_services) % len(services)
+        return executor.node, list(services[k:]) + list(services[:k])
     raise ValueError(
         "session domains need a sandbox server (sessions live there); give the generator a sandbox client "
         f"(hpcrl run starts sandbox servers), not {type(executor).__name__}"
@@ -65,6 +88,10 @@ def _session_target(executor: Any) -> tuple[Any, str]:
 
 
 class SessionEnv(Environment):
+    #: the sandbox language the session opens with (its tools must exist on the server); a
+    #: subclass for another language's projects sets it (c_repair.CRepairEnv: "c")
+    language = "python"
+
     def __init__(
         self,
         task: Task,
@@ -72,12 +99,26 @@ class SessionEnv(Environment):
         max_ops: int,
         run_timeout_s: float = 10.0,
         client_timeout_s: float | None = None,
+        on_fault: str = "resume",
+        max_resumes: int = 2,
     ):
         self.task, self.max_ops, self.run_timeout_s = task, max_ops, run_timeout_s
-        self._node, self._service = _session_target(executor)
+        self._node, self._services = _session_target(executor)
+        self._service = self._services[0]
         self._client_timeout_s = client_timeout_s
+        if on_fault not in FAULT_POLICIES:
+            raise ValueError(f"session on_fault must be one of {', '.join(FAULT_POLICIES)} (got {on_fault!r})")
+        self.on_fault, self.max_resumes = on_fault, max_resumes
+        self.resumes = 0  # sessions reopened after faults, this episode
+        self.fault = ""  # the last infrastructure fault met, this episode
+        self._writes: list[tuple[str, str]] = []  # the good steps' writes, in order: what a resume restores
+        self._step_writes: list[tuple[str, str]] = []
+        self._step_calls: list[str] = []  # what this step ran, for its command summary
         self._client = None
         self._sid: str | None = None
+        # The server did not answer, or no longer holds the session: closing it would only wait
+        # out another timeout (holding a pool thread and delaying the resume); its expiry cleans up.
+        self._lost = False
         self.ops = 0  # tool calls the model made (a malformed action counts as one)
         self.sent_bytes = 0  # file content sent to the server, setup included
         self.done = False
@@ -90,21 +131,20 @@ class SessionEnv(Environment):
 
     # -- Environment ------------------------------------------------------------------------
     def reset(self) -> str:
-        from hpcrl.sandbox.client import SandboxClient
-
         with self._lock:
-            self._end()
-            self._client = SandboxClient(self._node, self._service, total_timeout_s=self._client_timeout_s)
-            try:
-                self._sid = self._op({"op": "open", "language": "python"})["session"]
-                for path, content in self.task.data["files"]:
-                    r = self._op({"op": "write", "path": path, "content": content})
-                    if not r["ok"]:  # our own files: not the model's doing
-                        raise SandboxError(f"writing the task's {path} into the session failed: {r['error']}")
-                    self.sent_bytes += len(content.encode())
-            except BaseException:
-                self._end()
-                raise
+            self._writes = [(str(p), str(c)) for p, c in self.task.data["files"]]
+            self.resumes, self.fault = 0, ""
+            # Nothing of the model's is lost yet: a server that fails to open is passed over
+            # whatever `on_fault` says, each service tried once.
+            for i in range(len(self._services)):
+                try:
+                    self._open()
+                    break
+                except SandboxError as exc:
+                    self.fault = str(exc)
+                    if i + 1 == len(self._services):
+                        raise
+                    self._service = self._next_service()
             self.ops, self.done = 0, False
             if self._close_requested:  # closed (an abandoned episode) while the session opened
                 self._end()
@@ -117,7 +157,7 @@ class SessionEnv(Environment):
             raise RuntimeError(f"{self.task.domain}/{self.task.id}: step() before reset()")
         with self._lock:
             try:
-                return self._step(action)
+                return self._step_resuming(action)
             except BaseException:
                 self.done = True
                 self._end()
@@ -138,6 +178,33 @@ class SessionEnv(Environment):
             self._close_requested = True
 
     # -- the loop -----------------------------------------------------------------------------
+    def _step_resuming(self, action: str) -> StepResult:
+        """`_step`, and with on_fault resume, again on a reopened session after a fault: the
+        faulted attempt's effects are discarded with its session, so the model's action is judged
+        once, on the workspace of its last good step."""
+        ops0, attempt = self.ops, 0
+        while True:
+            self._step_writes, self._step_calls = [], []
+            try:
+                if attempt:
+                    self._reopen()
+                self.ops, self.done = ops0, False
+                result = self._step(action)
+                break
+            except SandboxError as exc:
+                self.fault = str(exc)
+                attempt += 1
+                if self.on_fault != "resume" or attempt > self.max_resumes or self._close_requested:
+                    raise
+                log.warning("%s/%s: resuming after %s", self.task.domain, self.task.id, exc)
+        self._writes += self._step_writes
+        self.resumes += attempt
+        info = dict(result.info or {})
+        info["command"] = "; ".join(self._step_calls)
+        if attempt:
+            info.update(resumes=attempt, fault=self.fault)
+        return result._replace(info=info)
+
     def _step(self, action: str) -> StepResult:
         parsed = parse_action(action)
         blocks: list[str] = []
@@ -165,9 +232,12 @@ class SessionEnv(Environment):
         return StepResult("\n".join(blocks) + f"\n[{left} tool calls left; <submit/> when done]\n", 0.0, False, info)
 
     def _call(self, call: ToolCall) -> tuple[str, ExecFeedback | None]:
+        self._step_calls.append(_label(call))
         if isinstance(call, Write):
             r = self._op({"op": "write", "path": call.path, "content": call.content})
             self.sent_bytes += len(call.content.encode())
+            if r["ok"]:
+                self._step_writes.append((call.path, call.content))
             return (f"[write {call.path}] " + (f"ok, {r['bytes']} bytes" if r["ok"] else f"error: {r['error']}")), None
         if isinstance(call, Read):
             r = self._op({"op": "read", "path": call.path})
@@ -190,6 +260,7 @@ class SessionEnv(Environment):
         return f"{head} {fb.status}, exit code {fb.exit_code}\n{out}", fb
 
     def _submit(self) -> StepResult:
+        self._step_calls.append("submit")
         self.done = True
         p: str = self.task.data["hidden"]
         nonce = secrets.token_hex(16)
@@ -211,17 +282,46 @@ class SessionEnv(Environment):
         return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops})
 
     # -- machinery ------------------------------------------------------------------------------
+    def _open(self) -> None:
+        """A new session on `self._service` holding the log's writes; SandboxError on a fault."""
+        from hpcrl.sandbox.client import SandboxClient
+
+        self._end()
+        self._lost = False
+        self._client = SandboxClient(self._node, self._service, total_timeout_s=self._client_timeout_s)
+        try:
+            self._sid = self._op({"op": "open", "language": self.language})["session"]
+            for path, content in self._writes:
+                r = self._op({"op": "write", "path": path, "content": content})
+                if not r["ok"]:  # written before without complaint: the infrastructure's doing
+                    raise SandboxError(f"restoring {path} into the session failed: {r['error']}")
+                self.sent_bytes += len(content.encode())
+        except BaseException:
+            self._end()
+            raise
+
+    def _next_service(self) -> str:
+        return self._services[(self._services.index(self._service) + 1) % len(self._services)]
+
+    def _reopen(self) -> None:
+        """After a fault: the workspace of the last good step, in a session on the next service."""
+        self._service = self._next_service()
+        self._open()
+
     def _op(self, op: dict) -> dict:
         """One session operation; SandboxError when the failure is the infrastructure's."""
         from hpcrl.core.transport import TransportError
+        from hpcrl.sandbox.client import SandboxBusy
 
         if op["op"] != "open":
             op = {**op, "session": self._sid}
         try:
             r = self._client.session(op)
         except (TransportError, SandboxError, ValueError) as exc:  # unreachable, timed out, refused by the server
+            self._lost = isinstance(exc, TransportError) and not isinstance(exc, SandboxBusy)
             raise SandboxError(f"sandbox session {op['op']} on {self._service}: {type(exc).__name__}: {exc}") from None
         if not r.get("ok") and (op["op"] == "open" or _GONE in str(r.get("error"))):
+            self._lost = True
             # A restarted server swept the session (or never opened one): the model's work is gone.
             raise SandboxError(f"sandbox session {op['op']} on {self._service}: {r.get('error')}")
         if r.get("ok") and op["op"] == "run" and r.get("status") == "sandbox_error":
@@ -234,7 +334,7 @@ class SessionEnv(Environment):
         if client is None:
             return
         try:
-            if sid is not None:
+            if sid is not None and not self._lost:
                 # Briefly: the generator closes finished episodes from its loop; a server that
                 # does not answer expires the session itself.
                 client.session({"op": "close", "session": sid}, timeout_s=min(self._client_timeout_s or 5.0, 5.0))
@@ -254,8 +354,31 @@ class _Result:
 
 
 def _feedback(r: dict, message: str) -> ExecFeedback:
+    """A run's outcome; tests passed/total from unittest's summary where it printed one, else
+    the run itself as one test (passed when it exited 0)."""
     status, code, wall = _outcome(_Result(r))
-    return ExecFeedback(int(code == 0 and status == "ok"), 1, status, code, wall, message)
+    passed, total = int(code == 0 and status == "ok"), 1
+    out = bytes(r.get("stdout") or b"") + bytes(r.get("stderr") or b"")
+    ran = _UNITTEST_RAN.findall(out)
+    if ran and int(ran[-1]) > 0:
+        total = int(ran[-1])
+        bad = _UNITTEST_BAD.findall(out)
+        failed = sum(int(x or 0) for x in bad[-1]) if bad else 0
+        passed = max(total - failed, 0) if status in ("ok", "error") else 0
+    return ExecFeedback(passed, total, status, code, wall, message)
+
+
+def _label(call: ToolCall) -> str:
+    """A short name of a tool call for the step's command summary."""
+    if isinstance(call, Write):
+        return f"write {call.path}"
+    if isinstance(call, Read):
+        return f"read {call.path}"
+    if isinstance(call, ListFiles):
+        return "list"
+    if isinstance(call, Run):
+        return f"run {shlex.join(call.argv)}"
+    return "submit"
 
 
 def _text(data: bytes) -> str:
@@ -269,6 +392,8 @@ class SessionRepairDomain(Domain):
     """`session-repair[/problem]`: fix a bug in a small project with tool calls, judged by hidden tests."""
 
     needs_executor = True
+    multi_step = True
+    languages = ("python",)
     # Several calls per action: room for a rewritten module; stopping at submit saves the rest.
     action = ActionSpec(max_tokens=512, stop=("<submit/>",))
 

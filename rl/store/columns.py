@@ -37,6 +37,8 @@ import numpy as np
 from hpcrl.rl.trajectory import (
     _CONTROL,
     _LOGPROB_SLACK,
+    MAX_COMMAND_BYTES,
+    MAX_FAULT_BYTES,
     MAX_NAME_LEN,
     NO_SANDBOX,
     SANDBOX_STATUSES,
@@ -49,7 +51,16 @@ from hpcrl.rl.trajectory import (
     _sandbox_trusted,
 )
 
-__all__ = ["Columns", "ColumnsError", "EncodeBuffers", "traj_dtype", "STEP_DTYPE", "ARRAY_NAMES", "wire_bytes"]
+__all__ = [
+    "Columns",
+    "ColumnsError",
+    "EncodeBuffers",
+    "traj_dtype",
+    "STEP_DTYPE",
+    "ARRAY_NAMES",
+    "wire_bytes",
+    "upgrade_tables",
+]
 
 _STRING_FIELDS = ("id", "run", "domain", "task", "generator")
 
@@ -67,6 +78,11 @@ STEP_DTYPE = np.dtype(
         ("sandbox_s", "<f8"),
         ("generate_s", "<f8"),
         ("env_s", "<f8"),
+        # Schema v2 (v1 tables are upgraded on read, these at their defaults):
+        ("sandbox_command", f"S{MAX_COMMAND_BYTES}"),  # UTF-8, NUL-padded
+        ("tests_passed", "<i4"),
+        ("tests_total", "<i4"),
+        ("resumes", "u1"),
     ]
 )
 
@@ -82,6 +98,7 @@ _TRAJ_NUMERIC = [
     ("min_policy_version", "<i8"),
     ("max_policy_version", "<i8"),
     ("schema_version", "<u2"),
+    ("fault", f"S{MAX_FAULT_BYTES}"),  # schema v2; UTF-8, NUL-padded
 ]
 
 # Dataset names in the order the checksum covers them.
@@ -103,6 +120,25 @@ def wire_bytes(traj: Trajectory) -> int:
     return n + sum(
         4 * (len(s.prompt_tokens) + len(s.observation_tokens)) + 9 * len(s.action_tokens) for s in traj.steps
     )
+
+
+def upgrade_tables(traj: np.ndarray, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tables of an older schema (v1 files) in this one's dtypes: fields they lack take their
+    defaults (0, ""). Tables already current are returned as they are, uncopied."""
+    if steps is not None and steps.dtype != STEP_DTYPE and steps.dtype.names:
+        new = np.zeros(len(steps), STEP_DTYPE)
+        for name in steps.dtype.names:
+            if name in STEP_DTYPE.names:
+                new[name] = steps[name]
+        steps = new
+    names = traj.dtype.names or ()
+    if len(names) > 1 and "fault" not in names:  # (the empty table of a reader without rows has only id)
+        dt = np.dtype([(n, traj.dtype[n]) for n in names] + [("fault", f"S{MAX_FAULT_BYTES}")])
+        new = np.zeros(len(traj), dt)
+        for name in names:
+            new[name] = traj[name]
+        traj = new
+    return traj, steps
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
@@ -197,6 +233,10 @@ class Columns:
                         s.sandbox.duration_s,
                         s.generate_s,
                         s.env_s,
+                        s.sandbox.command.encode(),
+                        s.sandbox.tests_passed,
+                        s.sandbox.tests_total,
+                        s.sandbox.resumes,
                     )
                 )
                 tok_parts += (s.prompt_tokens, s.action_tokens, s.observation_tokens)
@@ -221,6 +261,7 @@ class Columns:
                     min(versions),
                     max(versions),
                     t.schema_version,
+                    t.fault.encode(),
                 )
             )
         # Widths rounded up to a power of two (>= 16) so consecutive batches share one dtype,
@@ -341,6 +382,8 @@ class Columns:
             and _times_ok(s["sandbox_s"])
             and _times_ok(s["generate_s"])
             and _times_ok(s["env_s"])
+            and (s["tests_passed"] >= 0).all()
+            and (s["tests_passed"] <= s["tests_total"]).all()
             and (not len(self.tokens) or self.tokens.min() >= 0)
             and (not len(self.logprobs) or (np.isfinite(self.logprobs).all() and self.logprobs.max() <= _LOGPROB_SLACK))
             and (not len(self.loss_mask) or self.loss_mask.max() <= 1)
@@ -508,7 +551,25 @@ class Columns:
         make_step = Step._trusted if trusted else Step
         steps = []
         rows = self.steps[s0 : s0 + n].tolist()
-        for j, (pv, reward, t0, p, a, o, a0, status, code, sandbox_s, gen_s, env_s) in enumerate(rows):
+        for j, (
+            pv,
+            reward,
+            t0,
+            p,
+            a,
+            o,
+            a0,
+            status,
+            code,
+            sandbox_s,
+            gen_s,
+            env_s,
+            cmd,
+            passed,
+            total,
+            resumes,
+        ) in enumerate(rows):
+            extra = (cmd.decode(errors="replace"), passed, total, resumes)
             try:
                 steps.append(
                     make_step(
@@ -522,10 +583,10 @@ class Columns:
                         # Most steps ran no sandbox: trusted rows share the one outcome that says so.
                         (
                             NO_SANDBOX
-                            if trusted and status == 0 and code == 0 and sandbox_s == 0
-                            else _sandbox_trusted(self.sandbox_names[status], code, sandbox_s)
+                            if trusted and status == 0 and code == 0 and sandbox_s == 0 and extra == ("", 0, 0, 0)
+                            else _sandbox_trusted(self.sandbox_names[status], code, sandbox_s, *extra)
                             if trusted
-                            else SandboxOutcome(self.sandbox_names[status], code, sandbox_s)
+                            else SandboxOutcome(self.sandbox_names[status], code, sandbox_s, *extra)
                         ),
                         gen_s,
                         env_s,
@@ -545,6 +606,7 @@ class Columns:
             started_at=float(r["started_at"]),
             finished_at=float(r["finished_at"]),
             schema_version=int(r["schema_version"]),
+            fault=r["fault"].decode(errors="replace"),
         )
         try:
             traj = Trajectory._trusted(tuple(steps), **fields) if trusted else Trajectory(steps=tuple(steps), **fields)

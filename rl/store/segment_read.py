@@ -21,7 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpcrl.rl.store.columns import ARRAY_NAMES, Columns, ColumnsError
+from hpcrl.rl.store.columns import ARRAY_NAMES, Columns, ColumnsError, upgrade_tables
 from hpcrl.rl.store.segment import (
     _CRC_AT,
     _HEAD,
@@ -203,8 +203,11 @@ _EMPTY = {
 
 
 def _columns(data: dict[str, np.ndarray], names: tuple[tuple[str, ...], tuple[str, ...]]) -> Columns:
+    arrays = {n: data[n] if n in data else _EMPTY[n]() for n in ARRAY_NAMES}
+    # Segments written before schema v2 hold narrower tables: read as v2, new fields defaulted.
+    arrays["traj"], arrays["steps"] = upgrade_tables(arrays["traj"], arrays["steps"])
     return Columns(
-        **{n: data[n] if n in data else _EMPTY[n]() for n in ARRAY_NAMES},
+        **arrays,
         truncation_names=names[0],
         sandbox_names=names[1],
     )
@@ -252,7 +255,10 @@ def _load_v1(path: Path, expect: SegmentInfo | None, fields: tuple[str, ...], si
     if expect is not None and expect.rows != rows:
         raise SegmentError(f"holds {rows} rows, the manifest says {expect.rows}")
     if set(fields) == set(ARRAY_NAMES):
-        actual = cols.crc32()
+        # Over the arrays as stored: the columns' tables may be upgraded copies (schema v1).
+        actual = 0
+        for name in ARRAY_NAMES:
+            actual = zlib.crc32(memoryview(np.ascontiguousarray(data[name])).cast("B"), actual)
         if actual != crc:
             raise SegmentError(f"checksum mismatch: data {actual:#010x}, header {crc:#010x}")
         if expect is not None and expect.crc32 != crc:

@@ -2,6 +2,7 @@
 component's time went, as PNGs in RUN/plots/, from the run's own records.
 
     paths, summary = write_plots(run_dir)          # RUN/plots/{reward,throughput,staleness,utilisation}.png
+                                                    # (+ eval.png when learner.eval wrote pass@k)
     ivs = learner_intervals(raw_metrics_rows)       # [Interval(start, end, {state: seconds})] from metrics.jsonl
     ivs = generator_intervals(timeline_samples)     # {generator: [Interval]} from coordinator/timeline.jsonl
     fractions = binned(ivs, STATES, t0, t1, bins)   # [{state: share of the bin}] for a stack plot
@@ -262,6 +263,9 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
     else:
         timelines |= {g: (ivs, GENERATOR_STATES) for g, ivs in sorted(gens.items())}
     paths.append(_utilisation_png(plt, run_dir, timelines, t_start, out_dir / "utilisation.png"))
+    evals = eval_series(raw)
+    if evals:
+        paths.append(_eval_png(plt, run_dir, evals, out_dir / "eval.png"))
     summary = {
         "steps": len(rows),
         "last_step": rows[-1]["step"],
@@ -314,6 +318,32 @@ def _utilisation_png(plt, run_dir: Path, timelines: dict, t0: float, out: Path) 
     fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0.16, 1, 1))
     return _save(fig, out, tight=False)
+
+
+def eval_series(rows: Sequence[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{"<domain> pass@k": [(learner step evaluated, value)]} from the eval/<domain>/pass@k keys
+    a step's report carries when a periodic evaluation finished (learner.eval)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        step = r.get("eval/step")
+        for key, value in r.items():
+            if key.startswith("eval/") and "/pass@" in key and isinstance(step, int):
+                domain, _, k = key[len("eval/") :].rpartition("/")  # a domain name may hold a '/'
+                out.setdefault(f"{domain} {k}", {})[step] = float(value)  # a repeated step: the later report
+    return {name: sorted(points.items()) for name, points in sorted(out.items())}
+
+
+def _eval_png(plt, run_dir: Path, series: dict, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, points in series.items():
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", lw=1, label=name)
+    ax.set_xlabel("learner step evaluated")
+    ax.set_ylabel("pass@k on held-out tasks")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{run_dir.name}: held-out evaluation")
+    return _save(fig, out)
 
 
 def _save(fig, out: Path, tight: bool = True) -> Path:

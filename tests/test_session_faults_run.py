@@ -50,6 +50,20 @@ UID_BASE = 61500  # server i's slots: 61500 + 2i + k; apart from other tests' sl
 SESSION_DIR = "/var/tmp/hpcrl-sessions-faultrun"
 IN_FLIGHT = 20  # open sessions (episodes past reset, not yet ended) at the kill
 AFTER_STEPS = 3  # learner steps the run goes on for after the kill
+MIN_DEEP = 3  # live episodes on the victim past their first step at the kill
+
+
+def _past_first_step(log: Path, service: str) -> int:
+    """Episodes whose session is on `service`, with a step finished and not ended (session_probe's log)."""
+    last: dict[str, tuple[str, str]] = {}
+    try:
+        for line in log.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3:
+                last[parts[0]] = (parts[1], parts[2])
+    except OSError:
+        return 0
+    return sum(1 for svc, what in last.values() if svc == service and what != "done")
 
 
 def _sessions(run_dir: Path) -> dict[str, int]:
@@ -96,9 +110,11 @@ def _stored(run_dir: Path) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["resume", "reissue"])
-def test_killing_a_sandbox_server_under_live_session_episodes(tmp_path, mode):
+def test_killing_a_sandbox_server_under_live_session_episodes(tmp_path, monkeypatch, mode):
     for k in range(4):
         require_bwrap(UID_BASE + k)
+    probe_log = tmp_path / "probe.log"
+    monkeypatch.setenv("HPCRL_PROBE_LOG", str(probe_log))  # the generator inherits it
     shutil.copy(HERE / "session_probe.py", tmp_path / "session_probe.py")
     cfg = tmp_path / "exp.yaml"
     cfg.write_text("domains:\n  - name: session-probe\n    module: session_probe:make_domain\n")
@@ -133,8 +149,11 @@ def test_killing_a_sandbox_server_under_live_session_episodes(tmp_path, mode):
             s = _sessions(run_dir)
             gen = (((read_status(run_dir) or {}).get("generators") or {}).get("gen-0") or {}).get("stats") or {}
             live_steps = gen.get("steps", 0) - session_probe.STEPS * gen.get("trajectories", 0)
-            if len(s) == 2 and min(s.values()) > 0 and sum(s.values()) >= IN_FLIGHT and live_steps >= sum(s.values()):
-                return {**s, "live_steps": live_steps}
+            # Episodes on sandbox-0 with a finished step and not ended: their resume must restore
+            # what earlier steps wrote (the probe's own progress lines say where each one is).
+            deep = _past_first_step(probe_log, "sandbox-0")
+            if len(s) == 2 and min(s.values()) > 0 and sum(s.values()) >= IN_FLIGHT and deep >= MIN_DEEP:
+                return {**s, "live_steps": live_steps, "sandbox0_past_first_step": deep}
             return None
 
         at_kill = wait_for(crowded, RUN_GUARD_S, 0.1, what=f"{IN_FLIGHT} open sessions over both sandbox servers")

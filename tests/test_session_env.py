@@ -253,13 +253,16 @@ def test_a_lost_server_is_an_infrastructure_error_not_the_models_failure(bwrap_o
         # With on_fault resume (the default) the step runs again on a session restored from the
         # good steps' writes: the model's fix is there, the faulted step's reward is its own.
         path, fix = FIXES["rle"]
+        # A file a run made (a build output, an edit by a command) is there too: runs are replayed.
+        made = "<run>python3 -c \"open('made.txt', 'w').write('by a run')\"</run>"
         with server(run_dir):
             env = domain.make_env(domain.task(0), ex)
             env.reset()
-            assert not env.step(f'<write path="{path}">{fix}</write>').done
+            assert not env.step(f'<write path="{path}">{fix}</write>{made}').done
         with server(run_dir):
-            obs, _, _, info = env.step(VISIBLE)
+            obs, _, _, info = env.step(f'{VISIBLE}<read path="made.txt"/>')
             assert info["resumes"] == 1 and "no open session" in info["fault"] and "exit code 0" in obs
+            assert "[read made.txt]\nby a run" in obs
             assert env.step("<submit/>").reward == 1.0
         # No server at all: the request times out (a short budget; nothing answers however long).
         env = SessionEnv(domain.task(0), ex, max_ops=8, client_timeout_s=2.0)

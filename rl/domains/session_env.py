@@ -24,11 +24,12 @@ What a fault does is `on_fault` (the generator sets it from `generators.session_
   resume   the environment opens a session on the next sandbox service (the same one, restarted,
            where there is only one), restores the workspace there and runs the faulted step's
            action again, up to `max_resumes` times per step; the step's info says `resumes` and
-           `fault`. The workspace is restored from a client-side log of the writes of the good
-           steps (the task's files and the model's writes in order), not from a server snapshot:
-           a server's snapshots live in its session_dir and die with it, while the log is what
-           the model already sent (no extra operation per step). What runs left in the workspace
-           (build outputs, caches) is not restored; a later run makes it again.
+           `fault`. The workspace is rebuilt by replaying a client-side log of the good steps'
+           operations that can change it (the task's files, then the model's writes and runs, in
+           order; a run's output is discarded), not from a server snapshot: a server's
+           snapshots live in its session_dir and die with it, while the log is what the model
+           already sent (no extra operation per step). So files a run made or edited (a build,
+           `sed -i`) come back too, at the price of running those commands again on a fault.
   reissue  the fault raises `SandboxError`; the generator drops the episode unstored and untrained
            (reason "sandbox_error: ...") and the coordinator issues it again from the start.
 
@@ -111,8 +112,9 @@ class SessionEnv(Environment):
         self.on_fault, self.max_resumes = on_fault, max_resumes
         self.resumes = 0  # sessions reopened after faults, this episode
         self.fault = ""  # the last infrastructure fault met, this episode
-        self._writes: list[tuple[str, str]] = []  # the good steps' writes, in order: what a resume restores
-        self._step_writes: list[tuple[str, str]] = []
+        # The good steps' writes and runs, in order: what a resume replays on a new session.
+        self._replay: list[dict] = []
+        self._step_replay: list[dict] = []
         self._step_calls: list[str] = []  # what this step ran, for its command summary
         self._client = None
         self._sid: str | None = None
@@ -132,7 +134,7 @@ class SessionEnv(Environment):
     # -- Environment ------------------------------------------------------------------------
     def reset(self) -> str:
         with self._lock:
-            self._writes = [(str(p), str(c)) for p, c in self.task.data["files"]]
+            self._replay = [{"op": "write", "path": str(p), "content": str(c)} for p, c in self.task.data["files"]]
             self.resumes, self.fault = 0, ""
             # Nothing of the model's is lost yet: a server that fails to open is passed over
             # whatever `on_fault` says, each service tried once.
@@ -184,7 +186,7 @@ class SessionEnv(Environment):
         once, on the workspace of its last good step."""
         ops0, attempt = self.ops, 0
         while True:
-            self._step_writes, self._step_calls = [], []
+            self._step_replay, self._step_calls = [], []
             try:
                 if attempt:
                     self._reopen()
@@ -197,7 +199,7 @@ class SessionEnv(Environment):
                 if self.on_fault != "resume" or attempt > self.max_resumes or self._close_requested:
                     raise
                 log.warning("%s/%s: resuming after %s", self.task.domain, self.task.id, exc)
-        self._writes += self._step_writes
+        self._replay += self._step_replay
         self.resumes += attempt
         info = dict(result.info or {})
         info["command"] = "; ".join(self._step_calls)
@@ -237,7 +239,7 @@ class SessionEnv(Environment):
             r = self._op({"op": "write", "path": call.path, "content": call.content})
             self.sent_bytes += len(call.content.encode())
             if r["ok"]:
-                self._step_writes.append((call.path, call.content))
+                self._step_replay.append({"op": "write", "path": call.path, "content": call.content})
             return (f"[write {call.path}] " + (f"ok, {r['bytes']} bytes" if r["ok"] else f"error: {r['error']}")), None
         if isinstance(call, Read):
             r = self._op({"op": "read", "path": call.path})
@@ -252,9 +254,11 @@ class SessionEnv(Environment):
             return "[list] " + (" ".join(sorted(names)) or "(empty)"), None
         assert isinstance(call, Run)
         head = f"[run {shlex.join(call.argv)}]"
-        r = self._op({"op": "run", "cmd": list(call.argv), "timeout_s": call.timeout_s or self.run_timeout_s})
+        op = {"op": "run", "cmd": list(call.argv), "timeout_s": call.timeout_s or self.run_timeout_s}
+        r = self._op(op)
         if not r["ok"]:
             return f"{head} error: {r['error']}", None
+        self._step_replay.append(op)  # it may have changed the workspace (a build, a sed -i)
         fb = _feedback(r, "exit 0" if r.get("exit_code") == 0 else "failed")
         out = _text(bytes(r.get("stdout") or b"") + bytes(r.get("stderr") or b""))
         return f"{head} {fb.status}, exit code {fb.exit_code}\n{out}", fb
@@ -283,7 +287,7 @@ class SessionEnv(Environment):
 
     # -- machinery ------------------------------------------------------------------------------
     def _open(self) -> None:
-        """A new session on `self._service` holding the log's writes; SandboxError on a fault."""
+        """A new session on `self._service` with the good steps replayed; SandboxError on a fault."""
         from hpcrl.sandbox.client import SandboxClient
 
         self._end()
@@ -291,11 +295,12 @@ class SessionEnv(Environment):
         self._client = SandboxClient(self._node, self._service, total_timeout_s=self._client_timeout_s)
         try:
             self._sid = self._op({"op": "open", "language": self.language})["session"]
-            for path, content in self._writes:
-                r = self._op({"op": "write", "path": path, "content": content})
-                if not r["ok"]:  # written before without complaint: the infrastructure's doing
-                    raise SandboxError(f"restoring {path} into the session failed: {r['error']}")
-                self.sent_bytes += len(content.encode())
+            for op in self._replay:
+                r = self._op(op)
+                if op["op"] == "write":
+                    if not r["ok"]:  # written before without complaint: the infrastructure's doing
+                        raise SandboxError(f"restoring {op['path']} into the session failed: {r['error']}")
+                    self.sent_bytes += len(op["content"].encode())
         except BaseException:
             self._end()
             raise

@@ -318,6 +318,13 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class LocalWindowConfig:
+    start_s: float = spec(0.0, help="when the window opens, seconds after the run started", ge=0)
+    length_s: float = spec(600.0, help="how long it stays open, seconds", gt=0)
+    gpus: int = spec(1, help="idle GPUs in it (one rollout process per slurm.generator.gpus_per_node)", ge=1)
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     policy: Literal["sync", "async", "backfill"] = spec("backfill", help="how rollout work is placed on GPUs")
     fit_quantile: float = spec(
@@ -345,6 +352,20 @@ class SchedulerConfig:
         30.0,
         help="rollout jobs end this long before the next queued job's expected start (>= Slurm's bf_interval), seconds",
         ge=0,
+    )
+    plan_interval_s: float = spec(
+        10.0, help="policy backfill: how often the run looks for windows to submit rollout jobs into, seconds", gt=0
+    )
+    max_rollout_jobs: int = spec(
+        0, help="policy backfill: rollout jobs (real generators in backfill windows) at once; 0: none", ge=0
+    )
+    max_rollout_gpus: int = spec(0, help="policy backfill: GPUs all rollout jobs together may hold; 0: none", ge=0)
+    rollout_drain_s: float = spec(
+        10.0, help="a rollout job hands back its unfinished episodes and exits this long before its window ends", ge=0
+    )
+    local_windows: tuple[LocalWindowConfig, ...] = spec(
+        factory=lambda: (LocalWindowConfig(),),
+        help="executor local: idle-GPU windows rollout processes may use (the Slurm run asks squeue)",
     )
 
 

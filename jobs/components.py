@@ -295,6 +295,16 @@ class LearnerComponent(submitit.helpers.Checkpointable):
 
 
 class GeneratorComponent(submitit.helpers.Checkpointable):
+    # A subclass (jobs/rollout.py RolloutComponent) runs the same generator under its own role,
+    # with a source that stops leasing, and a stop condition, of its own.
+    role = "generator"
+
+    def wrap_source(self, source):
+        return source
+
+    def should_end(self) -> bool:
+        return False
+
     def __init__(
         self,
         run_dir,
@@ -322,7 +332,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.weights import WeightStore
 
-        stop = start_component(self.run_dir, self.name, "generator", getattr(self, "metrics", None))
+        stop = start_component(self.run_dir, self.name, self.role, getattr(self, "metrics", None))
         _threads(self.torch_threads)
         domains = load_domains(self.domains, self.search_path)
         policy = Policy.load(self.policy, seed=self.seed)
@@ -374,7 +384,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                     "reward_mean": s.reward_sum / max(s.trajectories, 1),
                 }
 
-            source = RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats)
+            source = self.wrap_source(RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats))
             provide(
                 lambda: {
                     "generator_trajectories_total": gen.stats.trajectories,
@@ -393,17 +403,25 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 }
             )
             try:
-                gen.run(source, source.sink, stop=lambda: beat() or stop.is_set() or source.should_stop())
+                gen.run(
+                    source,
+                    source.sink,
+                    stop=lambda: beat() or stop.is_set() or source.should_stop() or self.should_end(),
+                )
                 source.release(gen.in_flight())  # unfinished episodes go back to the coordinator at once
                 gen.close()
                 source.finish(timeout_s=60.0)
             finally:
                 source.close()
-            # "coordinator": the run is over; "signal": asked to stop (the runner may restart it).
+            # "coordinator": the run is over; "signal": asked to stop (the runner may restart it);
+            # "window": a rollout job's window ended (jobs/rollout.py: never requeued).
+            by = "coordinator" if source.should_stop() else "window" if self.should_end() else "signal"
+            if self.role == "rollout":
+                stop.requeue = False  # its window is over, whatever the signal: not a job to run again
             return finish_job(
                 stop,
                 {
-                    "stopped_by": "coordinator" if source.should_stop() else "signal",
+                    "stopped_by": by,
                     "trajectories": gen.stats.trajectories,
                     "busy_fraction": gen.stats.busy_fraction,
                 },

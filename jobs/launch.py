@@ -159,12 +159,21 @@ def role_resources(slurm: SlurmConfig, role: str) -> Resources:
     )
 
 
-def slurm_parameters(slurm: SlurmConfig, role: str, job_name: str) -> dict:
-    """submitit.SlurmExecutor keywords for one role (pure; tested without a cluster)."""
+def slurm_parameters(
+    slurm: SlurmConfig,
+    role: str,
+    job_name: str,
+    time_limit_min: int | None = None,
+    shrink_to_min: int | None = None,
+) -> dict:
+    """submitit.SlurmExecutor keywords for one role (pure; tested without a cluster).
+
+    A backfill rollout job (jobs/rollout_plan.py) runs as `generator` with the --time its window
+    allows (`time_limit_min`) and --time-min `shrink_to_min`, down to which Slurm may cut it."""
     res = role_resources(slurm, role)
     params: dict = {
         "partition": res.partition,
-        "time": res.time_min,
+        "time": time_limit_min or res.time_min,
         "nodes": res.nodes,
         "ntasks_per_node": res.ntasks_per_node,
         "cpus_per_task": res.cpus_per_task,
@@ -181,6 +190,8 @@ def slurm_parameters(slurm: SlurmConfig, role: str, job_name: str) -> dict:
     if res.extra:
         # submitit writes `key_name` as `--key-name`; either spelling in the config works.
         params["additional_parameters"] = {k.replace("-", "_"): v for k, v in res.extra.items()}
+    if shrink_to_min:
+        params.setdefault("additional_parameters", {})["time_min"] = str(shrink_to_min)
     if slurm.setup:
         params["setup"] = list(slurm.setup)
     return params

@@ -58,6 +58,28 @@ def _heartbeats(name: str, status: dict, now: float) -> tuple[float | None, dict
     return None, {}
 
 
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _rollout_row(run_dir: Path, name: str, planned: dict, now: float) -> dict:
+    """A rollout job's role, GPUs and window left: the deadline it found at start (rollout/<name>.json),
+    else the window end it was planned for."""
+    own = _json(run_dir / "rollout" / f"{name}.json")
+    end = own.get("deadline") or planned.get("window_end")
+    if not planned:
+        planned = _json(run_dir / "rollout.json").get("jobs", {}).get(name, {})
+        end = end or planned.get("window_end")
+    return {
+        "role": "rollout",
+        "gpus": planned.get("gpus"),
+        "window_left_s": None if end is None else max(end - now, 0.0),
+    }
+
+
 def snapshot(run_dir: str | os.PathLike) -> dict:
     from hpcrl.jobs.launch import read_jobs
     from hpcrl.rl.coordinator import read_status
@@ -92,20 +114,24 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
             beat, rates = _heartbeats(
                 name.removesuffix("-0") if name.startswith(("learner", "store")) else name, status, now
             )
-            snap["components"].append(
-                {
-                    "name": name,
-                    "job_id": None,
-                    "state": "RUNNING" if pids(run_dir, name) else "GONE",
-                    "heartbeat_age_s": beat,
-                    "metrics_url": urls.get(name),
-                    **rates,
-                }
-            )
+            row = {
+                "name": name,
+                "job_id": None,
+                "state": "RUNNING" if pids(run_dir, name) else "GONE",
+                "heartbeat_age_s": beat,
+                "metrics_url": urls.get(name),
+                **rates,
+            }
+            if name.startswith("rollout-"):
+                row.update(_rollout_row(run_dir, name, {}, now), pid=_json(f).get("pid"))
+                row.setdefault("trajectories", 0)
+            snap["components"].append(row)
         return snap
     entries = [(name, c) for name, c in jobs["components"].items()]
     if jobs.get("supervisor"):
         entries.append(("supervisor", {**jobs["supervisor"], "restarts": 0}))
+    planned = _json(run_dir / "rollout.json").get("jobs", {})  # backfill rollout jobs (jobs/rollout_plan.py)
+    entries += [(name, {**r, "restarts": 0}) for name, r in planned.items()]
     ids = [c["job_id"] for _, c in entries]
     queued = _squeue(ids)
     gone = [i for i in ids if i not in queued]
@@ -133,6 +159,9 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         beat, rates = _heartbeats(name, status, now)
         # A component's endpoint is its rank 0's (learner-0, store-0) where its processes are numbered.
         row.update(heartbeat_age_s=beat, metrics_url=urls.get(name) or urls.get(f"{name}-0"), **rates)
+        if name in planned:
+            row.update(_rollout_row(run_dir, name, planned[name], now))
+            row.setdefault("trajectories", 0)
         snap["components"].append(row)
     if snap["state"] in ("submitted", "running") and not queued:
         snap["state"] = "ended"  # no job of the run is left (a hand-submitted or hetjob run has no supervisor)
@@ -172,6 +201,12 @@ def snapshot_text(snap: dict) -> str:
             f"{c['name']:<12} {c.get('job_id') or '-'!s:<10} {c['state']:<11} {c.get('node') or '-'!s:<6} "
             f"{c.get('elapsed') or '-'!s:>9} {c.get('time_left') or '-'!s:>9} {c.get('restarts', 0):>8} "
             f"{_num(c.get('heartbeat_age_s'), '.0f'):>7} s  {rate}"
+            + (
+                f"  rollout: {c.get('gpus') or 0} GPU, window left {_num(c.get('window_left_s'), '.0f')} s, "
+                f"{c.get('trajectories', 0)} trajectories"
+                if c.get("role") == "rollout"
+                else ""
+            )
         )
     return "\n".join(lines)
 

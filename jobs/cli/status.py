@@ -75,7 +75,7 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
     from hpcrl.jobs.supervise import pids
 
     status = read_status(run_dir)
-    alive = {role: pids(run_dir, role) for role in ("coordinator", "store", "learner", "gen", "sandbox")}
+    alive = {role: pids(run_dir, role) for role in ("coordinator", "store", "learner", "gen", "sandbox", "rollout")}
     text = (
         status_text(run_dir, status)
         + "\nprocesses  "

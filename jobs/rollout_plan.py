@@ -1,0 +1,366 @@
+"""The run's backfill planner: rollout jobs (jobs/rollout.py) into idle-GPU windows, up to the caps.
+
+    planner = rollout_planner(cfg, run_dir, roles)   # None unless scheduler.policy is backfill and
+                                                     # max_rollout_jobs and max_rollout_gpus are > 0
+    planner.tick()                                   # every poll of LocalRun / the Slurm supervisor
+    planner.stop_all()                               # the run is over
+
+It lives in the process that already watches the run's jobs (`LocalRun` for `hpcrl run`, the
+supervisor job for `hpcrl submit`): that process owns submitting jobs, and no other process
+needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decides:
+
+- **Is there work for more generators?** Only while the coordinator runs and its flow control
+  has room (`coordinator_has_work`: fewer groups outstanding than it may hand out, or episodes
+  queued for re-issue). When flow control is full the learner is the bottleneck: another
+  generator would only hold a GPU idle, so none is started.
+- **Which window?** On Slurm `live_window(slurm.generator.partition, exclude=<the run's jobs>)`
+  (squeue --start; slurm/backfill/planner.py), sized by `size_rollout_jobs`: --time the
+  longest limit that backfill accepts before the next pending GPU job (`minutes_that_fit`),
+  --time-min one episode + job_overhead_s + rollout_drain_s, as many jobs as idle GPUs hold.
+  Locally the windows are `scheduler.local_windows` (seconds from the run start); each is
+  filled once, its processes get its end as their deadline and are signalled (SIGTERM) there,
+  killed rollout_drain_s + 30 s later if still alive, as Slurm's time limit would.
+- **How many?** At most max_rollout_jobs at once and max_rollout_gpus GPUs in all.
+
+`<run>/rollout.json` records every rollout job (name, job id, GPUs, planned window end,
+state); `hpcrl status` lists them as components with role `rollout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcrl.core.config import Config, SchedulerConfig
+from hpcrl.core.files import atomic_write_json
+from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
+from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow
+
+__all__ = [
+    "RolloutJobSize",
+    "coordinator_has_work",
+    "size_rollout_jobs",
+    "rollout_planner",
+    "RolloutPlanner",
+    "ROLLOUT_NAME",
+]
+
+log = logging.getLogger("hpcrl.rollout")
+ROLLOUT_NAME = "rollout.json"
+KILL_GRACE_S = 30.0  # after its window's end (+ drain), a local rollout process that lingers is killed
+
+
+def coordinator_has_work(status: dict | None, max_ahead_groups: int) -> bool:
+    """Would the coordinator hand episodes to one more generator? (status.json, pure)"""
+    if not status or status.get("state") != "running":
+        return False
+    ln = status.get("learner") or {}
+    if "version" not in ln:
+        return False  # no weights published yet: a generator started now would only wait for them
+    consumed = int(ln.get("trained_groups", 0)) + int(ln.get("dropped_groups", 0))
+    return int(status.get("queued", 0)) > 0 or int(status.get("groups_issued", 0)) - consumed < max_ahead_groups
+
+
+@dataclass(frozen=True)
+class RolloutJobSize:
+    jobs: int
+    gpus_per_job: int
+    time_limit_min: int  # --time: the longest limit backfill accepts before the window's end
+    time_min_min: int  # --time-min: one episode's worth, down to which Slurm may cut it
+    window_s: float  # math.inf: no pending GPU job ends the window
+
+
+def size_rollout_jobs(
+    window: ClusterWindow,
+    sched: SchedulerConfig,
+    episode_s: float,
+    *,
+    gpus_per_job: int,
+    jobs_free: int,
+    gpus_free: int,
+    unbounded_min: int,
+) -> RolloutJobSize | None:
+    """Rollout jobs for `window` (pure): None when no job fits (no idle GPUs, caps spent, too short)."""
+    gpus_per_job = max(gpus_per_job, 1)
+    jobs = min(window.jobs_that_fit(gpus_per_job), jobs_free, gpus_free // gpus_per_job)
+    if jobs < 1:
+        return None
+    limit = unbounded_min if window.end is None else BackfillPlanner(sched).minutes_that_fit(window)
+    need_min = math.ceil((sched.job_overhead_s + episode_s + sched.rollout_drain_s) / 60)
+    if limit < need_min:
+        return None
+    return RolloutJobSize(jobs, gpus_per_job, limit, need_min, window.length_s)
+
+
+class RolloutPlanner:
+    """Keeps the rollout jobs of one run (see the module doc); `backend` is LocalBackend or SlurmBackend."""
+
+    def __init__(self, cfg: Config, run_dir: Path, template, backend, clock=time.time):
+        self.cfg, self.sched, self.run_dir = cfg, cfg.scheduler, Path(run_dir)
+        self.template, self.backend, self.clock = template, backend, clock
+        lc = cfg.learner
+        self.max_ahead = cfg.coordinator.max_groups_ahead or max(1, lc.max_staleness) * lc.batch_groups
+        self.gpus_per_job = max(cfg.slurm.generator.gpus_per_node, 1)
+        self.record = self._load()
+        self._next_plan = 0.0
+
+    def _load(self) -> dict:
+        import json
+
+        path = self.run_dir / ROLLOUT_NAME
+        if path.exists():  # a requeued supervisor goes on where its predecessor was
+            return json.loads(path.read_text())
+        return {"started": self.clock(), "next": 0, "jobs": {}, "windows": []}
+
+    def save(self) -> None:
+        atomic_write_json(self.run_dir / ROLLOUT_NAME, self.record)
+
+    def active(self) -> dict[str, dict]:
+        return {n: j for n, j in self.record["jobs"].items() if j["state"] == "active"}
+
+    def free(self) -> tuple[int, int]:
+        act = self.active().values()
+        return (
+            self.sched.max_rollout_jobs - len(act),
+            self.sched.max_rollout_gpus - sum(j["gpus"] for j in act),
+        )
+
+    def episode_s(self) -> float:
+        return self.sched.prior_s
+
+    def new_component(self, deadline: float | None) -> tuple[str, RolloutComponent]:
+        n = self.record["next"]
+        self.record["next"] = n + 1
+        name = f"rollout-{n}"
+        seed = self.cfg.experiment.seed + 1000 * (1000 + n)  # apart from the fixed generators' seeds
+        return name, RolloutComponent.like(self.template, name, seed, deadline, self.sched)
+
+    def tick(self) -> None:
+        now = self.clock()
+        changed = self.backend.reap(self, now)
+        if now >= self._next_plan:
+            self._next_plan = now + self.sched.plan_interval_s
+            jobs_free, gpus_free = self.free()
+            if jobs_free > 0 and gpus_free >= self.gpus_per_job:
+                from hpcrl.rl.coordinator import read_status
+
+                if coordinator_has_work(read_status(self.run_dir), self.max_ahead):
+                    changed = self.backend.plan(self, now, jobs_free, gpus_free) or changed
+        if changed:
+            self.save()
+
+    def stop_all(self) -> None:
+        self.backend.stop_all(self)
+        self.save()
+
+
+class LocalBackend:
+    """Windows from scheduler.local_windows; rollout processes through submitit's LocalExecutor."""
+
+    def __init__(self, executor_factory):
+        self.executor_factory = executor_factory  # name -> a submitit executor
+        self.jobs: dict = {}  # name -> submitit job
+
+    def plan(self, p: RolloutPlanner, now: float, jobs_free: int, gpus_free: int) -> bool:
+        t0, changed = p.record["started"], False
+        for i, w in enumerate(p.sched.local_windows):
+            if i in p.record["windows"]:
+                continue
+            start, end = t0 + w.start_s, t0 + w.start_s + w.length_s
+            if not start <= now < end:
+                continue
+            left = end - now
+            if left < p.episode_s() + p.sched.rollout_drain_s:
+                continue  # too short now: one episode would not finish
+            jobs = min(w.gpus // p.gpus_per_job, jobs_free, gpus_free // p.gpus_per_job)
+            if jobs < 1:
+                continue
+            p.record["windows"].append(i)
+            for _ in range(jobs):
+                name, comp = p.new_component(end)
+                job = self.executor_factory(name).submit(comp)
+                self.jobs[name] = job
+                p.record["jobs"][name] = {
+                    "job_id": job.job_id,
+                    "gpus": p.gpus_per_job,
+                    "window": i,
+                    "window_end": end,
+                    "submitted": now,
+                    "state": "active",
+                }
+                log.info("rollout: %s in local window %d (%.0f s left)", name, i, left)
+            jobs_free -= jobs
+            gpus_free -= jobs * p.gpus_per_job
+            changed = True
+        return changed
+
+    def reap(self, p: RolloutPlanner, now: float) -> bool:
+        changed = False
+        for name, rec in p.active().items():
+            job = self.jobs.get(name)
+            if job is None or job.done():
+                rec.update(state="ended", ended=now)
+                changed = True
+                continue
+            if now >= rec["window_end"] and not rec.get("signalled"):
+                rec["signalled"] = now  # the window is over: as Slurm's time limit, SIGTERM
+                _signal(pids(p.run_dir, name), signal.SIGTERM)
+                changed = True
+            elif now >= rec["window_end"] + p.sched.rollout_drain_s + KILL_GRACE_S:
+                log.warning("rollout: %s outlived its window; killing it", name)
+                _signal(pids(p.run_dir, name), signal.SIGKILL)
+                job.cancel()
+        return changed
+
+    def stop_all(self, p: RolloutPlanner, grace_s: float = 60.0) -> None:
+        for name in p.active():
+            _signal(pids(p.run_dir, name), signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(not self.jobs[n].done() for n in p.active() if n in self.jobs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for name in p.active():
+            if name in self.jobs and not self.jobs[name].done():
+                self.jobs[name].cancel()
+        self.reap(p, time.time())
+
+
+class SlurmBackend:
+    """Windows from squeue --start (live_window); rollout jobs through submitit's SlurmExecutor."""
+
+    def __init__(self, executor_factory, own_job_ids):
+        self.executor_factory = executor_factory  # (name, RolloutJobSize) -> a submitit executor
+        self.own_job_ids = own_job_ids  # () -> the run's job ids (they end no window)
+
+    def plan(self, p: RolloutPlanner, now: float, jobs_free: int, gpus_free: int) -> bool:
+        from hpcrl.slurm.backfill.planner import live_window
+
+        if any(j.get("pending") for j in p.active().values()):
+            return False  # one not started yet: Slurm has not taken it, a new window would be guessed
+        own = tuple(self.own_job_ids()) + tuple(j["job_id"] for j in p.active().values())
+        window = live_window(p.cfg.slurm.generator.partition, exclude=own)
+        size = size_rollout_jobs(
+            window,
+            p.sched,
+            p.episode_s(),
+            gpus_per_job=p.gpus_per_job,
+            jobs_free=jobs_free,
+            gpus_free=gpus_free,
+            unbounded_min=p.cfg.slurm.generator.time_min,
+        )
+        if size is None:
+            return False
+        for _ in range(size.jobs):
+            name, comp = p.new_component(None)
+            job = self.executor_factory(name, size).submit(comp)
+            p.record["jobs"][name] = {
+                "job_id": job.job_id,
+                "gpus": size.gpus_per_job,
+                "time_limit_min": size.time_limit_min,
+                "time_min_min": size.time_min_min,
+                "window_s": None if math.isinf(size.window_s) else size.window_s,
+                "window_end": None if window.end is None else window.end.timestamp(),
+                "blocked_by": window.blocked_by,
+                "submitted": now,
+                "pending": True,
+                "state": "active",
+            }
+            log.info(
+                "rollout: %s as job %s, --time %d --time-min %d (window %s s, before job %s)",
+                name,
+                job.job_id,
+                size.time_limit_min,
+                size.time_min_min,
+                "inf" if math.isinf(size.window_s) else f"{size.window_s:.0f}",
+                window.blocked_by,
+            )
+        return True
+
+    def reap(self, p: RolloutPlanner, now: float) -> bool:
+        from hpcrl.slurm import queries
+
+        act = p.active()
+        if not act:
+            return False
+        states = {r["job_id"]: r["state"] for r in queries.queue(job_ids=tuple(j["job_id"] for j in act.values()))}
+        changed = False
+        for rec in act.values():
+            state = states.get(rec["job_id"])
+            if state is None or state in _GONE:
+                rec.update(state="ended", ended=now, slurm_state=state or "left the queue")
+                changed = True
+            elif rec.get("pending") and state == "RUNNING":
+                rec.update(pending=False, started=now)
+                changed = True
+        return changed
+
+    def stop_all(self, p: RolloutPlanner) -> None:
+        from hpcrl.slurm import queries
+
+        queries.cancel([j["job_id"] for j in p.active().values()])
+
+
+# squeue states of a job whose processes are gone (it will not run again: rollout jobs are not requeued)
+_GONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}
+_GONE |= {"OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
+
+
+def pids(run_dir: Path, name: str) -> list[int]:
+    """The pid of a local rollout process (rollout/<name>.json), if it is still that process."""
+    import json
+
+    import psutil
+
+    try:
+        rec = json.loads((run_dir / ROLLOUT_DIR / f"{name}.json").read_text())
+        proc = psutil.Process(int(rec["pid"]))
+        if proc.create_time() <= float(rec["started"]) + 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+            return [proc.pid]
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        pass
+    return []
+
+
+def _signal(procs: list[int], sig: int) -> None:
+    for proc in procs:
+        try:
+            os.kill(proc, sig)
+        except ProcessLookupError:
+            pass
+
+
+def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=None) -> RolloutPlanner | None:
+    """The run's planner, or None when backfill rollout jobs are off (the default)."""
+    s = cfg.scheduler
+    if s.policy != "backfill" or s.max_rollout_jobs < 1 or s.max_rollout_gpus < 1:
+        return None
+    run_dir = Path(run_dir)
+    template = next((r.component for r in roles if r.slurm_role == "generator"), None)
+    if template is None:
+        raise ValueError("scheduler.max_rollout_jobs > 0 needs generators.count >= 1: rollout jobs run what gen-0 runs")
+    from hpcrl.jobs.launch import BOOT_PYTHON, make_executor, slurm_parameters
+
+    if cfg.executor == "local":
+        backend = LocalBackend(
+            lambda name: make_executor("local", cfg.slurm, "generator", run_dir / "submitit", job_name=f"hpcrl-{name}")
+        )
+    else:
+        import submitit
+
+        def slurm_executor(name: str, size: RolloutJobSize):
+            ex = submitit.SlurmExecutor(folder=run_dir / "submitit", max_num_timeout=0, python=BOOT_PYTHON)
+            params = slurm_parameters(
+                cfg.slurm, "generator", f"hpcrl-{run_dir.name}-{name}", size.time_limit_min, size.time_min_min
+            )
+            # Its own deadline ends it (jobs/rollout.py); USR2 is only a late backstop and must not
+            # come at the start of a job shorter than the fixed generators' signal delay.
+            params["signal_delay_s"] = max(int(s.rollout_drain_s), 1)
+            ex.update_parameters(**params)
+            return ex
+
+        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()))
+    return RolloutPlanner(cfg, run_dir, template, backend)

@@ -1,0 +1,69 @@
+"""The backfill planner's pure decisions (jobs/rollout_plan.py, jobs/rollout.py): when a rollout
+job leases and ends, whether the coordinator has work for one more generator, how rollout jobs
+are sized to a Slurm backfill window, and the --time/--time-min they are submitted with."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+
+from hpcrl.core.config import SchedulerConfig, load_config
+from hpcrl.jobs.launch import slurm_parameters
+from hpcrl.jobs.rollout import may_lease, must_end
+from hpcrl.jobs.rollout_plan import coordinator_has_work, size_rollout_jobs
+from hpcrl.slurm.backfill.planner import ClusterWindow
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, 0)
+
+
+def window(end_s: float | None, idle=(("n1", 2), ("n2", 1)), bf_resolution_s: int = 60) -> ClusterWindow:
+    end = None if end_s is None else NOW + dt.timedelta(seconds=end_s)
+    return ClusterWindow("gpu", NOW, tuple(idle), end, None if end is None else "77", bf_resolution_s)
+
+
+def test_a_rollout_job_leases_while_one_more_episode_fits_before_its_drain():
+    assert may_lease(time_left_s=100, episode_s=30, drain_s=10)
+    assert not may_lease(time_left_s=40, episode_s=30, drain_s=10)  # exactly one episode + drain: no
+    assert not must_end(time_left_s=40, drain_s=10, leasing=False, open_episodes=3)  # in flight: finish them
+    assert must_end(time_left_s=40, drain_s=10, leasing=False, open_episodes=0)  # nothing left to do
+    assert not must_end(time_left_s=40, drain_s=10, leasing=True, open_episodes=0)  # still leasing
+    assert must_end(time_left_s=10, drain_s=10, leasing=True, open_episodes=5)  # drain: hand back
+
+
+def test_rollout_jobs_only_when_flow_control_has_room_and_weights_exist():
+    running = {"state": "running", "learner": {"version": 3, "trained_groups": 60, "dropped_groups": 4}}
+    assert coordinator_has_work({**running, "groups_issued": 100, "queued": 0}, max_ahead_groups=64)  # 36 out
+    assert not coordinator_has_work({**running, "groups_issued": 128, "queued": 0}, max_ahead_groups=64)  # full
+    assert coordinator_has_work({**running, "groups_issued": 128, "queued": 5}, max_ahead_groups=64)  # re-issues
+    assert not coordinator_has_work({**running, "state": "stopping", "groups_issued": 0}, 64)
+    assert not coordinator_has_work({"state": "running", "learner": {}, "groups_issued": 0}, 64)  # no weights yet
+    assert not coordinator_has_work(None, 64)
+
+
+def test_rollout_jobs_are_sized_to_the_backfill_window_and_the_caps():
+    s = SchedulerConfig(job_overhead_s=20, slurm_margin_s=30, rollout_drain_s=10)
+    kw = dict(gpus_per_job=1, jobs_free=4, gpus_free=4, unbounded_min=60)
+    # A pending GPU job expected in 10 min: backfill accepts jobs ending by then minus the margin.
+    size = size_rollout_jobs(window(600), s, episode_s=30, **kw)
+    assert (size.jobs, size.time_limit_min, size.time_min_min) == (3, 9, 1)  # 3 idle GPUs; (600-30)//60
+    assert size.window_s == 600
+    # The caps: jobs, then GPUs (2 GPUs per job on n1 only).
+    assert size_rollout_jobs(window(600), s, 30, **{**kw, "jobs_free": 1}).jobs == 1
+    assert size_rollout_jobs(window(600), s, 30, **{**kw, "gpus_per_job": 2}).jobs == 1
+    assert size_rollout_jobs(window(600), s, 30, **{**kw, "gpus_free": 1, "gpus_per_job": 2}) is None
+    # An episode of 5 min does not fit a 5-minute window with overhead and drain; 2 min does, --time-min 3.
+    assert size_rollout_jobs(window(300), s, episode_s=300, **kw) is None
+    assert size_rollout_jobs(window(300), s, episode_s=120, **kw).time_min_min == 3
+    # No pending GPU job: the generator role's limit. No idle GPU: nothing.
+    assert size_rollout_jobs(window(None), s, 30, **kw).time_limit_min == 60
+    assert math.isinf(size_rollout_jobs(window(None), s, 30, **kw).window_s)
+    assert size_rollout_jobs(window(600, idle=()), s, 30, **kw) is None
+
+
+def test_rollout_jobs_go_through_the_generator_roles_slurm_options_with_time_min():
+    cfg = load_config(None, ["slurm.generator.partition=gpu", "slurm.generator.gpus_per_node=1"])
+    fixed = slurm_parameters(cfg.slurm, "generator", "g")
+    assert fixed["time"] == cfg.slurm.generator.time_min and "time_min" not in fixed.get("additional_parameters", {})
+    p = slurm_parameters(cfg.slurm, "generator", "r", time_limit_min=9, shrink_to_min=2)
+    assert p["time"] == 9 and p["additional_parameters"]["time_min"] == "2"
+    assert p["partition"] == "gpu" and p["gpus_per_node"] == 1

@@ -409,8 +409,10 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                     stop=lambda: beat() or stop.is_set() or source.should_stop() or self.should_end(),
                 )
                 source.release(gen.in_flight())  # unfinished episodes go back to the coordinator at once
-                gen.close()
+                # Tell the coordinator before closing: close() waits for environment steps still
+                # running (a sandbox run up to its limit), which held the hand-back up as long.
                 source.finish(timeout_s=60.0)
+                gen.close()
             finally:
                 source.close()
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it);

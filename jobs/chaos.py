@@ -4,7 +4,8 @@
     report = drill.run(print_line=print)                               # faults, restarts, invariants, ok
 
 Every `every_s` the drill picks a live component at random and kills it (SIGKILL) or stalls it
-(SIGSTOP for `stall_s`, by default longer than the episode and store leases, then SIGCONT).
+(SIGSTOP for `stall_s`, by default longer than the episode and store leases, then SIGCONT to
+that same process or job, whatever took over its name meanwhile).
 Locally it signals the component's process (procs/<name>.json, the pid checked against its
 start time, so a recycled pid is never hit); on Slurm it signals the job (`scancel
 --signal=KILL --full`, `scancel --signal=STOP|CONT` to its steps: a STOP sent to srun never
@@ -26,8 +27,9 @@ After `duration_s` it stops injecting and waits for the run to end, then checks 
                                          `collapse_tolerance` below that of the steps trained before the
                                          first fault (or, with `baseline`, of a fault-free run's last fifth)
 Each fault's `recovered_s` is the time until the target ran again (a new incarnation's heartbeat,
-or for a stall its first heartbeat after SIGCONT) and the learner trained a step past the one it
-was at: the time the fault cost.
+or for a stall its first heartbeat after SIGCONT; for the local launcher, a learner that the
+resumed launcher started) and the learner trained a step past the one it was at: the time the
+fault cost.
 """
 
 from __future__ import annotations
@@ -191,28 +193,42 @@ class Drill:
     # -- faults ----------------------------------------------------------------------------
 
     def _signal(self, target: str, sig: signal.Signals) -> bool:
-        if self.slurm:
-            from hpcrl.slurm.command import run_slurm
+        return self._sender(target)(sig)
 
+    def _sender(self, target: str) -> Callable[[signal.Signals], bool]:
+        """Signals to the process (locally) or job (Slurm) that is `target` now, and stays that one."""
+        if self.slurm:
             job = self._slurm_targets().get(target)
-            if job is None:
-                return False
-            # KILL goes to the batch script too (--full), so the job ends. STOP and CONT go to the
-            # job's steps only: with --full they reach srun, which cannot pass a STOP on, and the
-            # component under it ran on (seen on the dev cluster).
-            full = ["--full"] if sig == signal.SIGKILL else []
-            out = run_slurm(["scancel", f"--signal={sig.name[3:]}", *full, job], check=False)
-            return out.returncode == 0
+            return lambda sig: job is not None and self._scancel(job, sig)
+        proc = self._process(target)
+        return lambda sig: self._send(proc, sig)
+
+    @staticmethod
+    def _scancel(job: str, sig: signal.Signals) -> bool:
+        from hpcrl.slurm.command import run_slurm
+
+        # KILL goes to the batch script too (--full), so the job ends. STOP and CONT go to the
+        # job's steps only: with --full they reach srun, which cannot pass a STOP on, and the
+        # component under it ran on (seen on the dev cluster).
+        full = ["--full"] if sig == signal.SIGKILL else []
+        out = run_slurm(["scancel", f"--signal={sig.name[3:]}", *full, job], check=False)
+        return out.returncode == 0
+
+    def _process(self, target: str) -> psutil.Process | None:
+        """The local process that is `target` now (the launcher for "supervisor")."""
         if target == "supervisor":
-            proc = self._launcher()
-            pid = proc.pid if proc else None
-        else:
-            pid = next((p.pid for p in self._procs() if p.name == target), None)
-        if pid is None:
-            return False
+            return self._launcher()
+        pid = next((p.pid for p in self._procs() if p.name == target), None)
         try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
+            return None if pid is None else psutil.Process(pid)
+        except psutil.Error:
+            return None
+
+    @staticmethod
+    def _send(proc: psutil.Process | None, sig: signal.Signals) -> bool:
+        try:
+            proc.send_signal(sig)  # psutil refuses a pid recycled since `proc` was taken
+        except (AttributeError, psutil.Error):
             return False
         return True
 
@@ -232,12 +248,19 @@ class Drill:
             elif target == "supervisor" and not self.slurm:
                 self._resume()
         else:
-            if self._signal(target, signal.SIGSTOP):
-                deadline = time.monotonic() + float(self.stall_s)
-                while time.monotonic() < deadline:
-                    self._sample()
-                    time.sleep(POLL_S)
-                self._signal(target, signal.SIGCONT)
+            # SIGCONT goes to the very process (or job) stopped, not to whatever bears the name at
+            # the end: a stopped job of a killed launcher loses procs/<name>.json to its resumed
+            # successor meanwhile, and if the CONT went there it would stay stopped for good,
+            # and every later `hpcrl resume` would wait for it in vain.
+            send = self._sender(target)
+            if send(signal.SIGSTOP):
+                try:
+                    deadline = time.monotonic() + float(self.stall_s)
+                    while time.monotonic() < deadline:
+                        self._sample()
+                        time.sleep(POLL_S)
+                finally:  # a drill stopped by Ctrl-C meanwhile still lets its target go
+                    send(signal.SIGCONT)
             else:
                 fault.note = "gone before the signal"
         return fault
@@ -248,7 +271,8 @@ class Drill:
         logs.mkdir(exist_ok=True)
         with open(logs / f"resume-{len(self._resumers) + 1}.log", "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "hpcrl.jobs.cli", "resume", str(self.run_dir), "--quiet"],
+                # -u: the log is a file, and a launcher the drill kills later keeps no buffer.
+                [sys.executable, "-u", "-m", "hpcrl.jobs.cli", "resume", str(self.run_dir), "--quiet"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -259,7 +283,12 @@ class Drill:
     def _recovered(self, fault: Fault) -> bool:
         after = fault.time + (float(self.stall_s) if fault.kind == "stall" else 0.0)
         if fault.target == "supervisor" and not self.slurm:
-            up = self._launcher() is not None  # the local launcher keeps no heartbeat
+            # The local launcher keeps no heartbeat, and the resumed one holds run.lock from its
+            # first second while it waits for the old jobs to end: it is up once a learner it
+            # started runs.
+            launcher = self._launcher()
+            started = launcher.create_time() if launcher is not None else float("inf")
+            up = any(p.name.startswith("learner") and p.started > started for p in self._procs())
         else:
             beats = read_heartbeats(self.run_dir, fault.target)
             up = any(b.get("phase") == "running" and b["time"] > after for b in beats)

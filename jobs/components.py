@@ -68,8 +68,12 @@ def _watch_launcher(stop: _Stop, name: str) -> None:
     pid, started = spec.split(":")
 
     def alive() -> bool:
+        # A killed launcher stays a zombie until its parent reaps it (a script or test that
+        # started `hpcrl run` and waits for something else first): gone all the same. Taken for
+        # alive, it kept a store writer serving on, orphaned, past `hpcrl resume`'s wait.
         try:
-            return abs(psutil.Process(int(pid)).create_time() - float(started)) < 1.0
+            proc = psutil.Process(int(pid))
+            return abs(proc.create_time() - float(started)) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
 

@@ -6,6 +6,7 @@ started again by anyone.
     ensure_supervisor(run_dir)                        # `hpcrl supervise RUN`: a supervisor job if none is alive
     ensure_supervisor(run_dir, revive=True)           # `hpcrl resume RUN` of a Slurm run (also failed/cancelled)
     local_resume_check(run_dir, cfg)                  # `hpcrl resume RUN` of a local run: safe to start again?
+    job_processes(run_dir)                            # this host's processes of the run's jobs, registered or not
 
 A run's components resume from the run directory by themselves (the learner from its newest
 whole checkpoint, the store writer from its shard, the coordinator from its state file), so
@@ -31,10 +32,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from hpcrl.core.config import RESOLVED_NAME, Config, load_config
 from hpcrl.core.files import atomic_write_json, read_json
 
-__all__ = ["RunLocked", "run_lock", "ensure_supervisor", "local_resume_check", "LAUNCH_NAME", "write_launch"]
+__all__ = [
+    "RunLocked",
+    "run_lock",
+    "ensure_supervisor",
+    "local_resume_check",
+    "job_processes",
+    "LAUNCH_NAME",
+    "write_launch",
+]
 
 LOCK_NAME = "run.lock"
 LAUNCH_NAME = "launch.json"  # how a local run was launched: executor, domain search path
@@ -88,9 +99,32 @@ def finished_step(run_dir: str | os.PathLike) -> int:
         return 0
 
 
+def job_processes(run_dir: str | os.PathLike) -> list[int]:
+    """Pids of this host's processes that run one of the run's submitit jobs, its controller
+    (`submitit.local._local FOLDER`) or its task (`... submitit.core._submit FOLDER`), FOLDER
+    being `<run>/submitit`. Unlike procs/ records this sees a job from its first instruction: a
+    job the dead launcher submitted just before it died is still importing, and registers later."""
+    folder = (Path(run_dir) / "submitit").resolve()
+    out = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or not any(w.startswith("submitit.") for w in cmd[:-1]):
+                continue
+            last = Path(cmd[-1])
+            if (last if last.is_absolute() else Path(proc.cwd()) / last).resolve() == folder:
+                out.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile, or not ours to read
+    return sorted(out)
+
+
 def local_resume_check(run_dir: str | os.PathLike, cfg: Config, wait_s: float = 120.0) -> str | None:
     """None when the local run can be started again; else why not. Components left from the
-    dead launcher stop by themselves (they watch it): this waits up to `wait_s` for them."""
+    dead launcher stop by themselves (they watch it): this waits up to `wait_s` for them, and
+    for every process of the run's jobs (`job_processes`): a job still starting when its launcher
+    died has no procs/ record yet, and would otherwise run beside the resumed one (two store
+    writers on one shard, an old endpoint file written over the new one)."""
     from hpcrl.jobs.supervise import pids
 
     if cfg.executor != "local":
@@ -98,11 +132,16 @@ def local_resume_check(run_dir: str | os.PathLike, cfg: Config, wait_s: float = 
     if finished_step(run_dir) >= cfg.learner.max_steps:
         return f"{run_dir} is finished (the learner reached learner.max_steps={cfg.learner.max_steps})"
     roles = ("coordinator", "store", "learner", "gen", "sandbox")
+
+    def alive() -> dict[str, list[int]]:
+        found = {r: pids(run_dir, r) for r in roles}
+        found["jobs"] = job_processes(run_dir)
+        return {k: v for k, v in found.items() if v}
+
     deadline = time.monotonic() + wait_s
-    while any(pids(run_dir, r) for r in roles):
+    while left := alive():
         if time.monotonic() > deadline:
-            alive = {r: pids(run_dir, r) for r in roles if pids(run_dir, r)}
-            return f"components of {run_dir} are still running {alive}; stop them (kill PID) and resume again"
+            return f"processes of {run_dir} are still running {left}; stop them (kill PID) and resume again"
         time.sleep(0.5)
     return None
 

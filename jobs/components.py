@@ -106,9 +106,16 @@ def start_component(run_dir: Path, name: str, role: str, metrics_cfg=None) -> _S
             stop.requeue = True
             stop.set()
 
-        signal.signal(signal.SIGUSR2, time_limit)
+        def window_job(*_):
+            # A rollout job (jobs/rollout.py) ends itself by the EndTime it read at start. Slurm
+            # sends this warning up to PERIODIC_TIMEOUT (30 s) earlier than signal_delay_s asks,
+            # which in a one-minute backfill job is half its window: it is not a reason to stop.
+            log.info("%s: SIGUSR2 ignored: the window's deadline ends this job", name)
+
+        handler = window_job if role == "rollout" else time_limit
+        signal.signal(signal.SIGUSR2, handler)
         if signal.SIGUSR2 in take_early():  # it came while the job was still importing and unpickling
-            time_limit()
+            handler()
     _watch_launcher(stop, name)
     if role != "supervisor":
         _watch_supervisor(run_dir, stop, name)

@@ -16,7 +16,10 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
 - **Which window?** On Slurm `live_window(slurm.generator.partition, exclude=<the run's jobs>)`
   (squeue --start; slurm/backfill/planner.py), sized by `size_rollout_jobs`: --time the
   longest limit that backfill accepts before the next pending GPU job (`minutes_that_fit`),
-  --time-min one episode + job_overhead_s + rollout_drain_s, as many jobs as idle GPUs hold.
+  --time-min one minute less (at least one episode + job_overhead_s + rollout_drain_s: see
+  size_rollout_jobs), as many jobs as idle GPUs hold. A running rollout job that keeps another
+  user's pending job from starting now (others' jobs ended early) is cancelled at once
+  (`rollout_jobs_to_yield`): it hands its episodes back.
   Locally the windows are `scheduler.local_windows` (seconds from the run start); each is
   filled once, its processes get its end as their deadline and are signalled (SIGTERM) there,
   killed rollout_drain_s + 30 s later if still alive, as Slurm's time limit would.
@@ -44,6 +47,7 @@ from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow
 __all__ = [
     "RolloutJobSize",
     "coordinator_has_work",
+    "rollout_jobs_to_yield",
     "size_rollout_jobs",
     "rollout_planner",
     "RolloutPlanner",
@@ -71,7 +75,7 @@ class RolloutJobSize:
     jobs: int
     gpus_per_job: int
     time_limit_min: int  # --time: the longest limit backfill accepts before the window's end
-    time_min_min: int  # --time-min: one episode's worth, down to which Slurm may cut it
+    time_min_min: int  # --time-min: down to which Slurm may cut it (one minute less, at least one episode)
     window_s: float  # math.inf: no pending GPU job ends the window
 
 
@@ -94,7 +98,12 @@ def size_rollout_jobs(
     need_min = math.ceil((sched.job_overhead_s + episode_s + sched.rollout_drain_s) / 60)
     if limit < need_min:
         return None
-    return RolloutJobSize(jobs, gpus_per_job, limit, need_min, window.length_s)
+    # --time-min one minute (Slurm's bf_resolution step) under --time, never under one episode's
+    # worth: Slurm 22.05 grants a job with --time-min exactly that, whatever else fits (measured
+    # on the dev cluster, idle or not: --time 3 --time-min 1 ran with a 1-minute limit), so
+    # --time-min one episode threw most of each window away; one minute of slack still lets
+    # backfill start a job whose window shrank a step since squeue --start was read.
+    return RolloutJobSize(jobs, gpus_per_job, limit, max(need_min, limit - 1), window.length_s)
 
 
 class RolloutPlanner:
@@ -286,7 +295,9 @@ class SlurmBackend:
         act = p.active()
         if not act:
             return False
-        states = {r["job_id"]: r["state"] for r in queries.queue(job_ids=tuple(j["job_id"] for j in act.values()))}
+        # job_states raises when squeue fails: a controller hiccup must not look like every
+        # rollout job ended (the caps would be counted free and more jobs submitted).
+        states = queries.job_states([j["job_id"] for j in act.values()])
         changed = False
         for rec in act.values():
             state = states.get(rec["job_id"])
@@ -296,12 +307,86 @@ class SlurmBackend:
             elif rec.get("pending") and state == "RUNNING":
                 rec.update(pending=False, started=now)
                 changed = True
-        return changed
+        return self.give_way(p, now) or changed
+
+    def give_way(self, p: RolloutPlanner, now: float) -> bool:
+        """Cancel (ours, by id) the running rollout jobs that keep a pending job from starting now.
+
+        Sized to the window of Slurm's plan, a rollout job delays no one as planned; but jobs
+        that end before their limit pull a pending job's start earlier, into GPUs a rollout job
+        holds. Such a job is handed back at once (scancel: it returns its episodes, which are
+        re-issued), so the pending job waits about one supervisor poll plus KillWait."""
+        from hpcrl.slurm import queries
+
+        running = {r["job_id"]: r for r in p.active().values() if not r.get("pending")}
+        if not running:
+            return False
+        own = set(self.own_job_ids()) | {r["job_id"] for r in p.record["jobs"].values()}
+        pending = [j for j in queries.pending_jobs() if j.job_id not in own and j.gpus > 0]
+        if not pending:
+            return False
+        members = {part.name: part.nodes for part in queries.partitions()}
+        idle = {n.name: n.gpus_idle for n in queries.nodes()}
+        ours: dict[str, list[tuple[str, int]]] = {}
+        for row in queries.queue(job_ids=list(running)):
+            if row["state"] == "RUNNING" and row["job_id"] in running:
+                ours.setdefault(row["reason_or_nodelist"], []).append((row["job_id"], running[row["job_id"]]["gpus"]))
+        give = rollout_jobs_to_yield(pending, idle, ours, members)
+        if not give:
+            return False
+        queries.cancel(sorted(give))
+        for job_id, other in give.items():
+            running[job_id].update(yielded_to=other, yielded=now)
+            log.info("rollout: job %s gives its GPUs back to pending job %s", job_id, other)
+        return True
 
     def stop_all(self, p: RolloutPlanner) -> None:
         from hpcrl.slurm import queries
 
-        queries.cancel([j["job_id"] for j in p.active().values()])
+        act = p.active()
+        queries.cancel([j["job_id"] for j in act.values()])  # SIGTERM: each hands back what it holds
+        for rec in act.values():
+            rec.update(state="ended", ended=time.time(), slurm_state="cancelled at the run's end")
+
+
+_WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
+
+
+def rollout_jobs_to_yield(
+    pending, idle_by_node: dict[str, int], ours_by_node: dict[str, list[tuple[str, int]]], members: dict
+) -> dict[str, str]:
+    """{our rollout job id: the pending job it must give way to} (pure).
+
+    `pending`: other users' pending GPU jobs in Slurm's order; `idle_by_node`: idle GPUs per node;
+    `ours_by_node`: our running rollout jobs per node, (job id, GPUs); `members`: partition ->
+    its nodes. A pending job of N nodes with G GPUs each that held or dependent jobs aside finds
+    fewer than N nodes with G idle GPUs, but enough once our rollout jobs' GPUs count as idle,
+    gets those: ours are given back on as few nodes as it needs. GPUs a pending job could take
+    (with or without ours) are not counted again for the jobs after it. CPUs and memory are
+    not weighed: a rollout job holds little of either."""
+    idle = dict(idle_by_node)
+    ours = {n: list(js) for n, js in ours_by_node.items()}
+    out: dict[str, str] = {}
+    for job in pending:
+        if job.nodes < 1 or job.reason.startswith(_WAITING_ON_OTHERS):
+            continue
+        per_node = -(-job.gpus // job.nodes)
+        nodes = [n for n in members.get(job.partition, ()) if n in idle]
+        ready = sorted((n for n in nodes if idle[n] >= per_node), key=lambda n: idle[n])
+        lendable = lambda n: idle[n] + sum(g for _, g in ours.get(n, []))
+        could = sorted((n for n in nodes if idle[n] < per_node <= lendable(n)), key=lambda n: -idle[n])
+        short = max(job.nodes - len(ready), 0)
+        if short > len(could):
+            continue  # it waits for others' GPUs too: giving ours back would not start it
+        for n in could[:short]:
+            ours[n].sort(key=lambda jg: jg[1])
+            while idle[n] < per_node:
+                job_id, gpus = ours[n].pop()
+                out[job_id] = job.job_id
+                idle[n] += gpus
+        for n in ready[: job.nodes - short] + could[:short]:
+            idle[n] -= per_node  # it takes these: not for the jobs after it
+    return out
 
 
 # squeue states of a job whose processes are gone (it will not run again: rollout jobs are not requeued)

@@ -162,6 +162,8 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         if name in planned:
             row.update(_rollout_row(run_dir, name, planned[name], now))
             row.setdefault("trajectories", 0)
+            if row["state"] not in ("PENDING", "CONFIGURING", "RUNNING"):
+                row["window_left_s"] = 0.0  # it is over (ended, cancelled), whatever was planned
         snap["components"].append(row)
     if snap["state"] in ("submitted", "running") and not queued:
         snap["state"] = "ended"  # no job of the run is left (a hand-submitted or hetjob run has no supervisor)

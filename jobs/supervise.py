@@ -27,6 +27,10 @@ then the supervisor writes state "failed" with the reason into jobs.json, cancel
 the run (freeing the nodes) and exits with an error. When the learner reaches learner.max_steps it asks the
 coordinator to stop, lets generators finish, cancels the services and writes state "finished".
 Like every component it is requeued at its time limit (SIGUSR2) and re-reads jobs.json.
+
+Both also tick the run's backfill planner (jobs/rollout_plan.py; scheduler.max_rollout_jobs > 0)
+each poll: its rollout jobs live in rollout.json, not jobs.json, are never restarted (their end
+is normal), and are cancelled by id when the run finishes, fails or is cancelled.
 """
 
 from __future__ import annotations
@@ -440,6 +444,13 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         self.watch = Watch(self.run_dir, self.cfg, SUPERVISOR)
         record = read_jobs(self.run_dir)
         comps = record["components"]
+        from hpcrl.jobs.rollout_plan import rollout_planner
+
+        # Backfill rollout jobs (scheduler.policy backfill): the same planner as LocalRun's; the
+        # run's own jobs end no window (they are not "another job" that backfill must not delay).
+        self.rollouts = rollout_planner(
+            self.cfg, self.run_dir, list(self.components.values()), own_job_ids=lambda: self.own_ids(record)
+        )
         provide(
             lambda: {
                 "restarts_total:target": {n: c.get("restarts", 0) for n, c in comps.items()},
@@ -451,6 +462,7 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         while not stop.is_set():
             beat()
             if (self.run_dir / CANCEL_NAME).exists():
+                self.stop_rollouts()
                 return "cancelled"
             try:
                 done = self.check(record)
@@ -510,7 +522,23 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
             why = f"job {c['job_id']} {state or 'left the queue'}: {_why(name, result, self.cfg.learner.max_steps)}"
             self.ended_badly(record, name, why, now)
         self.watch.publish(states)
+        if self.rollouts is not None:
+            self.rollouts.tick()  # reap ended rollout jobs, submit new ones into a window
         return None
+
+    def own_ids(self, record: dict) -> list[str]:
+        """Every job id of the run now (components and the supervisor): none of them ends a window."""
+        ids = [c["job_id"] for c in record["components"].values()]
+        return ids + [j for j in (os.environ.get("SLURM_JOB_ID"), (record.get("supervisor") or {}).get("job_id")) if j]
+
+    def stop_rollouts(self) -> None:
+        """Cancel the run's rollout jobs (ours only, by id): scancel's SIGTERM makes each hand back
+        its in-flight episodes, as at its window's end."""
+        if getattr(self, "rollouts", None) is not None:
+            try:
+                self.rollouts.stop_all()
+            except SlurmCommandError as exc:  # the run ends anyway; their own deadlines end them
+                log.warning("could not cancel rollout jobs: %s", exc)
 
     def ended_badly(self, record: dict, name: str, why: str, now: float) -> None:
         """Schedule the restart of a component that died or hung, or fail the run (budget spent)."""
@@ -541,6 +569,7 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
     def fail(self, record: dict, message: str) -> None:
         record.update(state="failed", message=message, ended=time.time())
         write_jobs(self.run_dir, record)
+        self.stop_rollouts()
         self._cancel_all(record)  # free the nodes
         raise RunFailed(message)
 
@@ -550,6 +579,7 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(s not in TERMINAL for s in queue_states(gens).values()):
             time.sleep(1.0)
+        self.stop_rollouts()
         self._cancel_all(record)  # scancel: SIGTERM, the store flushes and finalizes its shard
         record.update(state="finished", ended=time.time())
         write_jobs(self.run_dir, record)

@@ -260,3 +260,17 @@ def parse_exit_code(text: str) -> tuple[int, int]:
         return int(code or 0), int(sig or 0)
     except ValueError:
         raise SlurmParseError(f"not an exit code: {text!r}") from None
+
+
+def parse_scheduler_parameters(config_text: str) -> dict[str, str]:
+    """SchedulerParameters of `scontrol show config` as {name: value} ("bf_continue": "" for a flag)."""
+    for line in config_text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "SchedulerParameters":
+            out = {}
+            for item in value.strip().split(","):
+                name, _, val = item.partition("=")
+                if name.strip() and name.strip() != "(null)":
+                    out[name.strip()] = val.strip()
+            return out
+    return {}

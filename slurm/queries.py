@@ -318,3 +318,25 @@ def cancel(job_ids: list[str] | tuple[str, ...], signal: str | None = None) -> N
     if signal:
         argv += ["--signal", signal]
     run_slurm(argv + list(job_ids))
+
+
+def scheduler_parameters() -> dict[str, str]:
+    """The controller's SchedulerParameters (bf_interval, bf_resolution, ...); Slurm's defaults
+    apply to those absent (bf_interval 30 s, bf_resolution 60 s)."""
+    return parse.parse_scheduler_parameters(run_slurm(["scontrol", "show", "config"]).stdout)
+
+
+def job_states(job_ids: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """{job id: squeue state} of these jobs still in the queue. Unlike `queue` it raises when squeue
+    fails for another reason than "every id has left the queue": a controller hiccup must not
+    look like every job ended."""
+    if not job_ids:
+        return {}
+    out = run_slurm(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(job_ids)], check=False)
+    if out.returncode != 0:
+        if "Invalid job id" in out.stderr:
+            return {}
+        from hpcrl.slurm.command import SlurmCommandError
+
+        raise SlurmCommandError(list(out.argv), out.returncode, out.stderr)
+    return {r["job_id"]: r["state"] for r in parse.parse_delimited(out.stdout, ("job_id", "state"))}

@@ -45,7 +45,7 @@ def test_rollout_jobs_are_sized_to_the_backfill_window_and_the_caps():
     kw = dict(gpus_per_job=1, jobs_free=4, gpus_free=4, unbounded_min=60)
     # A pending GPU job expected in 10 min: backfill accepts jobs ending by then minus the margin.
     size = size_rollout_jobs(window(600), s, episode_s=30, **kw)
-    assert (size.jobs, size.time_limit_min, size.time_min_min) == (3, 9, 1)  # 3 idle GPUs; (600-30)//60
+    assert (size.jobs, size.time_limit_min, size.time_min_min) == (3, 9, 8)  # 3 idle GPUs; (600-30)//60
     assert size.window_s == 600
     # The caps: jobs, then GPUs (2 GPUs per job on n1 only).
     assert size_rollout_jobs(window(600), s, 30, **{**kw, "jobs_free": 1}).jobs == 1

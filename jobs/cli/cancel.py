@@ -38,6 +38,17 @@ def slurm_jobs(run_dir):
     return jobs
 
 
+def rollout_job_ids(run_dir) -> list[str]:
+    """The run's backfill rollout jobs (rollout.json); those that left the queue are skipped below."""
+    import json
+
+    try:
+        jobs = json.loads((run_dir / "rollout.json").read_text()).get("jobs", {})
+    except (OSError, ValueError):
+        return []
+    return [j["job_id"] for j in jobs.values() if j.get("job_id")]
+
+
 def run(args: argparse.Namespace) -> int:
     import time
 
@@ -52,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     (run_dir / CANCEL_NAME).write_text(f"{time.time()}\n")  # before any scancel: the supervisor must not restart
     comps = jobs["components"]
     all_ids = [c["job_id"] for c in comps.values()] + ([jobs["supervisor"]["job_id"]] if jobs.get("supervisor") else [])
+    all_ids += rollout_job_ids(run_dir)  # backfill rollout jobs (jobs/rollout_plan.py): ours, by id
     alive = queue_states(all_ids)
     if not alive:
         print(f"run {run_dir.name}: no job left in the queue")

@@ -1,0 +1,266 @@
+"""Backfill rollout jobs in a real run on the dev Slurm cluster: do they fill the partition's holes
+without delaying anyone? (issue 12, item 4)
+
+    make devcluster && .venv/bin/python bench/backfill_live.py [--json] [--seed 7]   # about 6 minutes
+
+The same hpcrl run (`hpcrl submit`, tiny policy, the default domains; learner and one generator,
+2 of the 8 GPUs) twice, under the same background workload of other jobs on the gpu partition:
+a seeded mix of 1-, 2- and 4-GPU jobs whose time limits are 2-4x what they run (as users ask),
+so Slurm plans them by their limits and holes open when they end early or wait for a whole
+node. They are submitted held before the run and released together (t0) once the run's learner
+has published weights, so both runs see the same queue from the same moment.
+
+* baseline: scheduler.max_rollout_jobs=0: the run's fixed components only;
+* backfill: up to --rollout-jobs rollout jobs (1 GPU each) that the run's supervisor sizes to
+  the windows squeue --start shows (jobs/rollout_plan.py).
+
+Each run is measured over [t0, the last background job's end] from sacct (1 s resolution), then
+cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (idle GPU-hours of
+the partition in the baseline), filled_gpu_h (GPU-hours rollout jobs held in the backfill run
+over the same span), rollout_jobs {submitted, started, ended_in_window: ended before the
+window they were sized to closed}, trained_from_rollout_jobs, lost and duplicated (rl/audit.py
+account: must be 0), max_delay_s (largest start delay of a background job, backfill vs
+baseline, each from its t0) against bf_interval_s, and per run the partition's busy GPU-hours,
+trajectories trained, trained per hpcrl GPU-hour and the reward at the end.
+Only this script's own jobs are cancelled, by id; it refuses to start while other jobs are queued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPUS_TOTAL = 8
+SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
+    "executor=slurm",
+    *(f"slurm.{r}.time_min=10" for r in ("coordinator", "learner", "generator", "sandbox")),
+    *(f"slurm.{r}.signal_delay_s=30" for r in ("coordinator", "learner", "generator", "sandbox")),
+    "learner.max_steps=1000000",
+    "generators.episodes_in_flight=16",  # one small fixed generator: the coordinator has work to lend
+    "scheduler.policy=backfill",
+    "scheduler.plan_interval_s=2",
+    "scheduler.prior_s=5",
+    "scheduler.rollout_drain_s=5",
+    "scheduler.job_overhead_s=20",
+    "scheduler.slurm_margin_s=20",
+]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def hpcrl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "hpcrl.jobs.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout_s)
+
+
+def workload(seed: int) -> list[tuple[str, int, int, int]]:
+    """(name, gpus, time limit min, seconds it runs): a seeded mix that leaves holes."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(9):
+        gpus = rng.choice([1, 1, 2, 2, 4])
+        run_s = rng.randint(20, 60)
+        limit_min = max(2, round(run_s * rng.uniform(2.0, 4.0) / 60))
+        out.append((f"other-{i}", gpus, limit_min, run_s))
+    return out
+
+
+def submit_held(tmp: Path, name: str, gpus: int, limit_min: int, run_s: int) -> str:
+    from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
+
+    res = Resources(partition="gpu", time_min=limit_min, nodes=1, gpus_per_node=gpus, mem_mb=256)
+    text = render_script([res], [f"sleep {run_s}"], job_name=name, output=str(tmp / f"{name}-%j.out"))
+    return submit_script(write_script(text, tmp / f"{name}.sh"), ["--hold"])
+
+
+def overlap_s(start, end, t0: float, t1: float) -> float:
+    if start is None:
+        return 0.0
+    s, e = start.timestamp(), (end.timestamp() if end is not None else t1)
+    return max(0.0, min(e, t1) - max(s, t0))
+
+
+def run_once(mode: str, tmp: Path, args) -> dict:
+    from hpcrl.jobs.launch import read_jobs
+    from hpcrl.jobs.supervise import queue_states
+    from hpcrl.rl.audit import account
+    from hpcrl.rl.coordinator import read_status
+    from hpcrl.slurm import queries
+
+    jobs_cap = args.rollout_jobs if mode == "backfill" else 0
+    run_dir = tmp / mode
+    scripts = tmp / f"{mode}-others"
+    scripts.mkdir(parents=True)
+    others = {name: submit_held(scripts, name, g, lim, s) for name, g, lim, s in workload(args.seed)}
+    log(f"{mode}: {len(others)} background jobs held; submitting the run")
+    try:
+        out = hpcrl(
+            "submit",
+            "config.yaml",
+            *SMALL,
+            f"experiment.run_root={tmp}",
+            f"scheduler.max_rollout_jobs={jobs_cap}",
+            f"scheduler.max_rollout_gpus={jobs_cap}",
+            "--run-id",
+            mode,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"hpcrl submit failed: {out.stderr[-2000:]}")
+        comps = read_jobs(run_dir)["components"]
+        gpu_jobs = [comps["learner"]["job_id"], comps["gen-0"]["job_id"]]
+        wait_until(lambda: all(queue_states(gpu_jobs).get(j) == "RUNNING" for j in gpu_jobs), 120, "run's GPU jobs")
+        wait_until(
+            lambda: ((read_status(run_dir) or {}).get("learner") or {}).get("version") is not None, 180, "weights"
+        )
+        from hpcrl.slurm.command import run_slurm
+
+        t0 = time.time()
+        run_slurm(["scontrol", "release", ",".join(others.values())])
+        log(f"{mode}: background released")
+        ids = list(others.values())
+        wait_until(lambda: not queue_states(ids), 600, "the background workload to finish", interval_s=1.0)
+        t_done = time.time()
+        st = read_status(run_dir) or {}
+        log(f"{mode}: background done after {t_done - t0:.0f} s; cancelling the run")
+    finally:
+        out = hpcrl("cancel", str(run_dir), timeout_s=180)
+        queries.cancel([j for j in others.values() if j in queue_states(list(others.values()))])
+    rollout = json.loads((run_dir / "rollout.json").read_text())["jobs"] if (run_dir / "rollout.json").exists() else {}
+    rids = [r["job_id"] for r in rollout.values()]
+    every = ids + gpu_jobs + rids
+
+    def settled():
+        recs = queries.job_records(every)
+        return recs if all(j in recs and (recs[j].end or not recs[j].start) for j in every) else None
+
+    recs = wait_until(settled, 90, "accounting records", interval_s=1.0)
+    bg = {j: recs[j] for j in ids}
+    t1 = max(r.end.timestamp() for r in bg.values())
+    span = t1 - t0
+    busy_bg = sum(overlap_s(r.start, r.end, t0, t1) * r.gpus for r in bg.values())
+    busy_fixed = sum(overlap_s(recs[j].start, recs[j].end, t0, t1) * max(recs[j].gpus, 1) for j in gpu_jobs)
+    busy_rollout = sum(overlap_s(recs[j].start, recs[j].end, t0, t1) * max(recs[j].gpus, 1) for j in rids)
+    acct = account(run_dir)
+    trained_ids = []
+    from hpcrl.rl.audit import AUDIT_NAME, lineage
+
+    for r in lineage(run_dir / AUDIT_NAME)[0]:
+        trained_ids += r["trained"]
+    hpcrl_gpu_s = busy_fixed + busy_rollout
+    in_window, granted_s = 0, []
+    for name, r in rollout.items():
+        rec = recs.get(r["job_id"])
+        if rec is None or rec.start is None or rec.end is None:
+            continue
+        in_window += r.get("window_end") is None or rec.end.timestamp() <= r["window_end"]
+        own = run_dir / "rollout" / f"{name}.json"  # the EndTime it read at start: the limit Slurm granted
+        if own.exists():
+            granted_s.append(round(json.loads(own.read_text())["deadline"] - rec.start.timestamp()))
+    return {
+        "mode": mode,
+        "span_s": round(span, 1),
+        "capacity_gpu_h": GPUS_TOTAL * span / 3600,
+        "idle_gpu_h": (GPUS_TOTAL * span - busy_bg - busy_fixed - busy_rollout) / 3600,
+        "busy_gpu_h": (busy_bg + busy_fixed + busy_rollout) / 3600,
+        "rollout_gpu_h": busy_rollout / 3600,
+        "background_start_s": {n: (bg[j].start.timestamp() - t0) for n, j in others.items()},
+        "rollout_jobs": {
+            "submitted": len(rollout),
+            "started": sum(1 for r in rollout.values() if recs.get(r["job_id"]) and recs[r["job_id"]].start),
+            "ended_in_window": in_window,
+            "time_limit_min": sorted({r["time_limit_min"] for r in rollout.values()}),
+            "granted_limit_s": sorted(granted_s),
+            "gave_way": sum(1 for r in rollout.values() if r.get("yielded_to")),
+        },
+        "trained": acct.trained,
+        "trained_from_rollout_jobs": sum("/rollout-" in i for i in trained_ids),
+        "trained_per_hpcrl_gpu_h": acct.trained / (hpcrl_gpu_s / 3600) if hpcrl_gpu_s else 0.0,
+        "reward": (st.get("learner") or {}).get("reward"),
+        "lost": acct.lost,
+        "duplicated": acct.trained_twice,
+        "step": (st.get("learner") or {}).get("step"),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--rollout-jobs", type=int, default=4, help="scheduler.max_rollout_jobs (= GPUs) of the backfill run"
+    )
+    args = p.parse_args()
+    from hpcrl.slurm import queries
+
+    if queries.queue():
+        print("the dev cluster's queue is not empty: wait for it (or cancel your jobs) first", file=sys.stderr)
+        return 2
+    bf_interval_s = int(queries.scheduler_parameters().get("bf_interval", 30))
+    with tempfile.TemporaryDirectory(prefix="hpcrl-bflive-", dir=os.environ.get("HPCRL_BENCH_DIR")) as d:
+        base = run_once("baseline", Path(d), args)
+        wait_until(lambda: not queries.queue(), 120, "the queue to empty between runs")
+        bf = run_once("backfill", Path(d), args)
+    delays = {n: bf["background_start_s"][n] - s for n, s in base["background_start_s"].items()}
+    hole = base["idle_gpu_h"]
+    out = {
+        "hole_gpu_h": round(hole, 5),
+        "filled_gpu_h": round(bf["rollout_gpu_h"], 5),
+        "filled_fraction": round(bf["rollout_gpu_h"] / hole, 3) if hole > 0 else None,
+        "rollout_jobs": bf["rollout_jobs"],
+        "trained_from_rollout_jobs": bf["trained_from_rollout_jobs"],
+        "lost": base["lost"] + bf["lost"],
+        "duplicated": base["duplicated"] + bf["duplicated"],
+        "max_delay_s": round(max(delays.values()), 1),
+        "bf_interval_s": bf_interval_s,
+        "delays_s": {n: round(v, 1) for n, v in delays.items()},
+        "runs": {
+            r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "mode")} for r in (base, bf)
+        },
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{'':34s}{'baseline':>14s}{'backfill':>14s}")
+    for key, fmt in [
+        ("span_s", ".0f"),
+        ("busy_gpu_h", ".4f"),
+        ("idle_gpu_h", ".4f"),
+        ("rollout_gpu_h", ".4f"),
+        ("trained", "d"),
+        ("trained_per_hpcrl_gpu_h", ".0f"),
+        ("reward", ".3f"),
+    ]:
+        a, b = base[key], bf[key]
+        a, b = ("-" if v is None else format(v, fmt) for v in (a, b))
+        print(f"{key:34s}{a:>14s}{b:>14s}")
+    for key in ("hole_gpu_h", "filled_gpu_h", "filled_fraction", "rollout_jobs", "trained_from_rollout_jobs"):
+        print(f"{key:34s}{out[key]}")
+    print(f"{'lost / duplicated':34s}{out['lost']} / {out['duplicated']}")
+    print(f"{'max_delay_s (bf_interval_s)':34s}{out['max_delay_s']} ({bf_interval_s})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""Backfill rollout jobs in a submitted run on the real dev Slurm cluster (make devcluster).
+
+Another user's job holds all four GPUs of one node; the run's learner and generator take two of
+the other node's; another user's job that needs a whole node's GPUs is then queued (submitted
+held, released once the run's GPU jobs run, so Slurm plans it behind the holder). The run's
+supervisor finds the window (squeue --start) and submits two rollout jobs sized to it (--time
+ending before the queued job's expected start, and --time-min): Slurm starts them at once,
+ahead of the queued job, whose expected start does not move. They run the real generator: their
+trajectories are trained and `hpcrl status --json` lists them. One is scancelled mid-window
+while frozen holding leases: whatever it handed back is re-leased well before lease_s (arith
+episodes take milliseconds, so once thawed it usually stores them instead: both are fine);
+the other stops by itself before its window ends (stopped_by window, COMPLETED, not requeued or
+resubmitted). Nothing is lost or trained twice; `hpcrl cancel` leaves no rollout job behind.
+The pure parts (which rollout jobs give way to a pending job, SchedulerParameters) and a rollout
+job's indifference to Slurm's early time-limit warning are tested without the cluster.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+
+from hpcrl.jobs.launch import read_jobs
+from hpcrl.jobs.rollout_plan import ROLLOUT_NAME, rollout_jobs_to_yield
+from hpcrl.jobs.supervise import queue_states
+from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
+from hpcrl.slurm import parse, queries
+from hpcrl.slurm.command import run_slurm
+from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
+
+from audit import lineage
+from conftest import wait_for
+from test_submit import SMALL, all_ids, hpcrl, status_json
+
+LEASE_S = 60.0  # far above the re-lease time of a handed-back episode, so the two are told apart
+
+
+def other_job(tmp_path: Path, name: str, gpus: int, time_min: int, seconds: int, *sbatch_args: str) -> str:
+    """Another user's job on the gpu partition (one node, `gpus` GPUs)."""
+    text = render_script(
+        [Resources(partition="gpu", time_min=time_min, nodes=1, gpus_per_node=gpus, mem_mb=256)],
+        [f"sleep {seconds}"],
+        job_name=name,
+        output=str(tmp_path / f"{name}-%j.out"),
+    )
+    return submit_script(write_script(text, tmp_path / f"{name}.sh"), sbatch_args)
+
+
+def state(job_id: str) -> str | None:
+    return queue_states([job_id]).get(job_id)
+
+
+def expected_start(job_id: str) -> dt.datetime | None:
+    return next((j.expected_start for j in queries.pending_jobs("gpu") if j.job_id == job_id), None)
+
+
+def rollouts(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / ROLLOUT_NAME).read_text())["jobs"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def produced(run_dir: Path, name: str) -> int:
+    g = ((read_status(run_dir) or {}).get("generators") or {}).get(name) or {}
+    return int(g.get("stats", {}).get("trajectories", 0))
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "coordinator" / "leases.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def held(run_dir: Path, name: str) -> set[int]:
+    """Episodes leased to `name` and not settled (done, handed back, failed or expired)."""
+    out: set[int] = set()
+    for e in events(run_dir):
+        out -= set(e.get("expired", {}).get(name, []))
+        if e.get("g") == name:
+            out |= {ep for ep, _ in e.get("leased", [])}
+            out -= set(e.get("done", [])) | set(e.get("released", [])) | {f[0] for f in e.get("failed", [])}
+    return out
+
+
+def test_scheduler_parameters_are_parsed_from_scontrol_show_config():
+    text = "ClusterName             = hpcrldev\nSchedulerParameters     = bf_interval=1,bf_continue,sched_interval=2\n"
+    assert parse.parse_scheduler_parameters(text) == {"bf_interval": "1", "bf_continue": "", "sched_interval": "2"}
+    assert parse.parse_scheduler_parameters("SchedulerParameters     = (null)\n") == {}
+    assert parse.parse_scheduler_parameters("ClusterName = x\n") == {}
+
+
+def _pending(job_id: str, gpus: int, nodes: int = 1, reason: str = "Resources", partition: str = "gpu"):
+    return queries.PendingJob(job_id, partition, "other", "x", nodes, 1, gpus, 600, None, reason, 1)
+
+
+def test_rollout_jobs_give_way_only_to_a_pending_job_they_keep_from_starting():
+    members = {"gpu": ("n1", "n2"), "cpu": ("n1", "n2")}
+    ours = {"n2": [("r0", 1), ("r1", 1), ("r2", 1)]}
+    # 4 GPUs on one node: n1 has 1 idle, n2 1 idle + 3 of ours -> the fewest of ours on n2 go.
+    assert rollout_jobs_to_yield([_pending("b", 4)], {"n1": 1, "n2": 1}, ours, members) == {
+        "r2": "b",
+        "r1": "b",
+        "r0": "b",
+    }
+    assert rollout_jobs_to_yield([_pending("b", 2)], {"n1": 1, "n2": 1}, ours, members) == {"r2": "b"}
+    # It can start without us (n1 has the GPUs), or it could not even with ours: nothing is given.
+    assert rollout_jobs_to_yield([_pending("b", 2)], {"n1": 2, "n2": 0}, ours, members) == {}
+    assert rollout_jobs_to_yield([_pending("b", 4, nodes=2)], {"n1": 0, "n2": 1}, ours, members) == {}
+    # Held or waiting on a dependency: Slurm would not start it now either.
+    for why in ("JobHeldUser", "Dependency", "BeginTime"):
+        assert rollout_jobs_to_yield([_pending("b", 2, reason=why)], {"n1": 1, "n2": 1}, ours, members) == {}
+    # Two nodes of 4: n1 is idle, n2 needs ours; a later job does not count GPUs the first one takes.
+    two = [_pending("b", 8, nodes=2), _pending("c", 1)]
+    got = rollout_jobs_to_yield(two, {"n1": 4, "n2": 1}, ours, members)
+    assert got == {"r2": "b", "r1": "b", "r0": "b"}
+    # A job of another partition whose nodes we are not on.
+    elsewhere = {**members, "other": ("n9",)}
+    assert rollout_jobs_to_yield([_pending("b", 1, partition="other")], {"n2": 0}, ours, elsewhere) == {}
+
+
+@pytest.mark.slurm
+def test_rollout_jobs_backfill_a_window_train_and_lose_nothing(slurm_cluster, tmp_path):
+    others: list[str] = []
+    run_dir = tmp_path / "bf"
+    try:
+        holder = other_job(tmp_path, "other-holder", 4, 4, 230)
+        others.append(holder)
+        wait_for(lambda: state(holder) == "RUNNING", 60, what="another user's job holding a node's GPUs")
+        # Submitted held: while the other node is still idle it would start at once.
+        big = other_job(tmp_path, "other-node", 4, 30, 1800, "--hold")
+        others.append(big)
+        out = hpcrl(
+            "submit",
+            "config.yaml",
+            *SMALL,
+            f"experiment.run_root={tmp_path}",
+            "learner.max_steps=100000",
+            "generators.episodes_in_flight=16",  # one small fixed generator: rollout jobs find work
+            f"coordinator.lease_s={LEASE_S}",
+            "scheduler.policy=backfill",
+            "scheduler.max_rollout_jobs=2",
+            "scheduler.max_rollout_gpus=2",
+            "scheduler.plan_interval_s=2",
+            "scheduler.prior_s=5",
+            "scheduler.rollout_drain_s=5",
+            "scheduler.job_overhead_s=20",
+            "scheduler.slurm_margin_s=20",
+            "--run-id",
+            "bf",
+        )
+        assert out.returncode == 0, out.stderr
+        comps = read_jobs(run_dir)["components"]
+        gpu_jobs = [comps["learner"]["job_id"], comps["gen-0"]["job_id"]]
+        wait_for(lambda: all(state(j) == "RUNNING" for j in gpu_jobs), 90, what="the run's GPU jobs running")
+        wait_for(
+            lambda: (read_status(run_dir) or {}).get("learner", {}).get("version") is not None,
+            120,
+            what="the learner's first published weights",
+        )
+        assert not rollouts(run_dir), "a held job of unknown start leaves no window"
+        run_slurm(["scontrol", "release", big])
+        before = wait_for(lambda: expected_start(big), 30, what="Slurm's planned start of the queued job")
+        assert before > dt.datetime.now() + dt.timedelta(seconds=60), "it waits for the holder's GPUs"
+
+        def two_running() -> bool:
+            jobs = rollouts(run_dir)
+            return len(jobs) == 2 and all(state(j["job_id"]) == "RUNNING" for j in jobs.values())
+
+        wait_for(two_running, 90, what="two rollout jobs started by backfill")
+        assert state(big) == "PENDING", "they started ahead of the queued job"
+        after = expected_start(big)
+        assert after is not None and after <= before + dt.timedelta(seconds=60), (before, after)
+        jobs = rollouts(run_dir)
+        for name, rec in jobs.items():
+            info = queries.show_job(rec["job_id"])
+            limit_s = parse.parse_duration_s(info["TimeLimit"])
+            end = parse.parse_timestamp(info["EndTime"])
+            assert rec["blocked_by"] == big and rec["time_min_min"] <= rec["time_limit_min"], rec
+            assert limit_s <= rec["time_limit_min"] * 60 and end <= before, (name, info["TimeLimit"], end, before)
+            assert info["TimeMin"] not in ("", "N/A", None), info
+        snap = status_json(run_dir)
+        rows = {c["name"]: c for c in snap["components"] if c.get("role") == "rollout"}
+        assert set(rows) == set(jobs), rows
+        for name, r in rows.items():
+            assert r["gpus"] == 1 and r["job_id"] == jobs[name]["job_id"] and r["state"] == "RUNNING", r
+            assert 0 < r["window_left_s"] <= jobs[name]["window_s"] and "trajectories" in r, r
+
+        wait_for(lambda: all(produced(run_dir, n) > 0 for n in jobs), 120, what="both rollout jobs producing")
+        victim = jobs["rollout-1"]["job_id"]
+        # Arith episodes take milliseconds: freeze the victim (the dev cluster's nodes are this
+        # machine) until the lease log says it holds episodes, so scancel lands while it does.
+        pid = int(json.loads((run_dir / "rollout" / "rollout-1.json").read_text())["pid"])
+
+        def frozen_holding() -> bool:
+            os.kill(pid, signal.SIGSTOP)  # frozen, it sends no sync: what it holds stays held
+            if held(run_dir, "rollout-1"):
+                return True
+            os.kill(pid, signal.SIGCONT)
+            return False
+
+        wait_for(frozen_holding, 60, interval_s=0.05, what="rollout-1 frozen while holding episodes")
+        queries.cancel([victim])  # SIGTERM, KillWait, SIGKILL: as a reclaimed GPU
+        os.kill(pid, signal.SIGCONT)
+
+        def ended() -> bool:
+            return all(
+                j["state"] == "ended"
+                for j in rollouts(run_dir).values()
+                if j["job_id"] in {r["job_id"] for r in jobs.values()}
+            )
+
+        wait_for(ended, 300, what="both rollout jobs ended (one cancelled, one at its window's end)")
+        after_window = rollouts(run_dir)
+        r0 = after_window["rollout-0"]
+        kind, value = pickle.loads((run_dir / "submitit" / f"{r0['job_id']}_0_result.pkl").read_bytes())
+        assert kind == "success" and value["stopped_by"] == "window", value
+        acct = queries.job_records([r0["job_id"]])[r0["job_id"]]
+        assert acct.state == "COMPLETED", acct
+        assert r0["ended"] <= r0["window_end"] + 10, "it ended before its window did (+ one poll)"
+        assert state(big) in ("PENDING", "RUNNING")
+        # Neither was resubmitted under the same name: a rollout job's end is not a failure.
+        assert sum(1 for j in after_window.values() if j["job_id"] in (r0["job_id"], victim)) == 2
+        assert {"rollout-0", "rollout-1"} <= set(after_window) and all(
+            n in ("rollout-0", "rollout-1") or int(n.split("-")[1]) >= 2 for n in after_window
+        )
+
+        evs = events(run_dir)
+        released = {ep: e["t"] for e in evs if e.get("g") == "rollout-1" for ep in e.get("released", [])}
+        expired = {g: eps for e in evs for g, eps in e.get("expired", {}).items()}
+        again = {}
+        for e in evs:
+            for ep, _attempt in e.get("leased", []):
+                if ep in released and e["t"] >= released[ep] and ep not in again:
+                    again[ep] = e["t"] - released[ep]
+        wait_for(
+            lambda: not held(run_dir, "rollout-1") and not held(run_dir, "rollout-0"),
+            LEASE_S + 30,
+            what="every lease of the rollout jobs settled",
+        )
+        step = read_status(run_dir)["learner"]["step"]
+        wait_for(lambda: read_status(run_dir)["learner"]["step"] >= step + 3, 120, what="3 more learner steps")
+    except BaseException:
+        hpcrl("cancel", str(run_dir))
+        raise
+    finally:
+        queries.cancel(others)
+    out = hpcrl("cancel", str(run_dir), timeout_s=120)
+    assert out.returncode == 0, out.stderr
+    rollout_ids = [j["job_id"] for j in rollouts(run_dir).values()]
+    wait_for(lambda: not queue_states(all_ids(run_dir) + rollout_ids), 60, what="every job of the run gone")
+
+    assert set(again) == set(released), set(released) - set(again)
+    assert max(again.values(), default=0.0) < LEASE_S / 2, again
+    assert "rollout-0" not in expired, expired
+    records, _ = lineage(run_dir / AUDIT_NAME)
+    trained = [i for r in records for i in r["trained"]]
+    dropped = [i for r in records for i in r["dropped"]]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    by_rollout = {g: sum(f"/{g}/" in i for i in trained) for g in ("rollout-0", "rollout-1")}
+    assert all(by_rollout.values()), by_rollout
+    from hpcrl.rl.store.reader import StoreReader, iter_segments
+
+    cursor = json.loads((run_dir / CURSOR_NAME).read_text())
+    reader = StoreReader(run_dir)
+    reader.load_state_dict(cursor["reader"])
+    unread = {t.id for t in reader}
+    stored = {cols.trajectory(i).id for _, _, cols in iter_segments(run_dir / "trajectories") for i in range(cols.rows)}
+    accounted = set(trained) | set(dropped) | set(cursor["buffered"]) | set(cursor["pending_dropped"]) | unread
+    assert stored <= accounted, f"{len(stored - accounted)} stored trajectories lost"
+    print(
+        f"rollout jobs: {len(rollout_ids)} submitted; --time {[j['time_limit_min'] for j in jobs.values()]} min "
+        f"before job {big} (expected start {before:%H:%M:%S} -> {after:%H:%M:%S}); trained from rollout jobs "
+        f"{by_rollout}; handed back {len(released)} (re-leased within {max(again.values(), default=0.0):.2f} s); "
+        f"trained {len(trained)} unique, stored {len(stored)}"
+    )
+
+
+ROLLOUT_PROBE = """
+import os, pathlib, signal, sys
+os.kill(os.getpid(), signal.SIGUSR2)  # before the component's handlers: boot remembers it
+from hpcrl.jobs.components import start_component
+stop = start_component(pathlib.Path(sys.argv[1]), "rollout-0", "rollout")
+os.kill(os.getpid(), signal.SIGUSR2)  # and once it runs
+print(f"set={stop.is_set()} requeue={stop.requeue}", flush=True)
+"""
+
+
+def test_a_rollout_job_ignores_slurms_early_time_limit_warning(tmp_path):
+    """Slurm sends SIGUSR2 up to 30 s before signal_delay_s asks (measured: 26 s before the end of a
+    1-minute rollout job); its own deadline (EndTime) ends a rollout job, so the warning must not."""
+    import subprocess
+    import sys
+
+    (tmp_path / "rollout_probe.py").write_text(ROLLOUT_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("SLURM_JOB_ID", None)
+    out = subprocess.run(
+        [sys.executable, "-u", "-m", "hpcrl.jobs.boot", "-u", "-m", "rollout_probe", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "set=False requeue=False", (out.stdout, out.stderr[-2000:])
+    assert out.stderr.count("SIGUSR2 ignored") == 2, out.stderr[-2000:]

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from backfill_cluster import wait_until  # this folder is on sys.path when a bench script runs
+
 ROOT = Path(__file__).resolve().parents[1]
 GPUS_TOTAL = 8
 SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
@@ -56,17 +58,6 @@ SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def hpcrl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:

@@ -18,9 +18,8 @@ import pytest
 
 from hpcrl.jobs.rollout_plan import ROLLOUT_NAME
 from hpcrl.rl.coordinator import read_status
-from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
 
-from audit import lineage
+from audit import account
 from conftest import RUN_GUARD_S, wait_for
 from test_run import finish, hpcrl, no_processes_left
 
@@ -171,22 +170,9 @@ def test_rollout_processes_fill_local_windows_and_lose_nothing(tmp_path, monkeyp
     for ep in expired["rollout-2"]:
         assert any(ep in {x for x, _ in e.get("leased", [])} for e in events if e.get("g") != "rollout-2"), ep
 
-    records, _ = lineage(run_dir / AUDIT_NAME)
-    trained = [i for r in records for i in r["trained"]]
-    dropped = [i for r in records for i in r["dropped"]]
-    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    trained, _, stored = account(run_dir)
     by_rollout = {g: sum(f"/{g}/" in i for i in trained) for g in ("rollout-0", "rollout-1", "rollout-2")}
     assert all(by_rollout.values()), by_rollout
-
-    from hpcrl.rl.store.reader import StoreReader, iter_segments
-
-    cursor = json.loads((run_dir / CURSOR_NAME).read_text())
-    reader = StoreReader(run_dir)
-    reader.load_state_dict(cursor["reader"])
-    unread = {t.id for t in reader}
-    stored = {cols.trajectory(i).id for _, _, cols in iter_segments(run_dir / "trajectories") for i in range(cols.rows)}
-    accounted = set(trained) | set(dropped) | set(cursor["buffered"]) | set(cursor["pending_dropped"]) | unread
-    assert stored <= accounted, f"{len(stored - accounted)} stored trajectories lost"
     print(
         f"rollout figures: trained from rollout jobs {by_rollout}, handed back {len(released)} "
         f"(re-leased within {max(again.values(), default=0.0):.2f} s), "

@@ -30,12 +30,11 @@ from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.rollout_plan import ROLLOUT_NAME, rollout_jobs_to_yield
 from hpcrl.jobs.supervise import queue_states
 from hpcrl.rl.coordinator import read_status
-from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
 
-from audit import lineage
+from audit import account
 from conftest import wait_for
 from test_submit import SMALL, all_ids, hpcrl, status_json
 
@@ -259,21 +258,9 @@ def test_rollout_jobs_backfill_a_window_train_and_lose_nothing(slurm_cluster, tm
     assert set(again) == set(released), set(released) - set(again)
     assert max(again.values(), default=0.0) < LEASE_S / 2, again
     assert "rollout-0" not in expired, expired
-    records, _ = lineage(run_dir / AUDIT_NAME)
-    trained = [i for r in records for i in r["trained"]]
-    dropped = [i for r in records for i in r["dropped"]]
-    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    trained, _, stored = account(run_dir)
     by_rollout = {g: sum(f"/{g}/" in i for i in trained) for g in ("rollout-0", "rollout-1")}
     assert all(by_rollout.values()), by_rollout
-    from hpcrl.rl.store.reader import StoreReader, iter_segments
-
-    cursor = json.loads((run_dir / CURSOR_NAME).read_text())
-    reader = StoreReader(run_dir)
-    reader.load_state_dict(cursor["reader"])
-    unread = {t.id for t in reader}
-    stored = {cols.trajectory(i).id for _, _, cols in iter_segments(run_dir / "trajectories") for i in range(cols.rows)}
-    accounted = set(trained) | set(dropped) | set(cursor["buffered"]) | set(cursor["pending_dropped"]) | unread
-    assert stored <= accounted, f"{len(stored - accounted)} stored trajectories lost"
     print(
         f"rollout jobs: {len(rollout_ids)} submitted; --time {[j['time_limit_min'] for j in jobs.values()]} min "
         f"before job {big} (expected start {before:%H:%M:%S} -> {after:%H:%M:%S}); trained from rollout jobs "

@@ -22,9 +22,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
-from hpcrl.rl.domains.code import _outcome
-from hpcrl.rl.domains.session_env import SessionEnv, _Result
+from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, StepResult, Task
+from hpcrl.rl.domains.session_env import SessionEnv
 from hpcrl.rl.domains.toolcalls import SYNTAX
 
 __all__ = ["C_PROBLEMS", "CProblem", "CRepairDomain", "make_c_repair"]
@@ -171,23 +170,11 @@ class CRepairEnv(SessionEnv):
     language = "c"
 
     def _submit(self) -> StepResult:
-        self.done = True
-        d = self.task.data
-        nonce, tag = secrets.token_hex(16), secrets.token_hex(8)
+        d, tag = self.task.data, secrets.token_hex(8)
         driver, prog = f".hidden_{tag}.c", f".hidden_{tag}"  # names the model cannot have taken
-        w = self._op({"op": "write", "path": driver, "content": HIDDEN_MAIN.format(decls=d["decls"], body=d["hidden"])})
-        if not w["ok"]:  # the model filled the workspace: its failure
-            fb = ExecFeedback(0, 1, "error", -1, 0.0, f"the hidden tests could not be written: {w['error']}")
-            return StepResult("", 0.0, True, {"feedback": fb, "ops": self.ops})
+        files = [(driver, HIDDEN_MAIN.format(decls=d["decls"], body=d["hidden"]))]
         build = f"gcc -std=c11 -O1 -o {prog} {driver} src/lib.c -lm 2>/dev/null && exec ./{prog}"
-        r = self._op({"op": "run", "cmd": ["sh", "-c", build], "stdin": nonce + "\n", "timeout_s": self.run_timeout_s})
-        passed = bool(r["ok"]) and r.get("exit_code") == 0 and bytes(r["stdout"]).split()[-1:] == [nonce.encode()]
-        status, code, wall = _outcome(_Result(r)) if r["ok"] else ("error", -1, 0.0)
-        if not passed and status == "ok":
-            status = "error"
-        verdict = "hidden tests passed" if passed else "hidden tests failed"
-        fb = ExecFeedback(int(passed), 1, status, code, wall, verdict)
-        return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops})
+        return self._hidden_check(files, ["sh", "-c", build], self.run_timeout_s)
 
 
 class CRepairDomain(Domain):

@@ -265,23 +265,27 @@ class SessionEnv(Environment):
 
     def _submit(self) -> StepResult:
         self._step_calls.append("submit")
-        self.done = True
-        p: str = self.task.data["hidden"]
-        nonce = secrets.token_hex(16)
         path = f".check_{secrets.token_hex(8)}.py"  # a name the model cannot have taken
-        w = self._op({"op": "write", "path": path, "content": HIDDEN_HARNESS.format(body=p)})
-        if not w["ok"]:  # the model filled the workspace: its failure, reported as such
-            fb = ExecFeedback(0, 1, "error", -1, 0.0, f"the hidden tests could not be written: {w['error']}")
-            return StepResult("", 0.0, True, {"feedback": fb, "ops": self.ops})
-        r = self._op(
-            {"op": "run", "cmd": ["python3", "-I", path], "stdin": nonce + "\n", "timeout_s": self.run_timeout_s}
-        )
+        files = [(path, HIDDEN_HARNESS.format(body=self.task.data["hidden"]))]
+        return self._hidden_check(files, ["python3", "-I", path], self.run_timeout_s)
+
+    def _hidden_check(self, files, cmd: list[str], timeout_s: float, what: str = "hidden tests") -> StepResult:
+        """End the episode with a check the model cannot see or forge: write `files` (under names
+        it cannot have taken), run `cmd` with a fresh nonce on stdin; reward 1 iff it exits 0 and
+        the nonce is the last thing it printed. Only the verdict reaches the model and the store."""
+        self.done = True
+        nonce = secrets.token_hex(16)
+        for path, content in files:
+            w = self._op({"op": "write", "path": path, "content": content})
+            if not w["ok"]:  # the model filled the workspace: its failure, reported as such
+                fb = ExecFeedback(0, 1, "error", -1, 0.0, f"the {what} could not be written: {w['error']}")
+                return StepResult("", 0.0, True, {"feedback": fb, "ops": self.ops})
+        r = self._op({"op": "run", "cmd": cmd, "stdin": nonce + "\n", "timeout_s": timeout_s})
         passed = bool(r["ok"]) and r.get("exit_code") == 0 and bytes(r["stdout"]).split()[-1:] == [nonce.encode()]
         status, code, wall = _outcome(_Result(r)) if r["ok"] else ("error", -1, 0.0)
         if not passed and status == "ok":
             status = "error"  # it ran but a check failed: the store's "error", as judge_function reports it
-        # Only the verdict: the hidden cases' values and output never reach the model or the store.
-        verdict = "hidden tests passed" if passed else "hidden tests failed"
+        verdict = f"{what} passed" if passed else f"{what} failed"
         fb = ExecFeedback(int(passed), 1, status, code, wall, verdict)
         return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops})
 

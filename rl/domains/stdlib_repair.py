@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rl.domains.base import EVAL_BASE, ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
-from hpcrl.rl.domains.code import _outcome
+from hpcrl.rl.domains.base import EVAL_BASE, ActionSpec, Domain, Environment, StepResult, Task
 from hpcrl.rl.domains.mutate import Mutation, apply
-from hpcrl.rl.domains.session_env import SessionEnv, _Result
+from hpcrl.rl.domains.session_env import SessionEnv
 from hpcrl.rl.domains.toolcalls import SYNTAX
 
 __all__ = ["MODULES", "RUNNER", "StdlibMutant", "StdlibRepairDomain", "cache_dir", "load_manifest"]
@@ -169,27 +168,10 @@ class StdlibRepairEnv(SessionEnv):
     """A session episode whose submit runs the module's original test suite (RUNNER)."""
 
     def _submit(self) -> StepResult:
-        self.done = True
-        d = self.task.data
-        nonce, tag = secrets.token_hex(16), secrets.token_hex(8)
+        d, tag = self.task.data, secrets.token_hex(8)
         check, tests = f".check_{tag}.py", f".check_{tag}_{d['test']}.py"  # names the model cannot have taken
-        for path, content in (
-            (tests, d["test_text"]),
-            (check, RUNNER.format(module=d["module"], test=d["test"], path=tests)),
-        ):
-            w = self._op({"op": "write", "path": path, "content": content})
-            if not w["ok"]:  # the model filled the workspace: its failure, reported as such
-                fb = ExecFeedback(0, 1, "error", -1, 0.0, f"the module's tests could not be written: {w['error']}")
-                return StepResult("", 0.0, True, {"feedback": fb, "ops": self.ops})
-        r = self._op(
-            {"op": "run", "cmd": ["python3", "-I", "-B", check], "stdin": nonce + "\n", "timeout_s": d["timeout_s"]}
-        )
-        passed = bool(r["ok"]) and r.get("exit_code") == 0 and bytes(r["stdout"]).split()[-1:] == [nonce.encode()]
-        status, code, wall = _outcome(_Result(r)) if r["ok"] else ("error", -1, 0.0)
-        if not passed and status == "ok":
-            status = "error"
-        fb = ExecFeedback(int(passed), 1, status, code, wall, "tests passed" if passed else "tests failed")
-        return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops})
+        files = [(tests, d["test_text"]), (check, RUNNER.format(module=d["module"], test=d["test"], path=tests))]
+        return self._hidden_check(files, ["python3", "-I", "-B", check], d["timeout_s"], what="tests")
 
 
 def _held_out(module: str) -> bool:

@@ -106,9 +106,9 @@ class WindowedSource:
         self.produced += 1
         self.inner.sink(traj)
 
-    def failed(self, ticket, reason: str) -> None:
+    def failed(self, ticket, reason: str, permanent: bool = False) -> None:
         self._open.pop(ticket.episode, None)
-        self.inner.failed(ticket, reason)
+        self.inner.failed(ticket, reason, permanent)
 
     def over(self) -> bool:
         if not must_end(self.time_left_s(), self.drain_s, self.leasing, len(self._open)):

@@ -235,14 +235,16 @@ class Coordinator:
                 self.counts["completed"] += 1
                 self.done_by_domain[lease.ticket.domain] += 1
                 self._done_times.append(now)
-        for ep, reason in body.get("failed", []):
+        for ep, reason, *flags in body.get("failed", []):
             lease = self._settle(name, ep, "failed")
             if lease is None:
                 continue
             self.counts["failed"] += 1
             t = lease.ticket
             event["failed"].append([t.episode, str(reason)[:200]])
-            if t.attempt + 1 >= self.cfg.max_attempts:
+            # permanent: the task cannot succeed as posed (a prompt past max_context); another
+            # attempt would fail the same way, so it is abandoned at once.
+            if (flags and flags[0] is True) or t.attempt + 1 >= self.cfg.max_attempts:
                 self.counts["abandoned"] += 1
                 event["abandoned"].append(t.episode)
                 # A group with members that did complete reaches the learner, which drops it as

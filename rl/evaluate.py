@@ -125,8 +125,8 @@ class _EvalSource:
     def done(self, ticket: EpisodeTicket) -> None:
         self.left -= 1
 
-    def failed(self, ticket: EpisodeTicket, reason: str) -> None:
-        if "does not fit max_context" in reason:  # the policy cannot answer it: a wrong sample
+    def failed(self, ticket: EpisodeTicket, reason: str, permanent: bool = False) -> None:
+        if permanent:  # the prompt does not fit max_context: the policy cannot answer it, a wrong sample
             self.unfit += 1
             self.left -= 1
             return

@@ -216,6 +216,7 @@ class Generator:
                 source,
                 f"prompt of {len(ids)} tokens does not fit max_context {self.max_context} "
                 "(generators.max_context, or the model's max_position_embeddings)",
+                permanent=True,
             )
             return
         ep.context, ep.prompt, ep.ready = list(ids), list(ids), True
@@ -352,13 +353,13 @@ class Generator:
         source.done(ep.ticket)
         self.stats.source_s += time.perf_counter() - t0
 
-    def _fail(self, ep: _Episode, source: TaskSource, reason: str) -> None:
+    def _fail(self, ep: _Episode, source: TaskSource, reason: str, permanent: bool = False) -> None:
         self.episodes.remove(ep)
         self.engine.forget(ep)
         _close(ep.env)
         self.stats.failed += 1
         log.warning("generator %s: episode %d (%s) failed: %s", self.name, ep.ticket.episode, ep.ticket.domain, reason)
-        source.failed(ep.ticket, reason)
+        source.failed(ep.ticket, reason, permanent)
 
     def close(self) -> None:
         """Abandon the episodes in flight (their tickets are not reported) and stop the threads."""

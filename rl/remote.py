@@ -91,8 +91,8 @@ class RemoteTaskSource:
     def done(self, ticket: EpisodeTicket) -> None:
         pass  # reported when the store acknowledges the trajectory (see sink)
 
-    def failed(self, ticket: EpisodeTicket, reason: str) -> None:
-        self._failed.append([ticket.episode, reason[:500]])
+    def failed(self, ticket: EpisodeTicket, reason: str, permanent: bool = False) -> None:
+        self._failed.append([ticket.episode, reason[:500], bool(permanent)])
 
     def release(self, tickets: Sequence[EpisodeTicket]) -> None:
         """Episodes this generator will not finish (it is stopping): issued again, same attempt."""

@@ -141,7 +141,9 @@ class TaskSource(Protocol):
 
     def done(self, ticket: EpisodeTicket) -> None: ...
 
-    def failed(self, ticket: EpisodeTicket, reason: str) -> None: ...
+    def failed(self, ticket: EpisodeTicket, reason: str, permanent: bool = False) -> None:
+        """The episode failed; issued again up to max_attempts, or never if `permanent` (its task
+        cannot succeed as posed, e.g. a prompt longer than the context: retrying wastes work)."""
 
     # Optional: `idle(timeout_s)`, called when the generator has nothing to do, waits for news
     # (a remote source: its coordinator's answer) instead of sleeping the whole timeout.
@@ -171,8 +173,8 @@ class LocalTaskSource:
     def done(self, ticket: EpisodeTicket) -> None:
         self.completed += 1
 
-    def failed(self, ticket: EpisodeTicket, reason: str) -> None:
-        if ticket.attempt + 1 >= self.max_attempts:
+    def failed(self, ticket: EpisodeTicket, reason: str, permanent: bool = False) -> None:
+        if permanent or ticket.attempt + 1 >= self.max_attempts:
             raise EpisodeFailed(
                 f"episode {ticket.episode} ({ticket.domain} task {ticket.task_index}) "
                 f"failed {ticket.attempt + 1} times; last: {reason}"

@@ -120,6 +120,16 @@ def test_failed_episodes_are_reissued_then_abandoned(tmp_path):
     assert got[0] == u
 
 
+def test_a_permanent_failure_is_abandoned_at_once(tmp_path):
+    c = make(tmp_path, lease_s=60)  # max_attempts 3
+    (t, u, *_), _ = sync(c, "g", want=4)
+    got, _ = sync(c, "g", failed=[(t.episode, "prompt of 900 tokens does not fit max_context 512", True)], want=1)
+    assert c.counts["abandoned"] == 1 and t.episode not in {g.episode for g in got}
+    # a transient one (a two-element report, as older generators send) is still retried
+    got, _ = sync(c, "g", failed=[(u.episode, "sandbox-0: no reply")], want=1)
+    assert c.counts["abandoned"] == 1 and got[0].episode == u.episode and got[0].attempt == 1
+
+
 def test_a_group_whose_every_episode_is_abandoned_no_longer_counts_as_outstanding(tmp_path):
     c = make(tmp_path, lease_s=60, max_attempts=1)
     tickets, _ = sync(c, "g", want=4)  # one group of 4

@@ -119,8 +119,12 @@ def test_context_longer_than_max_context_is_a_clear_error(policy):
         name="g",
         seed=0,
     )
-    with pytest.raises(EpisodeFailed, match="does not fit max_context 20"):
-        gen.run(LocalTaskSource(TaskSampler({"long": 1.0}, 2, 0), max_attempts=1), lambda t: None)
+    # A prompt that cannot fit fails the same way every time: it is given up at its first failure,
+    # not retried max_attempts times.
+    source = LocalTaskSource(TaskSampler({"long": 1.0}, 2, 0), max_attempts=3)
+    with pytest.raises(EpisodeFailed, match="failed 1 times; last: prompt of 41 tokens does not fit max_context 20"):
+        gen.run(source, lambda t: None)
+    assert source.reissued == 0
     gen.close()
 
 

@@ -280,9 +280,9 @@ class _Recording(LocalTaskSource):
         super().__init__(*a, **kw)
         self.reasons: list[str] = []
 
-    def failed(self, ticket, reason):
+    def failed(self, ticket, reason, permanent=False):
         self.reasons.append(reason)
-        super().failed(ticket, reason)
+        super().failed(ticket, reason, permanent)
 
 
 def test_the_generator_runs_session_episodes_and_fails_them_without_a_server(bwrap_ok, run_dir):

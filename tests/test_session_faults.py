@@ -70,10 +70,10 @@ class _Source(LocalTaskSource):
         self.lock = threading.Lock()
         self.reasons: dict[int, list[str]] = {}
 
-    def failed(self, ticket, reason):
+    def failed(self, ticket, reason, permanent=False):
         with self.lock:
             self.reasons.setdefault(ticket.episode, []).append(reason)
-            super().failed(ticket, reason)
+            super().failed(ticket, reason, permanent)
 
 
 def _run(mode: str, run_dir: Path, tmp_path: Path):

@@ -5,7 +5,8 @@
     from hpcrl.rl.store.stream import TrajectorySender   # generators -> writer over CURVE ZeroMQ, acked
 
 `columns` is the one layout of a batch of trajectories outside a generator (two record tables,
-three flat arrays): the wire sends it and a segment stores it. `layout` is the on-disk shape
+three flat arrays): the wire sends it and a segment stores it; `records` holds its tables'
+dtypes and upgrades an older schema's. `layout` is the on-disk shape
 (shards of immutable segments, manifests, recovery and quarantine) and why it survives a kill
 at any moment; `writer` and `reader` are its two sides; `stream` is the acknowledged,
 deduplicated delivery from generators to the writer that feeds it.

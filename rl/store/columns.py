@@ -34,11 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from hpcrl.rl.store.records import ARRAY_NAMES, STEP_DTYPE, STRING_FIELDS, TRAJ_NUMERIC, traj_dtype
 from hpcrl.rl.trajectory import (
     _CONTROL,
     _LOGPROB_SLACK,
-    MAX_COMMAND_BYTES,
-    MAX_FAULT_BYTES,
     MAX_NAME_LEN,
     NO_SANDBOX,
     SANDBOX_STATUSES,
@@ -51,63 +50,7 @@ from hpcrl.rl.trajectory import (
     _sandbox_trusted,
 )
 
-__all__ = [
-    "Columns",
-    "ColumnsError",
-    "EncodeBuffers",
-    "traj_dtype",
-    "STEP_DTYPE",
-    "ARRAY_NAMES",
-    "wire_bytes",
-    "upgrade_tables",
-]
-
-_STRING_FIELDS = ("id", "run", "domain", "task", "generator")
-
-STEP_DTYPE = np.dtype(
-    [
-        ("policy_version", "<i8"),
-        ("reward", "<f8"),
-        ("token_start", "<i8"),  # into `tokens`: prompt, action, observation back to back
-        ("prompt_len", "<i4"),
-        ("action_len", "<i4"),
-        ("obs_len", "<i4"),
-        ("action_start", "<i8"),  # into `logprobs` and `loss_mask`
-        ("sandbox_status", "u1"),
-        ("sandbox_exit_code", "<i4"),
-        ("sandbox_s", "<f8"),
-        ("generate_s", "<f8"),
-        ("env_s", "<f8"),
-        # Schema v2 (v1 tables are upgraded on read, these at their defaults):
-        ("sandbox_command", f"S{MAX_COMMAND_BYTES}"),  # UTF-8, NUL-padded
-        ("tests_passed", "<i4"),
-        ("tests_total", "<i4"),
-        ("resumes", "u1"),
-    ]
-)
-
-_TRAJ_NUMERIC = [
-    ("episode", "<i8"),
-    ("final_reward", "<f8"),
-    ("truncation", "u1"),
-    ("started_at", "<f8"),
-    ("finished_at", "<f8"),
-    ("step_start", "<i8"),
-    ("n_steps", "<i4"),
-    ("n_tokens", "<i8"),
-    ("min_policy_version", "<i8"),
-    ("max_policy_version", "<i8"),
-    ("schema_version", "<u2"),
-    ("fault", f"S{MAX_FAULT_BYTES}"),  # schema v2; UTF-8, NUL-padded
-]
-
-# Dataset names in the order the checksum covers them.
-ARRAY_NAMES = ("traj", "steps", "tokens", "logprobs", "loss_mask")
-
-
-def traj_dtype(widths: Sequence[int]) -> np.dtype:
-    """The trajectory table's dtype, with string fields `widths` bytes wide."""
-    return np.dtype([(n, f"S{max(1, w)}") for n, w in zip(_STRING_FIELDS, widths)] + _TRAJ_NUMERIC)
+__all__ = ["Columns", "ColumnsError", "EncodeBuffers", "wire_bytes"]
 
 
 class ColumnsError(ValueError):
@@ -120,25 +63,6 @@ def wire_bytes(traj: Trajectory) -> int:
     return n + sum(
         4 * (len(s.prompt_tokens) + len(s.observation_tokens)) + 9 * len(s.action_tokens) for s in traj.steps
     )
-
-
-def upgrade_tables(traj: np.ndarray, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Tables of an older schema (v1 files) in this one's dtypes: fields they lack take their
-    defaults (0, ""). Tables already current are returned as they are, uncopied."""
-    if steps is not None and steps.dtype != STEP_DTYPE and steps.dtype.names:
-        new = np.zeros(len(steps), STEP_DTYPE)
-        for name in steps.dtype.names:
-            if name in STEP_DTYPE.names:
-                new[name] = steps[name]
-        steps = new
-    names = traj.dtype.names or ()
-    if len(names) > 1 and "fault" not in names:  # (the empty table of a reader without rows has only id)
-        dt = np.dtype([(n, traj.dtype[n]) for n in names] + [("fault", f"S{MAX_FAULT_BYTES}")])
-        new = np.zeros(len(traj), dt)
-        for name in names:
-            new[name] = traj[name]
-        traj = new
-    return traj, steps
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
@@ -268,14 +192,14 @@ class Columns:
         # and the HDF5 type built for it can be reused.
         widths = [
             1 << max(4, (max((len(s[i]) for s in strings), default=1) - 1).bit_length())
-            for i in range(len(_STRING_FIELDS))
+            for i in range(len(STRING_FIELDS))
         ]
         traj = np.empty(len(trajs), traj_dtype(widths))
         if trajs:
-            for i, name in enumerate(_STRING_FIELDS):
+            for i, name in enumerate(STRING_FIELDS):
                 traj[name] = [s[i] for s in strings]
-            numeric = np.array(rows, dtype=np.dtype(_TRAJ_NUMERIC))
-            for name, _ in _TRAJ_NUMERIC:
+            numeric = np.array(rows, dtype=np.dtype(TRAJ_NUMERIC))
+            for name, _ in TRAJ_NUMERIC:
                 traj[name] = numeric[name]
         if step_rows:
             steps[:] = np.array(step_rows, dtype=STEP_DTYPE)
@@ -324,7 +248,7 @@ class Columns:
     def to_wire(self) -> tuple[dict, list[np.ndarray]]:
         """A message body (ids, string widths, code tables) and the five arrays, the two record
         tables as their raw bytes (the transport carries no structured dtypes)."""
-        widths = [self.traj.dtype[n].itemsize for n in _STRING_FIELDS]
+        widths = [self.traj.dtype[n].itemsize for n in STRING_FIELDS]
         body = {"ids": self.ids(), "widths": widths, "names": [list(self.truncation_names), list(self.sandbox_names)]}
         return body, [_as_bytes(self.traj), _as_bytes(self.steps), self.tokens, self.logprobs, self.loss_mask]
 
@@ -339,10 +263,10 @@ class Columns:
             raise ColumnsError("batch: ids must be a list of strings")
         if (
             type(widths) is not list
-            or len(widths) != len(_STRING_FIELDS)
+            or len(widths) != len(STRING_FIELDS)
             or not all(type(w) is int and 1 <= w <= 4 * MAX_NAME_LEN for w in widths)
         ):
-            raise ColumnsError(f"batch: widths must be {len(_STRING_FIELDS)} ints in 1..{4 * MAX_NAME_LEN}")
+            raise ColumnsError(f"batch: widths must be {len(STRING_FIELDS)} ints in 1..{4 * MAX_NAME_LEN}")
         # Code tables only grow at the end: a sender's that is a prefix of ours decodes as ours.
         ours = (TRUNCATION_REASONS, SANDBOX_STATUSES)
         if (
@@ -407,7 +331,7 @@ class Columns:
 
     def _names_ok(self, i: int) -> bool:
         r = self.traj[i]
-        for name in _STRING_FIELDS:
+        for name in STRING_FIELDS:
             v = r[name]
             if v not in _GOOD_NAMES:
                 try:
@@ -458,7 +382,7 @@ class Columns:
         flat arrays were concatenated too: a segment writes those piece by piece, uncopied."""
         if len(parts) == 1:
             return parts[0].traj, parts[0].steps
-        widths = [max((p.traj.dtype[n].itemsize for p in parts), default=1) for n in _STRING_FIELDS]
+        widths = [max((p.traj.dtype[n].itemsize for p in parts), default=1) for n in STRING_FIELDS]
         traj = np.empty(sum(p.rows for p in parts), traj_dtype(widths))
         steps = np.concatenate([p.steps for p in parts]) if parts else np.empty(0, STEP_DTYPE)
         row = k = tok = act = 0
@@ -496,7 +420,7 @@ class Columns:
         t, s = self.traj, self.steps
         if s.dtype != STEP_DTYPE:
             raise ColumnsError(f"steps table has dtype {s.dtype}, expected {STEP_DTYPE}")
-        missing = [n for n, _ in _TRAJ_NUMERIC + [(f, "") for f in _STRING_FIELDS] if n not in (t.dtype.names or ())]
+        missing = [n for n, _ in TRAJ_NUMERIC + [(f, "") for f in STRING_FIELDS] if n not in (t.dtype.names or ())]
         if missing:
             raise ColumnsError(f"trajectory table lacks field(s) {missing}")
         for name, arr, dt in (

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rl.store.columns import ARRAY_NAMES, Columns
+from hpcrl.rl.store.columns import Columns
 from hpcrl.rl.store.layout import SegmentError, SegmentInfo, ShardState, list_shards, parse_segment_name, read_segment
+from hpcrl.rl.store.records import ARRAY_NAMES
 from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["StoreReader", "Batch", "iter_segments", "resolve_store"]

@@ -19,6 +19,7 @@ from hpcrl.rl.trajectory import (
     MAX_FAULT_BYTES,
     SCHEMA_VERSION,
     SandboxOutcome,
+    Step,
     Trajectory,
     TrajectoryError,
 )
@@ -183,3 +184,50 @@ def test_traj_show_prints_each_steps_sandbox_results_and_the_fault(tmp_path, cap
     assert "r/g/99: no such trajectory" in err and len(err.strip().splitlines()) == 1
     assert main(["traj", "show", str(run_dir), "x/y"]) == 2
     assert "is not a trajectory id" in capsys.readouterr().err
+
+
+def test_traj_show_decodes_text_with_the_runs_tokenizer(tmp_path, capsys):
+    """Beside a run's resolved config, `traj show` prints each step's prompt, action and
+    observation as text, decoded with the tokenizer the run trained with."""
+    import json
+
+    from hpcrl.core.config import StoreConfig, load_config, write_resolved
+    from hpcrl.jobs.cli import main
+    from hpcrl.rl.policy import load_tokenizer
+    from hpcrl.rl.store.writer import ShardWriter
+
+    run_dir = tmp_path / "run"
+    (run_dir / "trajectories").mkdir(parents=True)
+    charset = "0123456789+=? abcdefghijklmnopqrstuvwxyz\n"
+    cfg = load_config(None, [f"policy.tiny.charset={json.dumps(charset)}"])
+    write_resolved(cfg, run_dir)
+    tok = load_tokenizer(cfg.policy)
+    texts = [("what is 7+8?\n", "15", "wrong try again\n"), ("", "15", "")]
+    steps = []
+    for k, (prompt, action, obs) in enumerate(texts):
+        ids = [tok.encode(t, add_special_tokens=False) for t in (prompt, action, obs)]
+        steps.append(
+            Step(
+                policy_version=3,
+                prompt_tokens=np.array(ids[0], np.int32),
+                action_tokens=np.array(ids[1], np.int32),
+                action_logprobs=np.full(len(ids[1]), -0.5, np.float32),
+                loss_mask=np.ones(len(ids[1]), np.uint8),
+                observation_tokens=np.array(ids[2], np.int32),
+                reward=float(k),
+            )
+        )
+    traj = Trajectory(
+        run="r", domain="sum", task="7+8", episode=4, generator="g", steps=tuple(steps), final_reward=1.0,
+        truncation="none", started_at=1.0, finished_at=2.0,
+    )  # fmt: skip
+    w = ShardWriter(run_dir / "trajectories", "g", StoreConfig(flush_every=1, compression="none"))
+    w.append(traj)
+    w.close()
+    assert main(["traj", "show", str(run_dir), "r/g/4"]) == 0
+    out = capsys.readouterr().out
+    assert "    prompt: what is 7+8?\n" in out and "    action: 15\n" in out
+    assert "    observation: wrong try again\n" in out
+    assert main(["traj", "show", str(run_dir), "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [s["text"] for s in got["steps"]] == [dict(zip(("prompt", "action", "observation"), t)) for t in texts]

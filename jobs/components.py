@@ -392,6 +392,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                     "env_wait_s": s.env_wait_s,
                     "batches": s.batches,
                     "batch_rows": s.batch_rows,
+                    "overlap_batches": s.overlap_batches,
                     "reward_mean": s.reward_sum / max(s.trajectories, 1),
                 }
 

@@ -59,6 +59,7 @@ class GeneratorStats:
     env_wait_s: float = 0.0  # nothing to decode, waiting for environment steps (sandboxes) to finish
     batches: int = 0  # sampling calls
     batch_rows: int = 0  # episodes sampled over all calls (rows / batches = mean batch size)
+    overlap_batches: int = 0  # sampling calls made while an environment step (a sandbox run) was in flight
     reward_sum: float = 0.0
 
     @property
@@ -247,6 +248,8 @@ class Generator:
     def _decode(self, source: TaskSource, sink) -> None:
         t0 = time.perf_counter()
         rows = len(self.engine.rows) + len(self.engine.pending)
+        if any(e.future is not None and not e.future.done() for e in self.episodes):
+            self.stats.overlap_batches += 1
         finished = self.engine.step()
         self.stats.busy_s += time.perf_counter() - t0
         self.stats.batches += 1

@@ -108,9 +108,9 @@ def test_sandbox_waits_overlap_with_sampling(judge):
         assert all(s.sandbox.status != "none" and s.env_s > 0 for s in t.steps)
         assert len(t.steps) == 2 or t.final_reward > 0  # an untrained model gets a second try
     assert any(t.truncation == "max_steps" for t in code if t.domain == "code-repair")  # repair allows 3 turns
-    env_s = sum(s.env_s for t in code for s in t.steps)
-    # Serially the run would take sampling + sandbox time; in flight they overlap.
-    assert gen.stats.wall_s < 0.8 * (gen.stats.busy_s + env_s), (gen.stats.wall_s, gen.stats.busy_s, env_s)
+    # Sampling went on while sandboxes ran (serially, no sampling call would see one in flight).
+    # Counted, not timed: a wall-clock ratio of the two moves with the machine's load.
+    assert gen.stats.overlap_batches > 0, gen.stats
 
 
 class _Flaky(Domain):

@@ -146,9 +146,10 @@ def test_double_fork_setsid_daemon_dies_with_the_sandbox(backend):
         "import os, time\nif os.fork() == 0:\n    try: os.setsid()\n    except OSError: pass\n    if os.fork() == 0:\n"
         "        time.sleep(30)\n    os._exit(0)\nos.wait()\nprint('parent done')\n"
     )
-    r = probe(backend, src, wall_s=3)
+    # The daemon sleeps 30 s: a run that ends "ok" inside a 20-s wall limit did not wait for it
+    # (no bound on the run's own time, which a loaded machine stretches).
+    r = probe(backend, src, wall_s=20)
     assert r.status == "ok" and r.stdout == b"parent done\n"
-    assert r.wall_s < 2  # the daemon did not keep the run alive
 
 
 def test_stdout_flood(backend):

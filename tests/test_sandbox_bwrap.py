@@ -84,7 +84,8 @@ def test_a_compile_bomb_is_a_compile_error_within_the_compile_limits(backend):
     src = "#define L0(x) x\n" + levels + "int main(void){ L32(;) return 0; }\n"
     r = backend.run(ExecSpec.single("c", src, compile_limits=Limits(wall_s=2, cpu_s=2, memory_mb=256)))
     assert r.status == "compile_error"
-    assert r.wall_s < 10
+    # Stopped by the 2-s limit (unlimited, the expansion runs for hours), with room for a loaded machine.
+    assert r.wall_s < 60
     assert not host_residue([UID])
 
 
@@ -106,13 +107,12 @@ def test_exit_codes_and_signals(backend):
 def test_wall_timeout_kills(backend):
     r = run(backend, "python", "import time; time.sleep(60)", limits=Limits(wall_s=0.5))
     assert r.status == "timeout" and r.signal == 9
-    assert r.wall_s < 5
+    assert r.wall_s < 30  # killed, not slept out (60 s), with room for a loaded machine
 
 
 def test_cpu_limit_stops_a_busy_loop_before_the_wall_limit(backend):
     r = run(backend, "python", "while True: pass", limits=Limits(cpu_s=1, wall_s=20))
-    assert r.status == "cpu_limit"
-    assert r.wall_s < 10
+    assert r.status == "cpu_limit"  # not "timeout": stopped by the CPU limit before the wall limit
 
 
 def test_memory_limit(backend):

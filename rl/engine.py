@@ -14,17 +14,21 @@ next step, so no row waits for the longest one of a batch (static batching's cos
 Rows of different lengths share the cache: each row is right-aligned, padding columns are
 masked out, and positions are explicit (real tokens only, as `token_logprobs` counts them), so
 holes left by rows that came and went change nothing. Admitting rows pads the shorter of the
-batch and the new rows' caches on the left; columns no row uses any more are trimmed.
+batch and the new rows' caches on the left; columns no row uses any more are trimmed. Each
+layer's keys and values sit at the front of a buffer with room for the rows' remaining tokens
+(`_Slab`): a decode step writes its column in place instead of concatenating the whole cache.
 
 Kept caches: when a row finishes, its keys and values (real columns only) are kept for the
 episode, newest first within `kv_keep_bytes` (least recently kept are dropped first: their
 episodes re-prefill their whole context); `forget(key)` when the episode ends. Needs a model
-whose cache is transformers' DynamicCache of full-attention layers (Llama, Qwen2, Mistral, ...).
+whose cache is transformers' DynamicCache of full-attention layers (Llama, Qwen2, Mistral, ...):
+the engine hands it a DynamicCache whose layers are `_Slab`s.
 
 Sampling per row: temperature (0: greedy), top_p, top_k, several eos ids, stop strings
 (matched on exactly decoded text). The recorded log-probability is the model's own
 (temperature 1, untruncated): what the learner recomputes, so on-policy ratios are 1;
-temperature and truncation shape which tokens are drawn.
+temperature and truncation shape which tokens are drawn. Tokens are drawn by inverting each
+row's CDF (`_draw`), not with torch.multinomial (an exponential variate per vocabulary entry).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from hpcrl.rl.policy import Policy
 
@@ -184,7 +190,8 @@ class DecodeEngine:
     def step(self) -> list[tuple[Any, Any]]:
         """Admit what was submitted, decode one token for every row; the rows that finished."""
         dev = self.policy.device
-        self.policy.model.eval()
+        if self.policy.model.training:  # eval() walks every module: not on every step
+            self.policy.model.eval()
         logits = []
         if self.rows:
             ids = torch.tensor([[r.last] for r in self.rows], device=dev)
@@ -196,24 +203,29 @@ class DecodeEngine:
                 r.pos += 1
         if self.pending:
             new, self.pending = self.pending, []
-            cache, mask, lg = self._prefill(new)
-            self._merge(new, cache, mask)
-            logits.append(lg)
+            pasts = [self._take_kept(r) for r in new]
+            parts = []
+            for g in _groups([len(r.context) - (p[0] if p else 0) for r, p in zip(new, pasts)]):
+                rows = [new[i] for i in g]
+                cache, mask, lg = self._prefill(rows, [pasts[i] for i in g])
+                parts.append((rows, cache, mask))
+                logits.append(lg)
+            self._merge(parts)
         if not logits:
             return []
         toks, lps = self._sample(torch.cat(logits) if len(logits) > 1 else logits[0])
         return self._advance(toks, lps)
 
-    def _prefill(self, rows: list[_Row]):
+    def _take_kept(self, r: _Row):
+        got = self.kept.pop(r.key, None)
+        if got is not None:
+            self.kept_bytes -= got[2]
+            if got[0] >= len(r.context):
+                got = None  # nothing new to feed (cannot happen with a fresh observation)
+        return got
+
+    def _prefill(self, rows: list[_Row], pasts: list):
         dev, pol = self.policy.device, self.policy
-        pasts = []
-        for r in rows:
-            got = self.kept.pop(r.key, None)
-            if got is not None:
-                self.kept_bytes -= got[2]
-                if got[0] >= len(r.context):
-                    got = None  # nothing new to feed (cannot happen with a fresh observation)
-            pasts.append(got)
         n_past = [p[0] if p is not None else 0 for p in pasts]
         new = [r.context[n:] for r, n in zip(rows, n_past)]
         P, M, b = max(n_past), max(len(x) for x in new), len(rows)
@@ -227,46 +239,65 @@ class DecodeEngine:
             mask[i, P + M - len(x) :] = 1
             rows[i].pos = n + len(x)
         self.prefilled_tokens += sum(len(x) for x in new)
-        cache = None
+        room = _room(rows, P + M)  # for the decode steps' columns
         if P > 0:
-            from transformers import DynamicCache
-
-            layers = []
+            # Each kept cache right-aligned at column P, straight into the buffers the forward
+            # and the decode steps write on.
             template = next(p for p in pasts if p is not None)[1]
-            for li, (k0, v0) in enumerate(template):
-                k = k0.new_zeros((b, k0.shape[0], P, k0.shape[2]))
-                v = v0.new_zeros((b, v0.shape[0], P, v0.shape[2]))
-                for i, p in enumerate(pasts):
-                    if p is not None:
-                        k[i, :, P - p[0] :] = p[1][li][0]
-                        v[i, :, P - p[0] :] = p[1][li][1]
-                layers.append((k, v))
-            cache = DynamicCache(layers)
+            layers = []
+            for li in range(len(template)):
+                kv = []
+                for j in (0, 1):
+                    t = template[li][j]
+                    buf = t.new_zeros((b, t.shape[0], P + M + room, t.shape[2]))
+                    for i, p in enumerate(pasts):
+                        if p is not None:
+                            buf[i, :, P - p[0] : P] = p[1][li][j]
+                    kv.append(buf)
+                layers.append(_Slab(room, *kv, n=P))
+            cache = _slab_cache(layers)
+        else:
+            cache = _slab_cache(None, room)
         mask = mask.to(dev)
         cache, logits = self._forward(ids.to(dev), mask, pos.to(dev), cache)
         return cache, mask, logits
 
-    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor) -> None:
-        if not self.rows:
-            self.rows, self.cache, self.mask = list(rows), cache, mask
+    def _merge(self, parts: list[tuple[list[_Row], Any, torch.Tensor]]) -> None:
+        """The batch and the prefilled groups (rows, cache, mask) as one batch, in that order,
+        right-aligned: one copy into new buffers (none for a lone group into an empty batch)."""
+        if self.rows:
+            parts = [(self.rows, self.cache, self.mask), *parts]
+        if len(parts) == 1:
+            self.rows, self.cache, self.mask = list(parts[0][0]), parts[0][1], parts[0][2]
             return
-        La, Lb = self.mask.shape[1], mask.shape[1]
-        L = max(La, Lb)
-        for la, lb in zip(self.cache.layers, cache.layers):
+        L = max(m.shape[1] for _, _, m in parts)
+        self.rows = [r for rows, _, _ in parts for r in rows]
+        room = _room(self.rows, L)
+        layers = []
+        for li in range(len(parts[0][1].layers)):
+            kv = []
             for name in ("keys", "values"):
-                a, b = getattr(la, name), getattr(lb, name)
-                setattr(la, name, torch.cat([_left_pad(a, L - La), _left_pad(b, L - Lb)], dim=0))
-        self.mask = torch.cat([_left_pad_mask(self.mask, L - La), _left_pad_mask(mask, L - Lb)], dim=0)
-        self.rows.extend(rows)
+                ts = [getattr(c.layers[li], name) for _, c, _ in parts]
+                buf = ts[0].new_zeros((len(self.rows), ts[0].shape[1], L + room, ts[0].shape[3]))
+                at = 0
+                for t in ts:
+                    buf[at : at + t.shape[0], :, L - t.shape[2] : L] = t
+                    at += t.shape[0]
+                kv.append(buf)
+            layers.append(_Slab(room, *kv, n=L))
+        self.cache = _slab_cache(layers)
+        self.mask = torch.cat([_left_pad_mask(m, L - m.shape[1]) for _, _, m in parts], dim=0)
 
     def _sample(self, logits: torch.Tensor):
         logp = torch.log_softmax(logits.float(), dim=-1)
         specs = [r.spec for r in self.rows]
         if all(s.plain for s in specs):
-            tok = torch.multinomial(logp.exp(), 1, generator=self.gen).squeeze(-1)
+            tok = _draw(logp.exp(), self.gen)
         else:
             tok = self._sample_shaped(logits.float(), specs)
-        return tok.tolist(), logp.gather(-1, tok[:, None]).squeeze(-1).tolist()
+        # One transfer for both (a single sync on an accelerator).
+        both = torch.stack([tok.double(), logp.gather(-1, tok[:, None]).squeeze(-1).double()]).tolist()
+        return [int(t) for t in both[0]], both[1]
 
     def _sample_shaped(self, logits: torch.Tensor, specs) -> torch.Tensor:
         dev = logits.device
@@ -281,7 +312,7 @@ class DecodeEngine:
             cut |= (p.cumsum(-1) - p) > top_p[:, None]  # keep the smallest prefix reaching top_p
             sz = sz.masked_fill(cut, float("-inf"))
             z = torch.full_like(z, float("-inf")).scatter(-1, idx, sz)
-        tok = torch.multinomial(torch.softmax(z, dim=-1), 1, generator=self.gen).squeeze(-1)
+        tok = _draw(torch.softmax(z, dim=-1), self.gen)
         greedy = torch.tensor([s.temperature == 0 for s in specs], device=dev)
         return torch.where(greedy, logits.argmax(-1), tok)
 
@@ -322,7 +353,7 @@ class DecodeEngine:
     def _keep(self, b: int, r: _Row) -> None:
         """The row's real cache columns (context + action but its last token), for its next turn."""
         cols = self.mask[b].bool()
-        layers = [(la.keys[b][:, cols].clone(), la.values[b][:, cols].clone()) for la in self.cache.layers]
+        layers = [(la.keys[b][:, cols], la.values[b][:, cols]) for la in self.cache.layers]  # copies
         n = int(cols.sum())
         size = sum(k.numel() * k.element_size() * 2 for k, _ in layers)
         if size > self.kv_keep_bytes:
@@ -343,15 +374,109 @@ class DecodeEngine:
         used = self.mask.any(0).nonzero()
         first = int(used[0]) if len(used) else 0
         self.mask = self.mask[:, first:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[sel, :, first:]
-            layer.values = layer.values[sel, :, first:]
+        n = self.mask.shape[1]
+        room = _room(self.rows, n)
+        layers = []
+        for la in self.cache.layers:
+            kv = []
+            for t in (la.keys, la.values):
+                buf = t.new_empty((len(idx), t.shape[1], n + room, t.shape[3]))
+                buf[:, :, :n] = t[sel, :, first:]
+                kv.append(buf)
+            layers.append(_Slab(room, *kv, n=n))
+        self.cache = _slab_cache(layers)
 
 
-def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    return torch.cat([t.new_zeros((t.shape[0], t.shape[1], n, t.shape[3])), t], dim=2)
+class _Slab(DynamicLayer):
+    """One layer's keys and values [B, H, n, D]: the front of buffers with room to grow along
+    the sequence. A decode step writes its column in place, where DynamicLayer concatenates,
+    copying every row's whole cache at every step (~33 MB a step for 16 rows of 500 tokens of
+    the bench's 4-layer model: 17% of transformers' decode forwards in bench/generate.py)."""
+
+    def __init__(self, room: int, bk: torch.Tensor | None = None, bv: torch.Tensor | None = None, n: int = 0):
+        super().__init__()
+        self.room = room  # columns to allocate beyond what a (re)allocation must hold
+        if bk is not None:
+            self._use(bk, bv, n)
+
+    def _use(self, bk: torch.Tensor, bv: torch.Tensor, n: int) -> None:
+        self.bk, self.bv, self.n = bk, bv, n
+        self.keys, self.values = bk[:, :, :n], bv[:, :, :n]
+        self.device, self.is_initialized = bk.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        q = key_states.shape[2]
+        if not self.is_initialized:  # a fresh batch's prefill
+            shape = (*key_states.shape[:2], q + self.room, key_states.shape[3])
+            self._use(key_states.new_empty(shape), value_states.new_empty(shape), 0)
+        end = self.n + q
+        if end > self.bk.shape[2]:  # more room than foreseen: grow by half, amortised O(1) a column
+            cap = end + max(self.room, end // 2)
+            bk = self.bk.new_empty((*self.bk.shape[:2], cap, self.bk.shape[3]))
+            bv = self.bv.new_empty((*self.bv.shape[:2], cap, self.bv.shape[3]))
+            bk[:, :, : self.n], bv[:, :, : self.n] = self.keys, self.values
+            self._use(bk, bv, self.n)
+        self.bk[:, :, self.n : end] = key_states
+        self.bv[:, :, self.n : end] = value_states
+        self._use(self.bk, self.bv, end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n if self.is_initialized else 0
+
+
+def _slab_cache(layers: list[_Slab] | None, room: int = 0) -> DynamicCache:
+    """A DynamicCache made of _Slab layers: these, or (a fresh batch) one per layer as the
+    forward reaches it."""
+    cache = DynamicCache()
+    cache.layers = layers if layers is not None else []
+    cache.layer_class_to_replicate = None if layers is not None else (lambda: _Slab(room))
+    return cache
+
+
+# About what one more forward costs, in token positions: below it, rows of different lengths
+# share a prefill and are padded; above, they split. The bench's model on one loaded core:
+# ~17 ms for a one-token forward against ~0.44 ms a position of a 16 x 256 prefill, i.e. ~40
+# positions. Kernel launches make a GPU's fixed cost weigh more; 128 leaves room for that
+# (not tuned on a GPU).
+_SPLIT_TOKENS = 128
+
+
+def _groups(lengths: list[int], fixed: int = _SPLIT_TOKENS) -> list[list[int]]:
+    """The rows to prefill together (indices into `lengths`, the tokens each must feed):
+    longest first, a new group once a group's padding would pass `fixed` positions. One
+    forward over all would pad every row to the longest: prompts of 65-257 tokens cost 16 x 257
+    positions instead of their ~2,600, and a kept episode's 33 new tokens the same 257."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, waste = [[order[0]]], 0
+    for i in order[1:]:
+        w = lengths[groups[-1][0]] - lengths[i]
+        if waste + w > fixed:
+            groups.append([i])
+            waste = 0
+        else:
+            groups[-1].append(i)
+            waste += w
+    return groups
+
+
+def _room(rows: list[_Row], n: int) -> int:
+    """Columns to allocate beyond the n in use: what the rows' decode steps add at most (one per
+    token still to sample), but no more than max(64, n) ahead (a row that may run long but
+    usually stops at eos would hold memory it never uses; _Slab grows if it does run long)."""
+    return min(max((r.max_new - len(r.toks) for r in rows), default=0), max(64, n))
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of probabilities `p` [B, V] (need not sum to 1), by inverting the CDF:
+    a cumulative sum and a binary search. torch.multinomial draws an exponential variate per
+    vocabulary entry instead: 5.0-6.4 ms against 0.3-1.9 ms for 16 x 8192 on one core of the
+    loaded CI machine. The CDF is float64 so that no token's share is lost to rounding.
+    v = (1 - u) * total lies in (0, total], so the first index whose CDF reaches v always has a
+    positive probability, even with zeros (top-k/top-p cuts) at either end."""
+    cdf = p.cumsum(-1, dtype=torch.float64)
+    u = torch.rand((p.shape[0], 1), generator=gen, device=p.device, dtype=torch.float64)
+    return torch.searchsorted(cdf, (1.0 - u) * cdf[:, -1:]).squeeze(-1)
 
 
 def _left_pad_mask(m: torch.Tensor, n: int) -> torch.Tensor:

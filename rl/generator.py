@@ -110,6 +110,7 @@ class Generator:
         self.engine = DecodeEngine(policy, seed, int(cfg.kv_cache_gb * 2**30), self.max_context)
         self.weight_swap = cfg.weight_swap
         self._multi_turn: set[str] = set()  # domains whose episodes were seen to continue
+        self._stepped: set[str] = set()  # domains with an episode that has had a step result
         # Resolved once, so a domain eos that is no token stops the generator at start, not mid-run.
         self._domain_eos = {d.name: self._eos_ids(d.action.eos) for d in self.domains.values()}
         self.pool = cf.ThreadPoolExecutor(max_workers=cfg.env_threads, thread_name_prefix=f"{name}-env")
@@ -227,8 +228,11 @@ class Generator:
         room = self.max_context - len(ep.context)
         spec = SamplingSpec(a.temperature, a.top_p, a.top_k, a.stop, self._domain_eos[ep.domain.name])
         max_new = min(self.cfg.max_new_tokens, a.max_tokens, room)
-        # Keep the cache for its next turn only where episodes of this domain do have one.
-        keep = ep.domain.name in self._multi_turn and len(ep.steps) + 1 < self.cfg.max_turns
+        # Keep the cache for its next turn where episodes of this domain do have one, and while
+        # nothing is known yet (a domain's first actions): waiting for the first step result
+        # would re-prefill every context of a multi-turn domain's first batch at its turn 2.
+        name = ep.domain.name
+        keep = (name in self._multi_turn or name not in self._stepped) and len(ep.steps) + 1 < self.cfg.max_turns
         try:
             self.engine.submit(ep, ep.context, max_new, spec, keep=keep)
         except ContextTooLong as exc:
@@ -313,6 +317,7 @@ class Generator:
             )
         )
         self.stats.steps += 1
+        self._stepped.add(ep.domain.name)
         if ep.domain.needs_executor:
             self.stats.sandbox_s += env_s
         if result.info and result.info.get("fault"):

@@ -175,3 +175,62 @@ def test_multi_turn_generator_keeps_caches_and_matches_full_recompute():
             got.extend(lp[pos - 1 : pos - 1 + len(s.action_tokens)].tolist())
             pos += len(s.action_tokens) + len(s.observation_tokens)
         assert np.allclose(got, np.concatenate([s.action_logprobs for s in t.steps]), atol=1e-4)
+
+
+def test_draws_follow_the_probabilities_and_never_pick_a_zero():
+    from hpcrl.rl.engine import _draw
+
+    # Unnormalised rows with zeros at both ends and inside (what top-k/top-p cuts leave).
+    p = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 3.0], [2.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
+    n = 6000
+    gen = torch.Generator().manual_seed(0)
+    draws = _draw(p.repeat(n, 1), gen).view(n, 3)
+    for r in range(3):
+        freq = torch.bincount(draws[:, r], minlength=6).double() / n
+        assert (freq[p[r] == 0] == 0).all(), (r, freq)
+        # 4 standard deviations of a frequency at p = 0.5 over 6000 draws
+        assert torch.allclose(freq, (p[r] / p[r].sum()).double(), atol=0.026), (r, freq)
+
+
+def test_decode_steps_write_the_cache_in_place_and_it_grows_past_its_room(policy):
+    e = DecodeEngine(policy, seed=0)
+    ctx = policy.prompt_ids("ab")
+    e.submit("r", ctx, max_new=150)  # more than the room allocated ahead (max(64, length))
+    e.step()
+    layer = e.cache.layers[0]
+    moves, ptr, steps, out = 0, layer.keys.data_ptr(), 0, {}
+    while e.busy:
+        out.update(e.step())
+        if e.busy:
+            steps += 1
+            moves += e.cache.layers[0].keys.data_ptr() != ptr
+            ptr = e.cache.layers[0].keys.data_ptr()
+    assert 1 <= moves <= 2 and steps >= 140  # a decode step copies the cache only when it outgrows it
+    tokens = list(out["r"].tokens)
+    ref = token_logprobs(policy.model, torch.tensor([ctx + tokens]))[0, len(ctx) - 1 :]
+    assert len(tokens) == 150 and torch.allclose(ref, torch.tensor(out["r"].logprobs), atol=1e-4)
+
+
+def test_rows_of_very_different_lengths_prefill_in_groups_with_the_same_logprobs(policy):
+    from hpcrl.rl.engine import _groups
+
+    assert _groups([65, 257, 250, 70, 240]) == [[1, 2, 4], [3, 0]]
+    assert _groups([33, 33, 33]) == [[0, 1, 2]]
+    e = DecodeEngine(policy, seed=0, kv_keep_bytes=1 << 30)
+    e.submit("kept", policy.prompt_ids("k" * 150), max_new=3)
+    first = run_to_end(e)["kept"]
+    ctx = {"short": policy.prompt_ids("s"), "long": policy.prompt_ids("l" * 200)}
+    ctx["kept"] = policy.prompt_ids("k" * 150) + list(first.tokens) + policy.encode(" more:")
+    for k, c in ctx.items():
+        e.submit(k, c, max_new=4)
+    forwards = []
+    forward = e._forward
+    e._forward = lambda ids, *a: forwards.append(ids.shape) or forward(ids, *a)
+    e.step()
+    # Two forwards: the long prompt's 201 tokens alone; the kept episode's 7 new ones beside the
+    # short prompt's 2 (5 columns of padding), not both padded to 201.
+    assert sorted(forwards) == [(1, 201), (2, 7)]
+    out = run_to_end(e)
+    for k, c in ctx.items():
+        ref = token_logprobs(policy.model, torch.tensor([c + list(out[k].tokens)]))[0, len(c) - 1 :]
+        assert torch.allclose(ref, torch.tensor(out[k].logprobs), atol=1e-4), k

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
-from hpcrl.rl.domains import Domain, Environment, PromptDomain, StepResult, get_domain
+from hpcrl.rl.domains import ActionSpec, Domain, Environment, PromptDomain, StepResult, Task, get_domain
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.policy import Policy, full_state_dict, token_logprobs
 from hpcrl.rl.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
@@ -155,3 +155,57 @@ def test_generator_refuses_code_domains_without_a_sandbox():
             GeneratorConfig(), Policy.load(TINY, seed=0), {"synth": get_domain("synth")}, run="r", name="g", seed=0
         )
     assert StepResult("", 1.0, True, {}).done
+
+
+class _Turns(Domain):
+    """Every episode takes `turns` actions of 3 tokens, each answered with the same feedback."""
+
+    def __init__(self, name, turns):
+        self.name, self.turns = name, turns
+        self.action = ActionSpec(max_tokens=3)
+
+    def task(self, index):
+        return Task(self.name, str(index), "", {})
+
+    def make_env(self, task, executor=None):
+        return _TurnsEnv(self.turns)
+
+
+class _TurnsEnv(Environment):
+    def __init__(self, turns):
+        self.turns, self.turn = turns, 0
+
+    def reset(self):
+        return "count to three:"
+
+    def step(self, action):
+        self.turn += 1
+        return StepResult(" again:", 0.0, self.turn >= self.turns, {})
+
+
+class _Exactly(LocalTaskSource):
+    """The first `n` episodes and no more."""
+
+    def __init__(self, sampler, n):
+        super().__init__(sampler)
+        self.n = n
+
+    def take(self, k):
+        return super().take(min(k, self.n - self.issued))
+
+
+def test_a_fresh_generator_keeps_first_turn_caches_until_a_domain_shows_single_turns():
+    policy = Policy.load(TINY, seed=0)
+    policy.eos_ids = frozenset()  # every action is exactly 3 tokens
+    domains = {"three": _Turns("three", 3), "one": _Turns("one", 1)}
+    gen = Generator(GeneratorConfig(episodes_in_flight=8), policy, domains, run="r", name="g0", seed=0)
+    source = _Exactly(TaskSampler({"three": 1.0, "one": 1.0}, group_size=4, seed=0), 24)
+    trajs = collect(gen, source, 24)
+    gen.close()
+    assert {len(t.steps) for t in trajs if t.domain == "three"} == {3} and any(t.domain == "one" for t in trajs)
+    prompt, obs = len(policy.prompt_ids("count to three:")), len(policy.encode(" again:"))
+    # Every episode prefilled its prompt once; each later turn only its last action token and
+    # the observation, from the very first batch on (no context re-prefilled at turn 2).
+    later_turns = sum(len(t.steps) - 1 for t in trajs)
+    assert gen.engine.prefilled_tokens == 24 * prompt + later_turns * (1 + obs)
+    assert gen._stepped == {"three", "one"} and gen._multi_turn == {"three"}

@@ -2,6 +2,7 @@
 without delaying anyone? (issue 12, item 4)
 
     make devcluster && .venv/bin/python bench/backfill_live.py [--json] [--seed 7]   # about 6 minutes
+    .venv/bin/python bench/backfill_live.py --rollout-partition scavenger   # Slurm preempts them
 
 The same hpcrl run (`hpcrl submit`, tiny policy, the default domains; learner and one generator,
 2 of the 8 GPUs) twice, under the same background workload of other jobs on the gpu partition:
@@ -12,13 +13,17 @@ has published weights, so both runs see the same queue from the same moment.
 
 * baseline: scheduler.max_rollout_jobs=0: the run's fixed components only;
 * backfill: up to --rollout-jobs rollout jobs (1 GPU each) that the run's supervisor sizes to
-  the windows squeue --start shows (jobs/rollout_plan.py).
+  the windows squeue --start shows (jobs/rollout_plan.py); with --rollout-partition they are
+  submitted to that preemptible partition (scheduler.rollout_partition: the dev cluster's
+  `scavenger`), so Slurm preempts one that blocks a background job instead of the planner
+  cancelling it a poll later.
 
 Each run is measured over [t0, the last background job's end] from sacct (1 s resolution), then
 cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (idle GPU-hours of
 the partition in the baseline), filled_gpu_h (GPU-hours rollout jobs held in the backfill run
 over the same span), rollout_jobs {submitted, started, ended_in_window: ended before the
-window they were sized to closed}, trained_from_rollout_jobs, lost and duplicated (rl/audit.py
+window they were sized to closed, gave_way: cancelled by the planner, preempted: by Slurm},
+trained_from_rollout_jobs, lost and duplicated (rl/audit.py
 account: must be 0), max_delay_s (largest start delay of a background job, backfill vs
 baseline, each from its t0) against bf_interval_s, and per run the partition's busy GPU-hours,
 trajectories trained, trained per hpcrl GPU-hour and the reward at the end.
@@ -101,6 +106,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     from hpcrl.slurm import queries
 
     jobs_cap = args.rollout_jobs if mode == "backfill" else 0
+    part = [f"scheduler.rollout_partition={args.rollout_partition}"] if mode == "backfill" else []
     run_dir = tmp / mode
     scripts = tmp / f"{mode}-others"
     scripts.mkdir(parents=True)
@@ -114,6 +120,8 @@ def run_once(mode: str, tmp: Path, args) -> dict:
             f"experiment.run_root={tmp}",
             f"scheduler.max_rollout_jobs={jobs_cap}",
             f"scheduler.max_rollout_gpus={jobs_cap}",
+            *part,
+            "sandbox.uid_base=64000",  # no domain here starts sandboxes; if one does, away from fixed test uids
             "--run-id",
             mode,
         )
@@ -160,11 +168,20 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     for r in lineage(run_dir / AUDIT_NAME)[0]:
         trained_ids += r["trained"]
     hpcrl_gpu_s = busy_fixed + busy_rollout
-    in_window, granted_s = 0, []
+    in_window, granted_s, held_s, startup_s = 0, [], [], []
+    leases = run_dir / "coordinator" / "leases.jsonl"
+    first_lease = {}  # rollout job name -> when it leased its first episode: its start-up ends there
+    for line in leases.read_text().splitlines() if leases.exists() else []:
+        e = json.loads(line)
+        if e.get("leased") and str(e.get("g", "")).startswith("rollout-"):
+            first_lease.setdefault(e["g"], e["t"])
     for name, r in rollout.items():
         rec = recs.get(r["job_id"])
         if rec is None or rec.start is None or rec.end is None:
             continue
+        held_s.append(round(rec.end.timestamp() - rec.start.timestamp()))
+        if name in first_lease:
+            startup_s.append(round(first_lease[name] - rec.start.timestamp(), 1))
         in_window += r.get("window_end") is None or rec.end.timestamp() <= r["window_end"]
         own = run_dir / "rollout" / f"{name}.json"  # the EndTime it read at start: the limit Slurm granted
         if own.exists():
@@ -183,7 +200,10 @@ def run_once(mode: str, tmp: Path, args) -> dict:
             "ended_in_window": in_window,
             "time_limit_min": sorted({r["time_limit_min"] for r in rollout.values()}),
             "granted_limit_s": sorted(granted_s),
+            "held_s": sorted(held_s),  # Slurm start to end of each rollout job
+            "startup_s": sorted(startup_s),  # its start to its first leased episode (none: never leased)
             "gave_way": sum(1 for r in rollout.values() if r.get("yielded_to")),
+            "preempted": sum(1 for r in rollout.values() if r.get("preempted")),
         },
         "trained": acct.trained,
         "trained_from_rollout_jobs": sum("/rollout-" in i for i in trained_ids),
@@ -201,6 +221,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument(
         "--rollout-jobs", type=int, default=4, help="scheduler.max_rollout_jobs (= GPUs) of the backfill run"
+    )
+    p.add_argument(
+        "--rollout-partition",
+        default="",
+        help="scheduler.rollout_partition of the backfill run: a preemptible partition (dev cluster: scavenger)",
     )
     args = p.parse_args()
     from hpcrl.slurm import queries
@@ -225,6 +250,7 @@ def main() -> int:
         "duplicated": base["duplicated"] + bf["duplicated"],
         "max_delay_s": round(max(delays.values()), 1),
         "bf_interval_s": bf_interval_s,
+        "rollout_partition": args.rollout_partition or None,
         "delays_s": {n: round(v, 1) for n, v in delays.items()},
         "runs": {
             r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "mode")} for r in (base, bf)

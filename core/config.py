@@ -363,6 +363,17 @@ class SchedulerConfig:
     rollout_drain_s: float = spec(
         10.0, help="a rollout job hands back its unfinished episodes and exits this long before its window ends", ge=0
     )
+    rollout_partition: str = spec(
+        "",
+        help="preemptible partition for rollout jobs (PriorityTier below slurm.generator's, its nodes); "
+        '"": slurm.generator\'s, with give-way',
+    )
+    rollout_yield_after_s: float = spec(
+        60.0,
+        help="with rollout_partition: a rollout job Slurm leaves blocking another user's pending job this long "
+        "is cancelled, seconds",
+        ge=0,
+    )
     local_windows: tuple[LocalWindowConfig, ...] = spec(
         factory=lambda: (LocalWindowConfig(),),
         help="executor local: idle-GPU windows rollout processes may use (the Slurm run asks squeue)",

@@ -42,7 +42,6 @@ from hpcrl.jobs.components import (
 )
 from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.domains import load_domains
-from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.sbatch import Resources
 
 __all__ = [
@@ -165,14 +164,16 @@ def slurm_parameters(
     job_name: str,
     time_limit_min: int | None = None,
     shrink_to_min: int | None = None,
+    partition: str | None = None,
 ) -> dict:
     """submitit.SlurmExecutor keywords for one role (pure; tested without a cluster).
 
     A backfill rollout job (jobs/rollout_plan.py) runs as `generator` with the --time its window
-    allows (`time_limit_min`) and --time-min `shrink_to_min`, down to which Slurm may cut it."""
+    allows (`time_limit_min`) and --time-min `shrink_to_min`, down to which Slurm may cut it, in
+    `partition` when given (scheduler.rollout_partition: a preemptible one) instead of the role's."""
     res = role_resources(slurm, role)
     params: dict = {
-        "partition": res.partition,
+        "partition": partition or res.partition,
         "time": time_limit_min or res.time_min,
         "nodes": res.nodes,
         "ntasks_per_node": res.ntasks_per_node,
@@ -270,12 +271,14 @@ def dry_run_scripts(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Rol
 
 
 def preflight(cfg: Config) -> list[str]:
-    """Warnings about cluster settings (`scontrol show config`) that break requeue or signals."""
-    conf = {}
-    for line in run_slurm(["scontrol", "show", "config"]).stdout.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            conf[key.strip()] = value.strip()
+    """Warnings about cluster settings (`scontrol show config`) that break requeue or signals;
+    ConfigError for a scheduler.rollout_partition Slurm would not preempt. Run before the run
+    directory exists, so a refused submission leaves nothing behind."""
+    from hpcrl.jobs.rollout_plan import check_rollout_partition
+    from hpcrl.slurm.queries import show_config
+
+    check_rollout_partition(cfg)
+    conf = show_config()
     warn = []
     if conf.get("JobRequeue") == "0":
         warn.append(

@@ -18,6 +18,17 @@ have cut --time down to --time-min), locally the deadline it was given. Then:
   {"stopped_by": "window"}. SIGTERM (scancel, preemption) ends it the same way, earlier.
 - it is never requeued: the end of its window is its normal end, not a failure.
 
+Preempted (scheduler.rollout_partition; measured on the dev cluster, Slurm 22.05,
+PreemptMode=CANCEL, GraceTime=5): Slurm sends the job step SIGTERM and SIGCONT within a second
+of the preemptor's submission and moves the job's EndTime to now + GraceTime; SIGTERM stops it
+as scancel does (episodes handed back first, then the store's acknowledgements), and the job
+ends COMPLETED or FAILED by its own exit, PREEMPTED only when Slurm had to kill it after
+GraceTime (its record's PreemptTime says either way). The EndTime it read at start is not read
+again, so the moved one changes nothing; SIGUSR2 (ignored here) is not part of preemption unless
+the site sets PreemptParameters=send_user_signal: then, by Slurm's preempt.html (not tried here),
+USR2 replaces the first SIGTERM, and the SIGTERM at GraceTime's end starts the hand-back,
+KillWait before SIGKILL.
+
 `rollout/<name>.json` records its deadline for `hpcrl status` (window left).
 """
 
@@ -169,4 +180,18 @@ class RolloutComponent(GeneratorComponent):
             folder / f"{self.name}.json",
             {"name": self.name, "job_id": job, "pid": os.getpid(), "deadline": self.deadline, "started": time.time()},
         )
-        return super().__call__()
+        result = super().__call__()
+        if job:
+            # Handed back, stored, acknowledged: once submitit has written this result nothing is
+            # left to save, and whoever preempted the job waits for its exit. The interpreter's
+            # teardown (torch and the rest) kept the job alive ~2 s past submitit's last line
+            # (measured on the dev cluster); atexit runs this first, then the process ends.
+            import atexit
+
+            atexit.register(_exit_now)
+        return result
+
+
+def _exit_now() -> None:
+    logging.shutdown()
+    os._exit(0)

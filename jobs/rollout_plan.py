@@ -17,16 +17,20 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   (squeue --start; slurm/backfill/planner.py), sized by `size_rollout_jobs`: --time the
   longest limit that backfill accepts before the next pending GPU job (`minutes_that_fit`),
   --time-min one minute less (at least one episode + job_overhead_s + rollout_drain_s: see
-  size_rollout_jobs), as many jobs as idle GPUs hold. A running rollout job that keeps another
-  user's pending job from starting now (others' jobs ended early) is cancelled at once
-  (`rollout_jobs_to_yield`): it hands its episodes back.
+  size_rollout_jobs), as many jobs as idle GPUs hold. Jobs that end early pull pending jobs'
+  starts into GPUs a rollout job holds. In `scheduler.rollout_partition` (preemptible by the GPU
+  partition: checked at submit and here, slurm/preempt.py) Slurm preempts such a rollout job in
+  its next pass (SIGTERM: it hands back and exits). Otherwise the planner cancels it at once
+  (`rollout_jobs_to_yield`), a poll later; with a rollout partition only as a fallback, after
+  `rollout_yield_after_s` of Slurm not preempting it (sooner it would race Slurm's preemption).
   Locally the windows are `scheduler.local_windows` (seconds from the run start); each is
   filled once, its processes get its end as their deadline and are signalled (SIGTERM) there,
   killed rollout_drain_s + 30 s later if still alive, as Slurm's time limit would.
 - **How many?** At most max_rollout_jobs at once and max_rollout_gpus GPUs in all.
 
 `<run>/rollout.json` records every rollout job (name, job id, GPUs, planned window end,
-state); `hpcrl status` lists them as components with role `rollout`.
+state, and `preempted`: Slurm's PreemptTime when Slurm preempted it); `hpcrl status` lists them
+as components with role `rollout`.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ __all__ = [
     "RolloutJobSize",
     "coordinator_has_work",
     "rollout_jobs_to_yield",
+    "overdue",
     "size_rollout_jobs",
     "rollout_planner",
+    "check_rollout_partition",
     "RolloutPlanner",
     "ROLLOUT_NAME",
 ]
@@ -241,9 +247,11 @@ class LocalBackend:
 class SlurmBackend:
     """Windows from squeue --start (live_window); rollout jobs through submitit's SlurmExecutor."""
 
-    def __init__(self, executor_factory, own_job_ids):
+    def __init__(self, executor_factory, own_job_ids, yield_after_s: float = 0.0):
         self.executor_factory = executor_factory  # (name, RolloutJobSize) -> a submitit executor
         self.own_job_ids = own_job_ids  # () -> the run's job ids (they end no window)
+        self.yield_after_s = yield_after_s  # > 0: Slurm preempts them; give way only if it has not by then
+        self.blocking: dict[str, float] = {}  # rollout job id -> since when it blocks a pending job
 
     def plan(self, p: RolloutPlanner, now: float, jobs_free: int, gpus_free: int) -> bool:
         from hpcrl.slurm.backfill.planner import live_window
@@ -303,6 +311,11 @@ class SlurmBackend:
             state = states.get(rec["job_id"])
             if state is None or state in _GONE:
                 rec.update(state="ended", ended=now, slurm_state=state or "left the queue")
+                # One that exits within its GraceTime ends COMPLETED: only the controller's
+                # PreemptTime (kept MinJobAge after the end) says that Slurm preempted it.
+                info = queries.show_job(rec["job_id"]) or {}
+                if info.get("PreemptTime", "None") not in ("None", "Unknown", ""):
+                    rec["preempted"] = info["PreemptTime"]
                 changed = True
             elif rec.get("pending") and state == "RUNNING":
                 rec.update(pending=False, started=now)
@@ -314,15 +327,22 @@ class SlurmBackend:
 
         Sized to the window of Slurm's plan, a rollout job delays no one as planned; but jobs
         that end before their limit pull a pending job's start earlier, into GPUs a rollout job
-        holds. Such a job is handed back at once (scancel: it returns its episodes, which are
-        re-issued), so the pending job waits about one supervisor poll plus KillWait."""
+        holds. Such a job is handed back (scancel: it returns its episodes, which are re-issued)
+        at once, so the pending job waits about one supervisor poll plus KillWait, or, in a
+        preemptible rollout partition, only after `yield_after_s` of blocking it (the fallback
+        for Slurm not preempting it: see the module doc)."""
         from hpcrl.slurm import queries
 
         running = {r["job_id"]: r for r in p.active().values() if not r.get("pending")}
         if not running:
             return False
         own = set(self.own_job_ids()) | {r["job_id"] for r in p.record["jobs"].values()}
-        pending = [j for j in queries.pending_jobs() if j.job_id not in own and j.gpus > 0]
+        # Another job in the rollout partition is no one to give way to: Slurm plans it below ours.
+        pending = [
+            j
+            for j in queries.pending_jobs()
+            if j.job_id not in own and j.gpus > 0 and j.partition != p.sched.rollout_partition
+        ]
         if not pending:
             return False
         members = {part.name: part.nodes for part in queries.partitions()}
@@ -331,7 +351,8 @@ class SlurmBackend:
         for row in queries.queue(job_ids=list(running)):
             if row["state"] == "RUNNING" and row["job_id"] in running:
                 ours.setdefault(row["reason_or_nodelist"], []).append((row["job_id"], running[row["job_id"]]["gpus"]))
-        give = rollout_jobs_to_yield(pending, idle, ours, members)
+        blocking = rollout_jobs_to_yield(pending, idle, ours, members)
+        self.blocking, give = overdue(blocking, self.blocking, now, self.yield_after_s)
         if not give:
             return False
         queries.cancel(sorted(give))
@@ -389,6 +410,13 @@ def rollout_jobs_to_yield(
     return out
 
 
+def overdue(blocking: dict[str, str], since: dict[str, float], now: float, after_s: float) -> tuple[dict, dict]:
+    """(since when each rollout job of `blocking` has blocked a pending job, those that have for
+    `after_s` or more) (pure). One that stopped blocking is forgotten: blocking again starts anew."""
+    since = {j: since.get(j, now) for j in blocking}
+    return since, {j: other for j, other in blocking.items() if now - since[j] >= after_s}
+
+
 # squeue states of a job whose processes are gone (it will not run again: rollout jobs are not requeued)
 _GONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}
 _GONE |= {"OUT_OF_MEMORY", "SPECIAL_EXIT", "REVOKED"}
@@ -418,10 +446,24 @@ def _signal(procs: list[int], sig: int) -> None:
             pass
 
 
+def rollout_jobs_on(cfg: Config) -> bool:
+    s = cfg.scheduler
+    return s.policy == "backfill" and s.max_rollout_jobs > 0 and s.max_rollout_gpus > 0
+
+
+def check_rollout_partition(cfg: Config) -> None:
+    """ConfigError unless scheduler.rollout_partition (when set, for a Slurm run with rollout jobs)
+    is preemptible by slurm.generator.partition on the live cluster (slurm/preempt.py)."""
+    if cfg.executor == "slurm" and cfg.scheduler.rollout_partition and rollout_jobs_on(cfg):
+        from hpcrl.slurm.preempt import check_preemptible
+
+        check_preemptible(cfg.scheduler.rollout_partition, cfg.slurm.generator.partition)
+
+
 def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=None) -> RolloutPlanner | None:
     """The run's planner, or None when backfill rollout jobs are off (the default)."""
     s = cfg.scheduler
-    if s.policy != "backfill" or s.max_rollout_jobs < 1 or s.max_rollout_gpus < 1:
+    if not rollout_jobs_on(cfg):
         return None
     run_dir = Path(run_dir)
     template = next((r.component for r in roles if r.slurm_role == "generator"), None)
@@ -429,6 +471,7 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
         raise ValueError("scheduler.max_rollout_jobs > 0 needs generators.count >= 1: rollout jobs run what gen-0 runs")
     from hpcrl.jobs.launch import BOOT_PYTHON, make_executor, slurm_parameters
 
+    check_rollout_partition(cfg)
     if cfg.executor == "local":
         backend = LocalBackend(
             lambda name: make_executor("local", cfg.slurm, "generator", run_dir / "submitit", job_name=f"hpcrl-{name}")
@@ -439,13 +482,22 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
         def slurm_executor(name: str, size: RolloutJobSize):
             ex = submitit.SlurmExecutor(folder=run_dir / "submitit", max_num_timeout=0, python=BOOT_PYTHON)
             params = slurm_parameters(
-                cfg.slurm, "generator", f"hpcrl-{run_dir.name}-{name}", size.time_limit_min, size.time_min_min
+                cfg.slurm,
+                "generator",
+                f"hpcrl-{run_dir.name}-{name}",
+                size.time_limit_min,
+                size.time_min_min,
+                partition=s.rollout_partition or None,
             )
+            # Never requeued (its window is gone by then): under PreemptMode=REQUEUE Slurm then
+            # cancels it instead, and the planner sizes a new job to a new window.
+            params.setdefault("additional_parameters", {})["no_requeue"] = True
             # Its own deadline ends it (jobs/rollout.py); USR2 is only a late backstop and must not
             # come at the start of a job shorter than the fixed generators' signal delay.
             params["signal_delay_s"] = max(int(s.rollout_drain_s), 1)
             ex.update_parameters(**params)
             return ex
 
-        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()))
+        yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0
+        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s)
     return RolloutPlanner(cfg, run_dir, template, backend)

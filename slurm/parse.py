@@ -262,15 +262,25 @@ def parse_exit_code(text: str) -> tuple[int, int]:
         raise SlurmParseError(f"not an exit code: {text!r}") from None
 
 
+def parse_show_config(config_text: str) -> dict[str, str]:
+    """`scontrol show config` as {key: value} (the text after the first " = "; later sections such as
+    the plugins' own "Key = Value" lines are included, a key's first value wins)."""
+    out: dict[str, str] = {}
+    for line in config_text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out.setdefault(key.strip(), value.strip())
+    return out
+
+
 def parse_scheduler_parameters(config_text: str) -> dict[str, str]:
     """SchedulerParameters of `scontrol show config` as {name: value} ("bf_continue": "" for a flag)."""
-    for line in config_text.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "SchedulerParameters":
-            out = {}
-            for item in value.strip().split(","):
-                name, _, val = item.partition("=")
-                if name.strip() and name.strip() != "(null)":
-                    out[name.strip()] = val.strip()
-            return out
-    return {}
+    value = parse_show_config(config_text).get("SchedulerParameters")
+    if value is None:
+        return {}
+    out = {}
+    for item in value.split(","):
+        name, _, val = item.partition("=")
+        if name.strip() and name.strip() != "(null)":
+            out[name.strip()] = val.strip()
+    return out

@@ -71,6 +71,9 @@ class PartitionState:
     gpus_total: int
     gpus_alloc: int
     gpus_idle: int
+    priority_tier: int = 1  # a higher tier's jobs may preempt this one's (PreemptType=preempt/partition_prio)
+    preempt_mode: str = "OFF"  # what preemption does to this partition's jobs: OFF, CANCEL, REQUEUE, SUSPEND,GANG
+    grace_time_s: int = 0  # between a preempted job's SIGTERM and its SIGKILL
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,9 @@ def partitions() -> list[PartitionState]:
                 gpus_total=sum(n.gpus_total for n in members),
                 gpus_alloc=sum(n.gpus_alloc for n in members),
                 gpus_idle=sum(n.gpus_idle for n in members),
+                priority_tier=int(rec.get("PriorityTier", 1) or 1),
+                preempt_mode=rec.get("PreemptMode", "OFF").upper(),
+                grace_time_s=int(rec.get("GraceTime", 0) or 0),
             )
         )
     return result
@@ -324,6 +330,11 @@ def scheduler_parameters() -> dict[str, str]:
     """The controller's SchedulerParameters (bf_interval, bf_resolution, ...); Slurm's defaults
     apply to those absent (bf_interval 30 s, bf_resolution 60 s)."""
     return parse.parse_scheduler_parameters(run_slurm(["scontrol", "show", "config"]).stdout)
+
+
+def show_config() -> dict[str, str]:
+    """The controller's configuration (`scontrol show config`), {key: value}: PreemptType, KillWait, ..."""
+    return parse.parse_show_config(run_slurm(["scontrol", "show", "config"]).stdout)
 
 
 def job_states(job_ids: list[str] | tuple[str, ...]) -> dict[str, str]:

@@ -10,8 +10,10 @@ import math
 from hpcrl.core.config import SchedulerConfig, load_config
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import coordinator_has_work, size_rollout_jobs
+from hpcrl.jobs.rollout_plan import coordinator_has_work, overdue, size_rollout_jobs
 from hpcrl.slurm.backfill.planner import ClusterWindow
+from hpcrl.slurm.preempt import preemption_problem
+from hpcrl.slurm.queries import PartitionState
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, 0)
 
@@ -67,3 +69,40 @@ def test_rollout_jobs_go_through_the_generator_roles_slurm_options_with_time_min
     p = slurm_parameters(cfg.slurm, "generator", "r", time_limit_min=9, shrink_to_min=2)
     assert p["time"] == 9 and p["additional_parameters"]["time_min"] == "2"
     assert p["partition"] == "gpu" and p["gpus_per_node"] == 1
+    assert slurm_parameters(cfg.slurm, "generator", "r", 9, 8, partition="scavenger")["partition"] == "scavenger"
+
+
+def _part(name: str, tier: int, mode: str, nodes=("n1", "n2")) -> PartitionState:
+    return PartitionState(name, True, nodes, None, 16, 0, 16, 8, 0, 8, tier, mode, 5)
+
+
+def test_a_rollout_partition_must_be_preemptible_by_the_gpu_partition():
+    prio = {"PreemptType": "preempt/partition_prio"}
+    parts = [_part("gpu", 1, "REQUEUE"), _part("scavenger", 0, "CANCEL")]
+    assert preemption_problem("scavenger", "gpu", parts, prio) is None
+    assert preemption_problem("scavenger", "gpu", [parts[0], _part("scavenger", 0, "REQUEUE")], prio) is None
+    # What is wrong, and what to set, in one line.
+    cases = {
+        "does not exist": ("nope", parts, prio),
+        "is slurm.generator.partition": ("gpu", parts, prio),
+        "PreemptType is preempt/none": ("scavenger", parts, {}),
+        "PriorityTier=1, not below": ("scavenger", [parts[0], _part("scavenger", 1, "CANCEL")], prio),
+        "nodes n3 are not in": ("scavenger", [parts[0], _part("scavenger", 0, "CANCEL", ("n2", "n3"))], prio),
+        "PreemptMode=OFF": ("scavenger", [parts[0], _part("scavenger", 0, "OFF")], prio),
+        "PreemptMode=SUSPEND,GANG": ("scavenger", [parts[0], _part("scavenger", 0, "SUSPEND,GANG")], prio),
+    }
+    for why, (name, ps, conf) in cases.items():
+        problem = preemption_problem(name, "gpu", ps, conf)
+        assert problem and why in problem and "scheduler.rollout_partition" in problem, (why, problem)
+        assert "\n" not in problem
+
+
+def test_in_a_preemptible_partition_the_planner_gives_way_only_after_slurm_did_not():
+    # No rollout partition: a blocking rollout job gives way at the first poll that sees it.
+    assert overdue({"r0": "b"}, {}, now=100.0, after_s=0.0) == ({"r0": 100.0}, {"r0": "b"})
+    # With one, Slurm preempts it first; the planner cancels it only once it blocked for after_s.
+    since, give = overdue({"r0": "b", "r1": "b"}, {}, now=100.0, after_s=60.0)
+    assert since == {"r0": 100.0, "r1": 100.0} and give == {}
+    since, give = overdue({"r0": "b"}, since, now=159.0, after_s=60.0)  # r1 was preempted: forgotten
+    assert since == {"r0": 100.0} and give == {}
+    assert overdue({"r0": "c", "r1": "b"}, since, now=160.0, after_s=60.0) == ({"r0": 100.0, "r1": 160.0}, {"r0": "c"})

@@ -11,6 +11,11 @@ while frozen holding leases: whatever it handed back is re-leased well before le
 episodes take milliseconds, so once thawed it usually stores them instead: both are fine);
 the other stops by itself before its window ends (stopped_by window, COMPLETED, not requeued or
 resubmitted). Nothing is lost or trained twice; `hpcrl cancel` leaves no rollout job behind.
+With `scheduler.rollout_partition=scavenger` (the dev cluster's preemptible partition) a gpu job
+that needs the GPUs two rollout jobs hold makes Slurm preempt both, each holding episodes at a
+closed gate (tests/gated_quiz.py): they hand them back, those are issued again at once, the gpu
+job starts; the run then reaches max_steps, ends finished, and no rollout job is left queued.
+A rollout partition that Slurm would not preempt is refused at submit.
 The pure parts (which rollout jobs give way to a pending job, SchedulerParameters) and a rollout
 job's indifference to Slurm's early time-limit warning are tested without the cluster.
 """
@@ -298,3 +303,156 @@ def test_a_rollout_job_ignores_slurms_early_time_limit_warning(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "set=False requeue=False", (out.stdout, out.stderr[-2000:])
     assert out.stderr.count("SIGUSR2 ignored") == 2, out.stderr[-2000:]
+
+
+def submit_to_start_s(job_id: str) -> float:
+    """sacct's Start - Submit of a job (1 s resolution), once it has started."""
+    rec = wait_for(
+        lambda: (r := queries.job_records([job_id]).get(job_id)) and r.start and r,
+        120,
+        what=f"job {job_id} started (sacct)",
+    )
+    return (rec.start - rec.submit).total_seconds()
+
+
+@pytest.mark.slurm
+def test_a_preemptible_rollout_partition_is_refused_unless_slurm_preempts_it(slurm_cluster, tmp_path):
+    # cpu has gpu's PriorityTier: gpu jobs cannot preempt its jobs. Refused before any job is queued.
+    out = hpcrl(
+        "submit",
+        "config.yaml",
+        *SMALL,
+        f"experiment.run_root={tmp_path}",
+        "scheduler.max_rollout_jobs=1",
+        "scheduler.max_rollout_gpus=1",
+        "scheduler.rollout_partition=cpu",
+        "--run-id",
+        "refused",
+    )
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("config error: scheduler.rollout_partition"), out.stderr
+    assert "PriorityTier=1" in errors[0], errors
+    assert not (tmp_path / "refused").exists()  # asked before the run directory is made: nothing left behind
+
+
+@pytest.mark.slurm
+def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_lost(slurm_cluster, tmp_path, monkeypatch):
+    """Rollout jobs in the dev cluster's `scavenger` partition (PriorityTier 0, PreemptMode=CANCEL,
+    GraceTime=5) hold the last two GPUs, each with episodes held in flight at a closed gate
+    (tests/gated_quiz.py); a job of the gpu partition needing two GPUs on one node is submitted.
+    Slurm preempts both (not the planner: its fallback is set far off), they hand their episodes
+    back, those are issued again at once, the gpu job starts. Then the run reaches max_steps: it
+    ends finished and its rollout jobs leave the queue. Nothing lost, nothing trained twice."""
+    import shutil
+
+    others: list[str] = []
+    run_dir = tmp_path / "pre"
+    gate = tmp_path / "gate"
+    gate.touch()  # open until the learner's first step (rollout jobs start only once weights exist)
+    monkeypatch.setenv("HPCRL_GATE", str(gate))  # the run's jobs inherit it through sbatch
+    shutil.copy(Path(__file__).with_name("gated_quiz.py"), tmp_path / "gated_quiz.py")
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("domains:\n  - name: gated-quiz\n    module: gated_quiz:make_domain\n")
+    try:
+        # What a two-GPU job's submit-to-start costs on this cluster with GPUs idle: the baseline.
+        base = other_job(tmp_path, "other-baseline", 2, 2, 1)
+        others.append(base)
+        baseline_s = submit_to_start_s(base)
+        holder = other_job(tmp_path, "other-holder", 4, 10, 900)
+        others.append(holder)
+        wait_for(lambda: state(holder) == "RUNNING", 60, what="another user's job holding a node's GPUs")
+        out = hpcrl(
+            "submit",
+            str(cfg),
+            *SMALL,
+            f"experiment.run_root={tmp_path}",
+            "learner.max_steps=40",  # the learner waits at the gate too: it ends once the gate reopens
+            "generators.episodes_in_flight=16",
+            f"coordinator.lease_s={LEASE_S}",
+            "sandbox.uid_base=64000",  # the domain steps on the pool: sandbox servers start
+            "scheduler.policy=backfill",
+            "scheduler.max_rollout_jobs=2",
+            "scheduler.max_rollout_gpus=2",
+            "scheduler.rollout_partition=scavenger",
+            "scheduler.rollout_yield_after_s=3600",  # the planner's fallback stays out: Slurm must do it
+            "scheduler.plan_interval_s=2",
+            "scheduler.prior_s=5",
+            "scheduler.rollout_drain_s=5",
+            "--run-id",
+            "pre",
+        )
+        assert out.returncode == 0, out.stderr
+        wait_for(
+            lambda: (read_status(run_dir) or {}).get("learner", {}).get("version") is not None,
+            300,
+            interval_s=0.1,
+            what="the learner's first step",
+        )
+        gate.unlink()  # closed: every episode in flight stays there until it opens again
+        assert read_status(run_dir)["learner"]["step"] < 30, "the run would end before the test is done"
+
+        def two_holding() -> dict | None:
+            jobs = rollouts(run_dir)
+            if len(jobs) != 2 or not all(state(j["job_id"]) == "RUNNING" for j in jobs.values()):
+                return None
+            return jobs if all(held(run_dir, n) for n in jobs) else None
+
+        jobs = wait_for(two_holding, 300, what="two rollout jobs running, each holding episodes at the gate")
+        for rec in jobs.values():
+            info = queries.show_job(rec["job_id"])
+            assert info["Partition"] == "scavenger" and info["Requeue"] == "0", info
+        holding = {n: held(run_dir, n) for n in jobs}
+        foreign = other_job(tmp_path, "other-gpu", 2, 2, 5)
+        others.append(foreign)
+
+        def handed_back() -> bool:
+            evs = events(run_dir)
+            return all(any(e.get("g") == n and e.get("released") for e in evs) for n in jobs)
+
+        wait_for(handed_back, 120, what="both preempted rollout jobs handing their episodes back")
+        gate.touch()  # their environment steps finish: the jobs exit within GraceTime
+        foreign_s = submit_to_start_s(foreign)
+        wait_for(
+            lambda: all(rollouts(run_dir)[n]["state"] == "ended" for n in jobs), 120, what="both rollout jobs ended"
+        )
+        ended = rollouts(run_dir)
+        for name in jobs:
+            rec = ended[name]
+            assert rec.get("preempted") and "yielded_to" not in rec, rec  # Slurm's PreemptTime, not the planner
+            acct = queries.job_records([rec["job_id"]])[rec["job_id"]]
+            assert acct.state != "CANCELLED" and acct.partition == "scavenger", acct
+        wait_for(lambda: read_jobs(run_dir).get("state") == "finished", 600, what="the run reaching max_steps")
+        rollout_ids = [j["job_id"] for j in rollouts(run_dir).values()]
+        wait_for(lambda: not queue_states(rollout_ids), 60, what="the finished run's rollout jobs gone from squeue")
+        assert all(j["state"] == "ended" for j in rollouts(run_dir).values()), rollouts(run_dir)
+        wait_for(lambda: not queue_states(all_ids(run_dir)), 120, what="every job of the finished run gone")
+    except BaseException:
+        hpcrl("cancel", str(run_dir))
+        raise
+    finally:
+        gate.touch()
+        queries.cancel([j for j in others if state(j)])
+
+    evs = events(run_dir)
+    released = {ep: e["t"] for e in evs if e.get("g") in jobs for ep in e.get("released", [])}
+    assert set(released) >= set().union(*holding.values()), (released, holding)
+    again = {}
+    for e in evs:
+        for ep, _attempt in e.get("leased", []):
+            if ep in released and e["t"] >= released[ep] and ep not in again:
+                again[ep] = e["t"] - released[ep]
+    assert set(again) == set(released), set(released) - set(again)
+    assert max(again.values()) < LEASE_S / 2, again  # issued again as handed back, not after lease_s
+    trace = hpcrl("traj", "trace", str(run_dir), str(min(released)))
+    assert trace.returncode == 0 and "handed it back unfinished" in trace.stdout, (trace.stdout, trace.stderr)
+    expired = {g for e in evs for g, eps in e.get("expired", {}).items() if eps}
+    assert not expired & set(jobs), expired
+    trained, _, stored = account(run_dir)
+    print(
+        f"preempted {sorted(j['job_id'] for j in jobs.values())} (sacct "
+        f"{[queries.job_records([j['job_id']])[j['job_id']].state for j in jobs.values()]}); handed back "
+        f"{len(released)}, issued again within {max(again.values()):.2f} s; the gpu job's submit-to-start "
+        f"{foreign_s:.0f} s (baseline on idle GPUs {baseline_s:.0f} s, sacct 1 s resolution); trained "
+        f"{len(trained)} unique, stored {len(stored)}"
+    )

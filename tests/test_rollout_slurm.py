@@ -134,7 +134,9 @@ def test_rollout_jobs_backfill_a_window_train_and_lose_nothing(slurm_cluster, tm
     others: list[str] = []
     run_dir = tmp_path / "bf"
     try:
-        holder = other_job(tmp_path, "other-holder", 4, 4, 230)
+        # Its limit is cut to four minutes from now once the run is up (below), so the window
+        # the rollout jobs get does not shrink with how long a busy machine takes to start the run.
+        holder = other_job(tmp_path, "other-holder", 4, 30, 1800)
         others.append(holder)
         wait_for(lambda: state(holder) == "RUNNING", 60, what="another user's job holding a node's GPUs")
         # Submitted held: while the other node is still idle it would start at once.
@@ -169,6 +171,8 @@ def test_rollout_jobs_backfill_a_window_train_and_lose_nothing(slurm_cluster, tm
             what="the learner's first published weights",
         )
         assert not rollouts(run_dir), "a held job of unknown start leaves no window"
+        ran_min = parse.parse_duration_s(queries.show_job(holder)["RunTime"]) // 60
+        run_slurm(["scontrol", "update", f"JobId={holder}", f"TimeLimit={int(ran_min) + 4}"])
         run_slurm(["scontrol", "release", big])
         before = wait_for(lambda: expected_start(big), 30, what="Slurm's planned start of the queued job")
         assert before > dt.datetime.now() + dt.timedelta(seconds=60), "it waits for the holder's GPUs"

@@ -211,3 +211,44 @@ def _pid_alive(run_dir: Path, name: str) -> bool:
     from hpcrl.jobs.rollout_plan import pids
 
     return bool(pids(run_dir, name))
+
+
+_LOADING_DOMAIN = """
+import os, time
+from hpcrl.rl.domains.base import PromptDomain
+open(os.environ["HPCRL_TEST_LOADING"], "w").close()  # the rollout job is loading its domains
+while True:  # and stays there: a preemption has to find it loading
+    time.sleep(0.05)
+"""
+
+_ROLLOUT_CHILD = """
+import sys, time
+from hpcrl.core.config import DomainConfig, GeneratorConfig, PolicyConfig, SchedulerConfig
+from hpcrl.jobs.rollout import RolloutComponent
+domains = (DomainConfig(name="loading", module="loading_domain:make_domain"),)
+RolloutComponent(sys.argv[1], "rollout-0", GeneratorConfig(), PolicyConfig(), domains, (), 0, (sys.argv[2],),
+                 deadline=time.time() + 600, sched=SchedulerConfig())()
+"""
+
+
+def test_a_rollout_job_stopped_while_loading_leaves_at_once(tmp_path):
+    """SIGTERM (a preemption, scancel) before a rollout job's first lease ends it then and there:
+    it holds nothing to hand back, and whoever preempted it waits for its exit."""
+    import subprocess
+    import sys
+
+    mods, run_dir, loading = tmp_path / "mods", tmp_path / "run", tmp_path / "loading"
+    mods.mkdir()
+    run_dir.mkdir()
+    (mods / "loading_domain.py").write_text(_LOADING_DOMAIN)
+    env = dict(os.environ, HPCRL_TEST_LOADING=str(loading))
+    cmd = [sys.executable, "-c", _ROLLOUT_CHILD, str(run_dir), str(mods)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(loading.exists, RUN_GUARD_S, what="the rollout job loading its domains")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=RUN_GUARD_S)  # a guard: before the fix it never ended
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM while loading, before the first lease: nothing to hand back" in err, err[-2000:]

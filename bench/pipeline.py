@@ -123,19 +123,23 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
         if pinned:
             pin_pipeline(run_dir, *pinned)  # threads started since
         gen = psutil.Process(pids(run_dir, "gen-0")[0])
+        # The learner's CPU seconds per step: on a shared machine its wall time per step moves
+        # with everyone else's load, its CPU time much less, so trees compare on it too.
+        learner = psutil.Process(pids(run_dir, "learner")[0])
 
         def sample():
             st = read_status(run_dir)
-            cpu = gen.cpu_times()
-            return time.perf_counter(), st, cpu.user + cpu.system
+            cpu, lcpu = gen.cpu_times(), learner.cpu_times()
+            return time.perf_counter(), st, cpu.user + cpu.system, lcpu.user + lcpu.system
 
-        t0, st0, cpu0 = sample()
+        t0, st0, cpu0, lcpu0 = sample()
+        load0 = os.getloadavg()[0]
         busy = []
         while time.perf_counter() - t0 < seconds:
             time.sleep(1.0)
             jobs._check()
             busy.append((read_status(run_dir) or {}).get("busy", {}))
-        t1, st1, cpu1 = sample()
+        t1, st1, cpu1, lcpu1 = sample()
         done = st1["counts"]["completed"] - st0["counts"]["completed"]
         made = st1["generators"]["gen-0"]["stats"]["trajectories"] - st0["generators"]["gen-0"]["stats"]["trajectories"]
         steps = st1["learner"]["step"] - st0["learner"]["step"]
@@ -147,6 +151,8 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
             "cpu_s_per_traj": (cpu1 - cpu0) / max(made, 1),
             "trajectories": done,
             "learner_steps_per_s": steps / (t1 - t0),
+            "learner_cpu_ms_per_step": 1e3 * (lcpu1 - lcpu0) / max(steps, 1),
+            "load_avg": [load0, os.getloadavg()[0]],  # 1-minute load average at the start and end
             "busy": roles,
             "reward_end": st1["learner"]["reward"],
             "batch": d["batch_rows"] / max(d["batches"], 1),
@@ -231,8 +237,9 @@ def main() -> int:
         + f"   baseline generator {100 * base['busy']:.0f}%"
     )
     print(
-        f"learner {pipe['learner_steps_per_s']:.2f} steps/s; reward at the end {pipe['reward_end']:.3f}; "
-        f"cores {os.cpu_count()}"
+        f"learner {pipe['learner_steps_per_s']:.2f} steps/s, {pipe['learner_cpu_ms_per_step']:.0f} CPU ms/step; "
+        f"reward at the end {pipe['reward_end']:.3f}; cores {os.cpu_count()}; "
+        f"load average {pipe['load_avg'][0]:.1f}-{pipe['load_avg'][1]:.1f}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline": base, "pipeline": pipe, "overhead": overhead}, indent=1))

@@ -239,6 +239,11 @@ class LearnerConfig:
     activation_checkpointing: bool = spec(
         False, help="recompute each layer's activations in the backward pass instead of keeping them"
     )
+    gather_per_layer: bool = spec(
+        True,
+        help="ZeRO-3 gathers each decoder layer's parameters at once (the model's _no_split_modules as "
+        "DeepSpeed leaf modules: one fetch/release hook per layer, not per linear); false: per submodule",
+    )
     offload_optimizer: Literal["none", "cpu"] = spec(
         "none", help="ZeRO-3 optimizer state (fp32 master weights, Adam moments) on the host: cpu"
     )

@@ -39,7 +39,7 @@ from hpcrl.rl.checkpoints import CheckpointError, mark_complete, prune_checkpoin
 from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
-from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config
+from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config, layer_leaf_modules
 from hpcrl.rl.logprobs import PolicyHead
 from hpcrl.rl.policy import build_policy_model, load_tokenizer, model_eos_ids, resolve_device
 from hpcrl.rl.schedule import lr_at, set_lr
@@ -59,6 +59,13 @@ def import_deepspeed(device: torch.device):
 
     # Its shared-memory collective op compiles ~50 s on first use and gloo does not need it.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if device.type == "cpu" and "LOCAL_SIZE" not in os.environ:
+        # The CPU accelerator's device_count() runs `numactl --hardware` in a subprocess on every
+        # call unless LOCAL_SIZE is set (DeepSpeed's own launcher sets it), and ZeRO-3 asks for
+        # it in every gradient reduce-scatter: a fork per micro-step. Its answer, once.
+        from deepspeed.accelerator import get_accelerator
+
+        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
     # DeepSpeed calls collectives torch has renamed; one warning per call drowns the logs.
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
@@ -177,6 +184,8 @@ class Learner:
     def _build_engine(self, config: dict):
         """The policy as a DeepSpeed engine around a `PolicyHead` (chunked log-probabilities)."""
         model = self._initial_model()
+        if self.cfg.gather_per_layer:
+            config = self.ds_config = layer_leaf_modules(config, model)  # the reference model's too
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = PolicyHead(model, self.cfg.logit_chunk_tokens, zero3=True)

@@ -10,7 +10,8 @@ Here the decoder runs once to its last hidden state; the output projection, log-
 target gather and entropy then run `chunk_tokens` tokens at a time under activation
 checkpointing: each chunk's logits exist only while that chunk is computed, in the forward
 pass and again in the backward pass. Peak extra memory is one chunk's logits (4 x chunk x V
-bytes), whatever B x T is.
+bytes), whatever B x T is. Input that fits one chunk is not recomputed: autograd keeps that
+chunk, which its backward pass would rebuild anyway.
 
 Under ZeRO-3 the head's weight is partitioned and belongs to `lm_head`, whose own forward never
 runs here; `PolicyHead` registers it as an external parameter so DeepSpeed gathers it for the
@@ -60,7 +61,10 @@ def chunked_logprobs(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = targets.reshape(-1)
     lps, ents = [], []
-    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    # Recomputing saves memory only when there are several chunks: a lone chunk's tensors exist
+    # again in its backward pass anyway, so the peak is the same, and the recompute (a second
+    # projection and softmax, checkpoint's bookkeeping) is pure cost.
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad) and y.numel() > chunk_tokens
     for start in range(0, y.numel(), chunk_tokens):
         hc, yc = h[start : start + chunk_tokens], y[start : start + chunk_tokens]
         if grad:

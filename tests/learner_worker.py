@@ -140,6 +140,10 @@ def main() -> None:
         hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in params if p.ds_numel >= 64
     )
     report["local_numel"] = sum(p.ds_tensor.numel() for p in params)
+    from deepspeed.utils import z3_leaf_module  # after setup: DeepSpeed imported for the device
+
+    # Modules ZeRO-3 fetches whole (learner.gather_per_layer: the decoder layers)
+    report["leaf_modules"] = sorted({type(m).__name__ for m in learner.engine.module.modules() if z3_leaf_module(m)})
     report["full_numel"] = sum(p.ds_numel for p in params)
     for batch in batches:
         batch = learner.comm.broadcast_object(batch, src=0)  # as learner_service hands batches out

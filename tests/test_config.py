@@ -220,7 +220,8 @@ def test_cli_validate_ok_and_print():
             "algorithm, group_size, batch_groups, micro_batch, weight_decay, adam_beta1, adam_beta2, adam_eps, "
             "lr_schedule, lr_warmup_steps, lr_min_ratio, skip_empty_steps, filter_groups, store_refresh_s, "
             "grad_clip, max_steps, publish_every, keep_weights, checkpoint_every, keep_checkpoints, dist_backend, "
-            "logit_chunk_tokens, activation_checkpointing, offload_optimizer, offload_params, deepspeed, eval "
+            "logit_chunk_tokens, activation_checkpointing, gather_per_layer, offload_optimizer, offload_params, "
+            "deepspeed, eval "
             "[from override learner.lrr=1]",
         ),
         (["oops"], "config error: override 'oops': expected KEY=VALUE with a dotted key, e.g. learner.lr=3e-4"),
@@ -381,3 +382,24 @@ def test_deepspeed_passthrough_merges_over_the_defaults():
     cfg = load_config(None, opt)
     params = deepspeed_config(cfg.learner, cfg.policy, micro_steps=1)["optimizer"]["params"]
     assert params["betas"] == [0.9, 0.95] and params["eps"] == 1e-6 and params["lr"] == 3e-4
+
+
+def test_gather_per_layer_makes_the_models_decoder_layers_zero3_leaf_modules():
+    """learner.gather_per_layer: the model's _no_split_modules join DeepSpeed's leaf classes; a
+    leaf_module the site configured, or a model that names no layer, leaves the config as it is."""
+    from hpcrl.rl.dsconfig import deepspeed_config, layer_leaf_modules
+
+    cfg = load_config(None, [])
+    ds = deepspeed_config(cfg.learner, cfg.policy, micro_steps=1)
+
+    class Model:
+        _no_split_modules = ["LlamaDecoderLayer"]
+
+    leaf = layer_leaf_modules(ds, Model())["zero_optimization"]["leaf_module"]["classes"]
+    assert leaf[-1] == "LlamaDecoderLayer" and len(leaf) == len(set(leaf)) > 1  # DeepSpeed's MoE defaults kept
+    assert "leaf_module" not in ds["zero_optimization"]  # the input is not modified
+    assert layer_leaf_modules(ds, object()) == ds
+    own = {"zero_optimization": {"leaf_module": {"classes": ["MyBlock"]}}}
+    cfg = load_config(None, [f"learner.deepspeed={own}"])
+    ds = deepspeed_config(cfg.learner, cfg.policy, micro_steps=1)
+    assert layer_leaf_modules(ds, Model())["zero_optimization"]["leaf_module"] == {"classes": ["MyBlock"]}

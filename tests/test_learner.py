@@ -200,6 +200,24 @@ def test_two_rank_zero3_step_matches_one_rank(setup):
     assert_close(w0, weights(one, 0), atol=0)  # same seed, same initial model
 
 
+def test_per_layer_gathering_trains_exactly_as_per_submodule_gathering(setup):
+    """learner.gather_per_layer (the default) makes each decoder layer a ZeRO-3 leaf module: its
+    parameters are fetched whole, its submodules get no hooks. Only when parameters are gathered
+    changes: the same batches give the same weights as gathering submodule by submodule."""
+    from hpcrl.core.config import dump_config
+
+    tmp, _, batches = setup
+    per_module = tmp / "per-module.yaml"
+    per_module.write_text(dump_config(load_config(None, OVERRIDES + ["learner.gather_per_layer=false"])))
+    layer = run_ranks(1, setup[1], tmp / "leaf", batches, tmp / "leaf-out")[0]
+    module = run_ranks(1, per_module, tmp / "noleaf", batches, tmp / "noleaf-out")[0]
+    assert layer["leaf_modules"] == ["LlamaDecoderLayer"] and module["leaf_modules"] == []
+    for a, b in zip(layer["steps"], module["steps"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["action_tokens"] == b["action_tokens"] > 0
+    assert_close(weights(tmp / "leaf", 0), weights(tmp / "noleaf", 0), atol=0)
+    assert_same_training(weights(tmp / "noleaf", 0), weights(tmp / "leaf", 2), weights(tmp / "noleaf", 2), lr=LR)
+
+
 def test_checkpoint_resume_restores_model_and_optimizer(setup):
     tmp, cfg, batches = setup
     run = tmp / "resume"

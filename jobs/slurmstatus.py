@@ -77,6 +77,7 @@ def _rollout_row(run_dir: Path, name: str, planned: dict, now: float) -> dict:
         "role": "rollout",
         "gpus": planned.get("gpus"),
         "window_left_s": None if end is None else max(end - now, 0.0),
+        "preempted": planned.get("preempted"),  # Slurm's PreemptTime when Slurm preempted it (a scavenger partition)
     }
 
 
@@ -206,6 +207,7 @@ def snapshot_text(snap: dict) -> str:
             + (
                 f"  rollout: {c.get('gpus') or 0} GPU, window left {_num(c.get('window_left_s'), '.0f')} s, "
                 f"{c.get('trajectories', 0)} trajectories"
+                + (f", preempted by Slurm at {c['preempted']}" if c.get("preempted") else "")
                 if c.get("role") == "rollout"
                 else ""
             )

@@ -426,6 +426,8 @@ def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_los
             assert rec.get("preempted") and "yielded_to" not in rec, rec  # Slurm's PreemptTime, not the planner
             acct = queries.job_records([rec["job_id"]])[rec["job_id"]]
             assert acct.state != "CANCELLED" and acct.partition == "scavenger", acct
+        rows = {c["name"]: c for c in status_json(run_dir)["components"] if c.get("role") == "rollout"}
+        assert all(rows[n]["preempted"] == ended[n]["preempted"] for n in jobs), rows  # `hpcrl status` shows it
         wait_for(lambda: read_jobs(run_dir).get("state") == "finished", 600, what="the run reaching max_steps")
         rollout_ids = [j["job_id"] for j in rollouts(run_dir).values()]
         wait_for(lambda: not queue_states(rollout_ids), 60, what="the finished run's rollout jobs gone from squeue")

@@ -271,13 +271,9 @@ def dry_run_scripts(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Rol
 
 
 def preflight(cfg: Config) -> list[str]:
-    """Warnings about cluster settings (`scontrol show config`) that break requeue or signals;
-    ConfigError for a scheduler.rollout_partition Slurm would not preempt. Run before the run
-    directory exists, so a refused submission leaves nothing behind."""
-    from hpcrl.jobs.rollout_plan import check_rollout_partition
+    """Warnings about cluster settings (`scontrol show config`) that break requeue or signals."""
     from hpcrl.slurm.queries import show_config
 
-    check_rollout_partition(cfg)
     conf = show_config()
     warn = []
     if conf.get("JobRequeue") == "0":

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
+    from hpcrl.jobs.rollout_plan import check_rollout_partition
     from hpcrl.jobs.rundir import check_run_id, create_run_dir
     from hpcrl.jobs.supervise import submit_run
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     # The cluster is asked before the run directory exists, so one that does not answer leaves
     # nothing behind; a bad --run-id is still refused first, without asking it.
     check_run_id(cfg, args.run_id)
+    check_rollout_partition(cfg)  # one Slurm would not preempt: refused, nothing created
     warnings = preflight(cfg)
     run_dir = create_run_dir(cfg, args.run_id)
     for warning in warnings:

@@ -305,10 +305,15 @@ class LearnerComponent(submitit.helpers.Checkpointable):
         return finish_job(stop, step)
 
 
-def _leave_before_leasing(signum, frame) -> None:
-    log.warning("SIGTERM while loading, before the first lease: nothing to hand back; exiting now")
+def exit_now() -> None:
+    """End the process at once, logs flushed: nothing is left to save (no interpreter teardown)."""
     logging.shutdown()
     os._exit(0)
+
+
+def _leave_before_leasing(signum, frame) -> None:
+    log.warning("SIGTERM while loading, before the first lease: nothing to hand back; exiting now")
+    exit_now()
 
 
 class GeneratorComponent(submitit.helpers.Checkpointable):

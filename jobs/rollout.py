@@ -41,7 +41,7 @@ from pathlib import Path
 
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.core.files import atomic_write_json
-from hpcrl.jobs.components import GeneratorComponent
+from hpcrl.jobs.components import GeneratorComponent, exit_now
 from hpcrl.slurm.backfill.estimates import DurationEstimator
 
 __all__ = ["RolloutComponent", "WindowedSource", "may_lease", "must_end", "slurm_deadline", "ROLLOUT_DIR"]
@@ -188,10 +188,5 @@ class RolloutComponent(GeneratorComponent):
             # (measured on the dev cluster); atexit runs this first, then the process ends.
             import atexit
 
-            atexit.register(_exit_now)
+            atexit.register(exit_now)
         return result
-
-
-def _exit_now() -> None:
-    logging.shutdown()
-    os._exit(0)

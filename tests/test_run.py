@@ -293,9 +293,12 @@ def test_generator_waits_out_a_coordinator_restart_and_a_hung_generator_is_resta
     )
     run_dir = tmp_path / "faults"
 
-    def step() -> int:
+    def status() -> dict:
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        return ((read_status(run_dir) or {}).get("learner") or {}).get("step", 0)
+        return read_status(run_dir) or {}
+
+    def step() -> int:
+        return (status().get("learner") or {}).get("step", 0)
 
     try:
         wait_for(lambda: step() >= 5 and pids(run_dir, "coordinator"), RUN_GUARD_S, 0.2, what="learner step 5")
@@ -306,7 +309,17 @@ def test_generator_waits_out_a_coordinator_restart_and_a_hung_generator_is_resta
         assert read_heartbeats(run_dir, "gen-0")[0]["started"] == gen_started, "gen-0 was restarted"
 
         (stopped,) = pids(run_dir, "gen-0")
-        os.kill(stopped, signal.SIGSTOP)
+        # Stop gen-0 while it holds episodes (with the learner behind, it may hold none between
+        # batches): a status written after the stop (two status periods, so a sync sent just
+        # before it has been handled) counts its leases, which are frozen now.
+        while True:
+            os.kill(stopped, signal.SIGSTOP)
+            stopped_at = time.time()
+            wait_for(lambda: status().get("updated", 0) > stopped_at + 2, RUN_GUARD_S, 0.2, what="a status")
+            if status()["leases"] > 0:
+                break
+            os.kill(stopped, signal.SIGCONT)
+            wait_for(lambda: status().get("leases", 0) > 0, RUN_GUARD_S, 0.05, what="gen-0 to lease")
         wait_for(
             lambda: read_heartbeats(run_dir, "gen-0")[0]["started"] != gen_started,
             RUN_GUARD_S,

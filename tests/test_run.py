@@ -315,7 +315,7 @@ def test_generator_waits_out_a_coordinator_restart_and_a_hung_generator_is_resta
         while True:
             os.kill(stopped, signal.SIGSTOP)
             stopped_at = time.time()
-            wait_for(lambda: status().get("updated", 0) > stopped_at + 2, RUN_GUARD_S, 0.2, what="a status")
+            wait_for(lambda t=stopped_at: status().get("updated", 0) > t + 2, RUN_GUARD_S, 0.2, what="a status")
             if status()["leases"] > 0:
                 break
             os.kill(stopped, signal.SIGCONT)

@@ -262,6 +262,12 @@ class GeneratorConfig:
     episodes_in_flight: int = spec(
         256, help="episodes each generator keeps open at once (rows of its continuous batch)", ge=1
     )
+    lend_episodes: int = spec(
+        0,
+        help="episodes taken beyond episodes_in_flight while some wait on environment steps (sandboxes), "
+        "so the batch keeps its rows; still at most episodes_in_flight decode at once; 0: off",
+        ge=0,
+    )
     max_new_tokens: int = spec(256, help="cap on one action's tokens (a domain may ask for fewer)", ge=1)
     max_turns: int = spec(8, help="cap on steps per episode; longer episodes end truncated (max_steps)", ge=1)
     env_threads: int = spec(8, help="threads stepping environments, so sandbox waits overlap sampling", ge=1)

@@ -409,6 +409,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                     "batches": s.batches,
                     "batch_rows": s.batch_rows,
                     "overlap_batches": s.overlap_batches,
+                    "lent": s.lent,
                     "reward_mean": s.reward_sum / max(s.trajectories, 1),
                 }
 

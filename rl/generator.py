@@ -5,11 +5,12 @@
     gen.run(source, sink=store.append, stop=lambda: time.time() > t_end)
 
 Each loop iteration: take newer weights if the learner announced some (between steps, never
-inside one); top the in-flight set up to `episodes_in_flight` from the task source; sample one
-action for every episode that is waiting for the model, in one batch; hand each action to its
-environment. Environments that execute code (`domain.needs_executor`) step on a thread pool, so
-the generator keeps sampling for the other episodes while one waits for the sandbox; the rest
-step inline, which is cheaper than a thread hop. A finished episode becomes a `Trajectory`
+inside one); top the in-flight set up to `episodes_in_flight` from the task source (plus up to
+`lend_episodes` while episodes wait on sandboxes: their rows would idle); sample one action for
+every episode that is waiting for the model, at most `episodes_in_flight` in one batch; hand each
+action to its environment. Environments that execute code (`domain.needs_executor`) step on a
+thread pool, so the generator keeps sampling for the other episodes while one waits for the
+sandbox; the rest step inline, which is cheaper than a thread hop. A finished episode becomes a `Trajectory`
 (every step tagged with the policy version that sampled it) passed to `sink`.
 
 Tokens: the first step's prompt is the task prompt as `policy.prompt_ids` encodes it (bos +
@@ -60,6 +61,7 @@ class GeneratorStats:
     batches: int = 0  # sampling calls
     batch_rows: int = 0  # episodes sampled over all calls (rows / batches = mean batch size)
     overlap_batches: int = 0  # sampling calls made while an environment step (a sandbox run) was in flight
+    lent: int = 0  # episodes taken beyond episodes_in_flight while others waited on environments (lend_episodes)
     reward_sum: float = 0.0
 
     @property
@@ -172,7 +174,10 @@ class Generator:
         one decode step for all of them. False when idle."""
         self._fill(source)
         self._collect(source, sink, timeout=0.0)
-        for ep in [e for e in self.episodes if e.ready]:
+        # At most episodes_in_flight rows decode at once (lent episodes make more open); the
+        # oldest ready episodes first, so a lent one never holds back one that came back.
+        room = self.cfg.episodes_in_flight - len(self.engine.rows) - len(self.engine.pending)
+        for ep in [e for e in self.episodes if e.ready][: max(room, 0)]:
             self._submit(ep, source)
         if self.engine.busy:
             self._decode(source, sink)
@@ -181,10 +186,16 @@ class Generator:
         return bool(self.episodes)
 
     def _fill(self, source: TaskSource) -> None:
-        free = self.cfg.episodes_in_flight - len(self.episodes)
+        # Lending (scheduler's view: a generator whose episodes wait on sandboxes lends its
+        # accelerator): an episode in an environment step leaves its row idle, so up to
+        # lend_episodes more are taken to keep the batch's rows busy meanwhile.
+        cap, open_ = self.cfg.episodes_in_flight, len(self.episodes)
+        waiting = sum(1 for e in self.episodes if e.future is not None)
+        free = min(cap - (open_ - waiting), cap + self.cfg.lend_episodes - open_)
         t0 = time.perf_counter()
         tickets = source.take(max(free, 0))  # also called with 0: a remote source syncs and reports then
         self.stats.source_s += time.perf_counter() - t0
+        self.stats.lent += max(0, open_ + len(tickets) - cap) - max(0, open_ - cap)
         for ticket in tickets:
             domain = self.domains.get(ticket.domain)
             if domain is None:

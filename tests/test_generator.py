@@ -209,3 +209,61 @@ def test_a_fresh_generator_keeps_first_turn_caches_until_a_domain_shows_single_t
     later_turns = sum(len(t.steps) - 1 for t in trajs)
     assert gen.engine.prefilled_tokens == 24 * prompt + later_turns * (1 + obs)
     assert gen._stepped == {"three", "one"} and gen._multi_turn == {"three"}
+
+
+class _Gated(Domain):
+    """A code domain (stepped on the pool, like a sandbox) whose steps all wait for `gate`."""
+
+    name = "gated"
+    needs_executor = True
+
+    def __init__(self, gate):
+        self.gate = gate
+        self.action = ActionSpec(max_tokens=2)
+
+    def task(self, index):
+        return Task(self.name, str(index), "", {})
+
+    def make_env(self, task, executor=None):
+        return _GatedEnv(self.gate)
+
+
+class _GatedEnv(Environment):
+    def __init__(self, gate):
+        self.gate = gate
+
+    def reset(self):
+        return "wait:"
+
+    def step(self, action):
+        assert self.gate.wait(600), "the test never opened the gate"
+        return StepResult("", 1.0, True, {})
+
+
+@pytest.mark.parametrize("lend", [0, 3])
+def test_episodes_waiting_on_sandboxes_lend_their_rows_to_more_episodes(lend):
+    """With lend_episodes, a generator whose episodes all wait on sandboxes takes that many more
+    and samples them meanwhile; never more than episodes_in_flight rows decode at once."""
+    import threading
+
+    gate = threading.Event()
+    policy = Policy.load(TINY, seed=0)
+    cfg = GeneratorConfig(episodes_in_flight=2, lend_episodes=lend, env_threads=8)
+    gen = Generator(cfg, policy, {"gated": _Gated(gate)}, run="r", name="g0", seed=0, executor=object())
+    rows, step = [], gen.engine.step
+
+    def counted():
+        rows.append(len(gen.engine.rows) + len(gen.engine.pending))
+        return step()
+
+    gen.engine.step = counted
+    source = LocalTaskSource(TaskSampler({"gated": 1.0}, group_size=1, seed=0))
+    in_sandbox = lambda: [e for e in gen.episodes if e.pending is not None and e.future is not None]
+    gen.run(source, lambda t: None, stop=lambda: len(in_sandbox()) >= 2 + lend)
+    for _ in range(50):  # more rounds take no more: every row's episode waits on its sandbox
+        gen._iterate(source, lambda t: None)
+    assert len(gen.episodes) == len(in_sandbox()) == 2 + lend and gen.stats.lent == lend
+    gate.set()
+    trajs = collect(gen, source, 20)
+    gen.close()
+    assert len({t.episode for t in trajs}) == len(trajs) >= 20 and max(rows) <= 2, rows

@@ -141,8 +141,9 @@ def main() -> None:
     for r in range(args.rounds):
         for name, over in setups.items():
             cfg = load_config(ROOT / "config.yaml", [*over, *common])
-            cfg = resolve_charset(cfg, load_domains(cfg.domains))
-            domains = remote_domain(args.latency_ms, r) if args.env == "remote" else load_domains(cfg.domains)
+            loaded = load_domains(cfg.domains)
+            cfg = resolve_charset(cfg, loaded)
+            domains = remote_domain(args.latency_ms, r) if args.env == "remote" else loaded
             results[name].append(measure(cfg, domains, judge or object(), args.seconds))
             print(f"round {r + 1} {name}: {results[name][-1]}", flush=True)
     base_rate = statistics.median(x["traj_per_s"] for x in results["base"])

@@ -203,7 +203,10 @@ class LearnerConfig:
     batch_groups: int = spec(
         32, help="groups per optimizer step (batch = batch_groups x group_size trajectories)", ge=1
     )
-    micro_batch: int = spec(128, help="trajectories per forward/backward pass on one rank", ge=1)
+    micro_batch: int = spec(256, help="at most this many trajectories per forward/backward pass on one rank", ge=1)
+    micro_batch_tokens: int = spec(
+        8192, help="... and at most this many padded tokens (rows x the longest); 0: rows only", ge=0
+    )
     weight_decay: float = spec(0.0, help="AdamW weight decay", ge=0)
     adam_beta1: float = spec(0.9, help="AdamW beta1 (first-moment decay)", ge=0, lt=1)
     adam_beta2: float = spec(0.999, help="AdamW beta2 (second-moment decay)", ge=0, lt=1)
@@ -221,7 +224,11 @@ class LearnerConfig:
     filter_groups: bool = spec(
         False, help="dynamic sampling: drop groups whose rewards are all equal; new ones are issued in their place"
     )
-    store_refresh_s: float = spec(0.05, help="how often the learner looks for new trajectory segments, seconds", gt=0)
+    store_refresh_s: float = spec(
+        0.01,
+        help="while waiting, how often the learner lists each open shard for new segments, seconds",
+        gt=0,
+    )
     grad_clip: float = spec(1.0, help="clip the global gradient norm to this; 0 disables", ge=0)
     max_steps: int = spec(300, help="optimizer steps of the run; the run ends when the learner reaches it", ge=1)
     publish_every: int = spec(1, help="publish weights to the generators every this many optimizer steps", ge=1)
@@ -296,6 +303,12 @@ class CoordinatorConfig:
         help="groups handed out beyond what the learner consumed; null: max(1, max_staleness) x batch_groups",
         ge=1,
     )
+    sync_wait_s: float = spec(
+        0.25,
+        help="a sync finding no work waits this long for some (the learner's next report); 0: answer at once",
+        ge=0,
+        le=2.0,
+    )
     status_every_s: float = spec(1.0, help="how often status.json is rewritten, seconds", gt=0)
     status_window_s: float = spec(10.0, help="trajectories/s is measured over this many recent seconds", gt=0)
     timeline_every_s: float = spec(
@@ -314,7 +327,7 @@ class DomainConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    flush_every: int = spec(64, help="flush a shard after this many trajectories", ge=1)
+    flush_every: int = spec(256, help="flush a shard after this many trajectories", ge=1)
     flush_interval_s: float = spec(5.0, help="... or after this many seconds, whichever comes first", gt=0)
     flush_idle_s: float = spec(
         0.02, help="... or once no trajectory arrived for this many seconds (a batch's tail waits for no company)", gt=0

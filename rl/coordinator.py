@@ -8,6 +8,8 @@ Requests (transport envelopes; body -> reply body):
 
     sync     {generator, want, done: [episode], failed: [[episode, reason]], released: [episode], stats}
              -> {tickets: [[domain, task_index, episode, group, attempt]], stop, version}
+             (a sync that wants work and finds none is answered when some appears, at most
+             `sync_wait_s` later: the generator hears of the learner's next step at once)
     learner  {step, version, reward, ..., trained_groups, dropped_groups}  -> {stop}
     progress {trained_groups, dropped_groups}   -> {}   (the learner consumed data without a step)
     stop     {}  -> {}           (the run is over: generators are told to stop)
@@ -274,7 +276,12 @@ class Coordinator:
         for lease in self.leases.values():
             if lease.generator == name:
                 lease.renewed = now
-        tickets = [] if self.stopping else self._issue(name, int(body.get("want", 0)), now)
+        return self._answer(name, int(body.get("want", 0)), now, event)
+
+    def _answer(self, name: str, want: int, now: float, event: dict | None = None) -> dict:
+        """A sync's reply: up to `want` tickets leased to generator `name`."""
+        event = event if event is not None else {}
+        tickets = [] if self.stopping else self._issue(name, want, now)
         if tickets:
             event["leased"] = [[t.episode, t.attempt] for t in tickets]
         if event:
@@ -301,12 +308,16 @@ class Coordinator:
             return None
         return self.leases.pop(int(episode))
 
-    def _issue(self, generator: str, want: int, now: float) -> list[EpisodeTicket]:
-        consumed = (
+    def _consumed(self) -> int:
+        """Groups no longer outstanding: trained, dropped by the learner, or abandoned here."""
+        return (
             int(self.learner.get("trained_groups", 0))
             + int(self.learner.get("dropped_groups", 0))
             + len(self.abandoned_groups)
         )
+
+    def _issue(self, generator: str, want: int, now: float) -> list[EpisodeTicket]:
+        consumed = self._consumed()
         while len(self.queue) < want and self.groups_issued - consumed < self.max_ahead:
             self.queue.extend(self.sampler.next_group())
             self.groups_issued += 1
@@ -448,15 +459,52 @@ class Coordinator:
         if gens:
             self.timeline.write({"t": time.time(), "gens": gens})
 
+    def _answer_parked(self, server, parked: dict) -> None:
+        """Answer the parked syncs that can have work now (oldest first), or whose wait is over."""
+        from hpcrl.core.rpc import Reply
+
+        now = time.monotonic()
+        for rid, (name, life, want, deadline) in list(parked.items()):
+            with self._lock:
+                if self.generators.get(name, {}).get("life") != life:
+                    # Its process was replaced meanwhile: tickets leased to the name now would be
+                    # renewed by the successor's syncs and never worked on.
+                    reply = {"tickets": [], "stop": self.stopping, "version": self.learner.get("version")}
+                elif self.stopping or now >= deadline or self._can_issue():
+                    reply = self._answer(name, want, now)
+                else:
+                    continue
+            del parked[rid]
+            server.reply(rid, Reply("ok", reply))
+
+    def _can_issue(self) -> bool:
+        return bool(self.queue) or self.groups_issued - self._consumed() < self.max_ahead
+
     def serve(self, node, stop: threading.Event) -> None:
         """Answer requests until `stop` is set; status and state are written on the way out too."""
-        from hpcrl.core.rpc import Reply, RequestServer
+        from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
 
-        server = RequestServer(node, "coordinator", lambda env: Reply("ok", self.handle(env.kind, env.body)))
+        # Syncs that found no work, answered when work appears or at their deadline: request id ->
+        # (generator, its life, want, deadline). A generator that polled instead would learn of
+        # the learner's next step up to one poll interval late, every step.
+        parked: dict[str, tuple[str, Any, int, float]] = {}
+
+        def on_request(env):
+            reply = self.handle(env.kind, env.body)
+            want = int(env.body.get("want", 0)) if env.kind == "sync" else 0
+            if want > 0 and not reply["tickets"] and not reply["stop"] and self.cfg.sync_wait_s > 0:
+                deadline = time.monotonic() + self.cfg.sync_wait_s
+                parked[env.msg_id] = (str(env.body["generator"]), env.body.get("life"), want, deadline)
+                return DEFERRED
+            return Reply("ok", reply)
+
+        server = RequestServer(node, "coordinator", on_request)
         try:
             while not stop.is_set():
                 beat()
-                server.poll_once(0.1)
+                wake = min((p[3] for p in parked.values()), default=float("inf"))
+                server.poll_once(max(0.0, min(0.1, wake - time.monotonic())))
+                self._answer_parked(server, parked)
                 self.tick()
         finally:
             with self._lock:

@@ -228,8 +228,9 @@ class Learner:
         # the chunk count is the same on every rank (possibly an empty chunk), because each
         # forward pass gathers ZeRO-3 shards collectively.
         mine.sort(key=lambda i: -trajs[i].n_tokens)
-        size = max(1, math.ceil(len(mine) / self.micro_steps))
-        chunks = [mine[i * size : (i + 1) * size] for i in range(self.micro_steps)]
+        chunks = self._chunks(mine, trajs)
+        if self.world > 1:
+            chunks += [[]] * (int(self.comm.max([float(len(chunks))])[0]) - len(chunks))
         local_den = self.algorithm.denominator([int(sum(s.loss_mask.sum() for s in trajs[i].steps)) for i in mine])
         total_den = max(self.comm.sum([float(local_den)])[0], 1.0)
         lr = lr_at(self.cfg, self.step)
@@ -238,7 +239,10 @@ class Learner:
         stats: dict[str, float] = defaultdict(float)
         ratio_lo, ratio_hi = float("inf"), float("-inf")
         self.engine.train()
-        for chunk in [] if skip else chunks:
+        for k, chunk in enumerate([] if skip else chunks):
+            # The number of micro-batches follows the batch's lengths, not DeepSpeed's configured
+            # gradient_accumulation_steps: the last one is the boundary that reduces and steps.
+            self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
             loss_sum, st = self._micro_step(chunk, trajs, adv)
             # DeepSpeed averages gradients over ranks: scale so the result is the batch's loss
             # (loss_agg's weighted sum over the whole batch / its denominator), whatever each
@@ -284,6 +288,7 @@ class Learner:
             "staleness_max": max(int(k) for k in diag["staleness_hist"]),
             "lr": lr,
             "skipped": skip,
+            "micro_batches": 0 if skip else len(chunks),
             **diag,
             "step_s": time.perf_counter() - t0,
         }
@@ -293,6 +298,23 @@ class Learner:
             self.publish()
             out["publish_s"] = time.perf_counter() - t1
         return out
+
+    def _chunks(self, rows: list[int], trajs: Sequence[Trajectory]) -> list[list[int]]:
+        """`rows` (longest first) cut into micro-batches of at most micro_batch rows and
+        micro_batch_tokens padded tokens (rows x the longest); a row over the budget goes alone.
+        Short rows thus share one pass (fewer, larger kernels), long ones are bounded in memory."""
+        cap_rows, cap_tokens = self.cfg.micro_batch, self.cfg.micro_batch_tokens
+        out: list[list[int]] = []
+        cur: list[int] = []
+        longest = 0
+        for i in rows:
+            n = trajs[i].n_tokens
+            if cur and (len(cur) >= cap_rows or (cap_tokens and (len(cur) + 1) * max(longest, n) > cap_tokens)):
+                out.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, n)
+        return [*out, cur]
 
     def _micro_step(self, chunk: list[int], trajs: Sequence[Trajectory], adv: torch.Tensor):
         if not chunk:

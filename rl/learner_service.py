@@ -125,7 +125,7 @@ class _Rank0:
             if time.monotonic() >= deadline:
                 self._progress()
                 return None
-            batch = self.reader.next_batch(64, timeout_s=min(0.2, max(0.0, deadline - time.monotonic())))
+            batch = self.reader.next_batch(256, timeout_s=min(0.2, max(0.0, deadline - time.monotonic())), min_size=1)
             for t in batch.trajectories:
                 self.buffer.add(t)
             self.pub.tick()

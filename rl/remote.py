@@ -61,6 +61,7 @@ class RemoteTaskSource:
         self._failed: list[list] = []
         self._released: list[int] = []
         self._last_sync = 0.0
+        self._sync_sent = 0.0
         self._last_empty = False
         self._inflight = None  # the sync request on its way (a PendingRequest), if any
         self._inflight_want = 0
@@ -127,7 +128,9 @@ class RemoteTaskSource:
 
     def _sync_due(self, want: int) -> bool:
         now = time.monotonic()
-        quiet = now - self._last_sync < (self.empty_backoff_s if self._last_empty else 0.0)
+        # Measured from when the empty sync was sent: a coordinator that held it while it found
+        # no work (coordinator.sync_wait_s) has waited already, so ask again at once.
+        quiet = now - self._sync_sent < (self.empty_backoff_s if self._last_empty else 0.0)
         nothing_to_say = not self._done and not self._failed and not self._released
         return not ((want <= 0 or quiet) and nothing_to_say and now - self._last_sync < self.idle_sync_s)
 
@@ -144,6 +147,7 @@ class RemoteTaskSource:
         # Reported once sent: a retry resends the same request, and the coordinator answers a
         # repeated id from its replay cache, so nothing is reported twice or lost.
         self._inflight = self.client.start("sync", body)
+        self._sync_sent = time.monotonic()
         self._inflight_want = max(0, want)
         self._inflight_body = body
         self._done, self._failed, self._released = [], [], []

@@ -216,3 +216,77 @@ def test_reports_for_a_lease_another_generator_holds_are_ignored(tmp_path):
     assert c.counts["completed"] == 0 and c.counts["foreign_reports"] == 3 and not c.queue
     sync(c, "g0", done=eps)
     assert c.counts["completed"] == 4 and not c.leases
+
+
+def _serving(c: Coordinator, run):
+    """`c.serve` over the run's real transport in a thread; returns its stop event and thread."""
+    import threading
+
+    from hpcrl.core.transport import Node, WireLimits
+
+    stop = threading.Event()
+
+    def body():
+        with Node(run, "coordinator", WireLimits(), bind_host="127.0.0.1") as node:
+            c.serve(node, stop)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return stop, t
+
+
+def test_a_sync_that_finds_no_work_waits_for_the_learner_instead_of_polling(tmp_path):
+    """Long poll (coordinator.sync_wait_s): a generator asking while the window is full is
+    answered when the learner's report opens it, not at the end of its wait; one asking for
+    nothing, or waiting past sync_wait_s, is answered empty; a parked ask from a process that
+    was replaced meanwhile leases nothing."""
+    from hpcrl.core.rpc import RequestClient
+    from hpcrl.core.transport import Node
+
+    run = tmp_path / "run"
+    # An hour's wait: an answer before it can only come from the window opening, whatever
+    # the machine's speed.
+    c = make(run, sync_wait_s=3600.0, lease_s=600)
+    stop, thread = _serving(c, run)
+
+    def body(want, life="a"):
+        return {"generator": "g0", "want": want, "done": [], "failed": [], "released": [], "stats": {}, "life": life}
+
+    try:
+        with Node(run, "gen-0") as gnode, Node(run, "learner") as lnode:
+            gen = RequestClient(gnode, "coordinator", timeout_s=3600.0, retries=0)
+            learner = RequestClient(lnode, "coordinator", timeout_s=60.0)
+            assert len(gen.request("sync", body(100)).body["tickets"]) == 16  # the window: 4 groups
+            assert gen.request("sync", body(0)).body["tickets"] == []  # wants nothing: answered at once
+            pending = gen.start("sync", body(100))
+            assert pending.poll(0.3) is None  # parked
+            learner.request("learner", {"step": 1, "version": 1, "trained_groups": 2, "dropped_groups": 0})
+            reply = pending.poll(60.0)
+            assert reply is not None and len(reply.body["tickets"]) == 8
+
+            # Parked again; meanwhile a new process takes the name (it died, was restarted):
+            # the old ask is answered empty when the window opens, and leases nothing.
+            stale = gen.start("sync", body(100, life="a"))
+            assert stale.poll(0.3) is None
+            with Node(run, "gen-0b") as node2:
+                RequestClient(node2, "coordinator", timeout_s=60.0).request("sync", body(0, life="b"))
+            leases_before = set(c.leases)
+            learner.request("learner", {"step": 2, "version": 2, "trained_groups": 4, "dropped_groups": 0})
+            reply = stale.poll(60.0)
+            assert reply is not None and reply.body["tickets"] == [] and set(c.leases) == leases_before
+    finally:
+        stop.set()
+        thread.join(30)
+
+    # A short wait that nothing ends: answered empty once it is over.
+    run2 = tmp_path / "run2"
+    c2 = make(run2, sync_wait_s=0.05)
+    stop, thread = _serving(c2, run2)
+    try:
+        with Node(run2, "gen-0") as gnode:
+            gen = RequestClient(gnode, "coordinator", timeout_s=60.0)
+            assert len(gen.request("sync", body(100)).body["tickets"]) == 16
+            assert gen.request("sync", body(100)).body["tickets"] == []
+    finally:
+        stop.set()
+        thread.join(30)

@@ -218,6 +218,29 @@ def test_per_layer_gathering_trains_exactly_as_per_submodule_gathering(setup):
     assert_same_training(weights(tmp / "noleaf", 0), weights(tmp / "leaf", 2), weights(tmp / "noleaf", 2), lr=LR)
 
 
+def test_token_budget_micro_batches_train_as_one_pass(setup):
+    """learner.micro_batch_tokens cuts each rank's rows by their padded length: how many micro-
+    batches a step takes follows the batch (the ranks agree on the most, a short rank runs empty
+    ones), and the last is DeepSpeed's accumulation boundary whatever its configured count. The
+    update is the one-pass update."""
+    from hpcrl.core.config import dump_config
+
+    tmp, _, batches = setup
+    paths = {}
+    for name, extra in {"one": ["learner.micro_batch_tokens=0"], "budget": ["learner.micro_batch_tokens=48"]}.items():
+        paths[name] = tmp / f"{name}-pass.yaml"
+        paths[name].write_text(dump_config(load_config(None, [*OVERRIDES, "learner.micro_batch=16", *extra])))
+    one = run_ranks(1, paths["one"], tmp / "one-pass", batches, tmp / "one-pass-out")[0]
+    budget = run_ranks(2, paths["budget"], tmp / "budget", batches, tmp / "budget-out")
+    assert [m["micro_batches"] for m in one["steps"]] == [1, 1]
+    counts = [[m["micro_batches"] for m in r["steps"]] for r in budget]
+    assert counts[0] == counts[1] and min(counts[0]) >= 2, counts
+    for a, b in zip(budget[0]["steps"], one["steps"]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["action_tokens"] == b["action_tokens"] > 0
+    w0 = weights(tmp / "one-pass", 0)
+    assert_same_training(w0, weights(tmp / "budget", 2), weights(tmp / "one-pass", 2), lr=LR)
+
+
 def test_checkpoint_resume_restores_model_and_optimizer(setup):
     tmp, cfg, batches = setup
     run = tmp / "resume"

@@ -487,6 +487,35 @@ def test_reader_follows_a_live_writer(tmp_path):
     assert [t.id for t in reader.next_batch(10, timeout_s=0.5).trajectories] == [t.id for t in trajs[5:]]
 
 
+def test_a_live_shard_refresh_parses_only_new_segment_names(tmp_path, monkeypatch):
+    """The learner lists an open shard every store_refresh_s while it waits: each listing must
+    cost what is new, not the whole shard (which grows to ~shard_max_rows / flush_every)."""
+    from hpcrl.rl.store import reader as reader_mod
+
+    real = reader_mod.parse_segment_name
+    w = ShardWriter(tmp_path, "w0", cfg(flush_every=1))
+    trajs = make(30)
+    for t in trajs[:20]:
+        w.append(t)
+    w.flush()
+    reader = StoreReader(tmp_path)
+    assert [t.id for t in reader.next_batch(20).trajectories] == [t.id for t in trajs[:20]]
+    parsed = []
+    monkeypatch.setattr(reader_mod, "parse_segment_name", lambda n: parsed.append(n) or real(n))
+    for t in trajs[20:23]:
+        w.append(t)
+    w.flush()
+    reader.refresh()
+    assert len([n for n in parsed if real(n)]) == 3  # the three new segments, not all 23
+    assert [t.id for t in reader.next_batch(10).trajectories] == [t.id for t in trajs[20:23]]
+    for t in trajs[23:]:
+        w.append(t)
+    w.close()  # finalized: read whole once more (its manifest), nothing handed out twice
+    reader.refresh()
+    assert [t.id for t in reader.next_batch(10).trajectories] == [t.id for t in trajs[23:]]
+    assert reader._shards[next(iter(reader._shards))].finalized
+
+
 def test_reader_rejects_damaged_segments_and_goes_on(tmp_path, caplog):
     trajs = make(12)
     with ShardWriter(tmp_path, "w0", cfg(flush_every=4)) as w:

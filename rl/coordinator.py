@@ -507,6 +507,12 @@ class Coordinator:
                 self._answer_parked(server, parked)
                 self.tick()
         finally:
+            # Answered now rather than left to time out; "stop" only if the run is over (this
+            # process may be stopping for a restart, which the generators wait out).
+            for rid in parked:
+                server.reply(
+                    rid, Reply("ok", {"tickets": [], "stop": self.stopping, "version": self.learner.get("version")})
+                )
             with self._lock:
                 self.write_status(final=True)
                 self._save()

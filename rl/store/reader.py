@@ -84,12 +84,14 @@ class _Shard:
     seq: int = 1  # read position: next row is `row` of the first segment with seq >= `seq`
     row: int = 0
     finalized: bool = False
+    unverified: bool = False  # its manifest is there but unreadable: read segment by segment
 
     def set_segments(self, state: ShardState) -> None:
         self.segments = sorted(_segments_of(state), key=lambda g: g.seq)
         self.seqs = [g.seq for g in self.segments]
         self.seen = set(state.segment_names)
         self.finalized = state.finalized
+        self.unverified = state.manifest_error is not None
 
     def add(self, seg: _Seg) -> None:
         i = bisect.bisect_right(self.seqs, seg.seq)
@@ -163,9 +165,11 @@ class StoreReader:
             entries = set(os.listdir(shard.path))
         except OSError:
             return  # not there (yet): a cursor restored for a shard this store lacks
-        if MANIFEST_NAME in entries or not {g.name for g in shard.segments} <= entries:
+        finalized = MANIFEST_NAME in entries and not shard.unverified
+        if finalized or not {g.name for g in shard.segments} <= entries:
             # Finalized since (its manifest decides what it holds, read once), or segments
-            # taken out of it (a recovery's quarantine): read it whole.
+            # taken out of it (a recovery's quarantine): read it whole. A shard whose manifest
+            # is unreadable is followed like an open one (and warned about once, not every look).
             shard.set_segments(read_shard(shard.path))
             return
         for name in entries - shard.seen:

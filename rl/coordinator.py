@@ -469,7 +469,7 @@ class Coordinator:
                 if self.generators.get(name, {}).get("life") != life:
                     # Its process was replaced meanwhile: tickets leased to the name now would be
                     # renewed by the successor's syncs and never worked on.
-                    reply = {"tickets": [], "stop": self.stopping, "version": self.learner.get("version")}
+                    reply = self._answer(name, 0, now)
                 elif self.stopping or now >= deadline or self._can_issue():
                     reply = self._answer(name, want, now)
                 else:
@@ -509,10 +509,10 @@ class Coordinator:
         finally:
             # Answered now rather than left to time out; "stop" only if the run is over (this
             # process may be stopping for a restart, which the generators wait out).
-            for rid in parked:
-                server.reply(
-                    rid, Reply("ok", {"tickets": [], "stop": self.stopping, "version": self.learner.get("version")})
-                )
+            for rid, (name, *_) in parked.items():
+                with self._lock:
+                    reply = self._answer(name, 0, time.monotonic())
+                server.reply(rid, Reply("ok", reply))
             with self._lock:
                 self.write_status(final=True)
                 self._save()

@@ -516,6 +516,29 @@ def test_a_live_shard_refresh_parses_only_new_segment_names(tmp_path, monkeypatc
     assert reader._shards[next(iter(reader._shards))].finalized
 
 
+def test_next_batch_with_min_size_returns_what_it_holds_without_waiting(tmp_path, monkeypatch):
+    """The learner asks for up to 256 with min_size 1: three visible trajectories come back at
+    once (they may complete its batch), not after the timeout spent waiting for more."""
+    import types
+
+    from hpcrl.rl.store import reader as reader_mod
+
+    with ShardWriter(tmp_path, "w0", cfg(flush_every=3)) as w:
+        trajs = make(3)
+        for t in trajs:
+            w.append(t)
+    readers = StoreReader(tmp_path), StoreReader(tmp_path)
+
+    def no_wait(_s):
+        raise AssertionError("next_batch waited although it held trajectories")
+
+    monkeypatch.setattr(reader_mod, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=no_wait))
+    got = readers[0].next_batch(256, timeout_s=3600, min_size=1).trajectories
+    assert [t.id for t in got] == [t.id for t in trajs]
+    with pytest.raises(AssertionError, match="waited"):
+        readers[1].next_batch(256, timeout_s=3600)  # without min_size it waits for a full batch
+
+
 def test_reader_rejects_damaged_segments_and_goes_on(tmp_path, caplog):
     trajs = make(12)
     with ShardWriter(tmp_path, "w0", cfg(flush_every=4)) as w:

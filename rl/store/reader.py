@@ -79,7 +79,6 @@ class _Seg:
 class _Shard:
     path: Path
     segments: list[_Seg] = field(default_factory=list)  # by sequence number
-    seqs: list[int] = field(default_factory=list)  # their sequence numbers, for bisect
     seen: set[str] = field(default_factory=set)  # directory entries already looked at
     seq: int = 1  # read position: next row is `row` of the first segment with seq >= `seq`
     row: int = 0
@@ -88,15 +87,12 @@ class _Shard:
 
     def set_segments(self, state: ShardState) -> None:
         self.segments = sorted(_segments_of(state), key=lambda g: g.seq)
-        self.seqs = [g.seq for g in self.segments]
         self.seen = set(state.segment_names)
         self.finalized = state.finalized
         self.unverified = state.manifest_error is not None
 
     def add(self, seg: _Seg) -> None:
-        i = bisect.bisect_right(self.seqs, seg.seq)
-        self.segments.insert(i, seg)
-        self.seqs.insert(i, seg.seq)
+        bisect.insort(self.segments, seg, key=lambda g: g.seq)
 
 
 def _segments_of(state: ShardState) -> list[_Seg]:
@@ -153,12 +149,12 @@ class StoreReader:
         # refresh cost O(whole store) (67 ms at 5,000 segments, and growing all run). A live
         # shard's listing is taken again, but only names not seen before are parsed: parsing
         # all of them cost ~3 ms a refresh at 800 segments, growing until the shard rotates.
+        live = [shard for shard in self._shards.values() if not shard.finalized]
         for state in list_shards(self.store, skip=set(self._shards)):
             self._shards[state.name] = shard = _Shard(state.path)
-            shard.set_segments(state)
-        for shard in self._shards.values():
-            if not shard.finalized:
-                self._refresh_live(shard)
+            shard.set_segments(state)  # just listed: not listed again below
+        for shard in live:
+            self._refresh_live(shard)
 
     def _refresh_live(self, shard: _Shard) -> None:
         try:
@@ -186,9 +182,9 @@ class StoreReader:
 
     def _head(self, name: str) -> _Seg | None:
         shard = self._shards[name]
-        for i in range(bisect.bisect_left(shard.seqs, shard.seq), len(shard.segments)):
-            if (name, shard.seqs[i]) not in self._rejected:
-                return shard.segments[i]
+        for seg in shard.segments[bisect.bisect_left(shard.segments, shard.seq, key=lambda g: g.seq) :]:
+            if (name, seg.seq) not in self._rejected:
+                return seg
         return None
 
     def _load_next_segment(self) -> bool:

@@ -172,6 +172,11 @@ class AlgorithmConfig:
     entropy_coef: float = spec(
         0.01, help="entropy bonus: the loss subtracts this x the policy's entropy at each action token", ge=0
     )
+    entropy_decay_steps: int = spec(
+        0,
+        help="entropy_coef decays linearly to 0 over this many optimizer steps (explore, then sharpen); 0: constant",
+        ge=0,
+    )
     beta: float = spec(
         0.0, help="KL penalty to the initial policy (a ZeRO-3 reference model, k3 per action token); 0: none", ge=0
     )

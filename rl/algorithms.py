@@ -36,6 +36,8 @@ same gradient as one big batch. `loss_agg` picks the weights and the denominator
 `entropy_coef` adds an entropy bonus: each action token's loss gets -entropy_coef x H(pi(.|s_t)),
 with the same weights, so the gradient also spreads probability over the vocabulary (the policy
 keeps exploring prompts it has not solved, instead of answering them deterministically wrong).
+`entropy_decay_steps` lowers the coefficient linearly to 0 over that many steps: explore early,
+then let every answer sharpen.
 """
 
 from __future__ import annotations
@@ -113,19 +115,25 @@ class Algorithm(abc.ABC):
         return rows * self.cfg.loss_len if self.cfg.loss_agg == "constant" else rows
 
     def token_loss(
-        self, logprobs: torch.Tensor, batch: TokenBatch, entropy: torch.Tensor | None = None
+        self,
+        logprobs: torch.Tensor,
+        batch: TokenBatch,
+        entropy: torch.Tensor | None = None,
+        entropy_coef: float | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(weighted sum of per-token losses over action tokens, statistics summed over those
         tokens). `entropy` [B, T-1], each position's policy entropy, adds the entropy bonus
-        (differentiable) and the entropy statistics."""
+        (differentiable) and the entropy statistics; `entropy_coef` is the bonus's coefficient
+        at this step (schedule.entropy_coef_at; None: the configured one)."""
+        coef = self.cfg.entropy_coef if entropy_coef is None else entropy_coef
         mask = batch.action_mask
         # Behaviour logprobs are 0 off the action tokens; mask before exp so padding cannot overflow.
         log_ratio = (logprobs - batch.behaviour_logprobs) * mask
         ratio = torch.exp(log_ratio)
         adv = batch.advantages[:, None].to(logprobs.dtype).expand_as(logprobs)
         losses = self.token_losses(logprobs, ratio, adv)
-        if entropy is not None and self.cfg.entropy_coef:
-            losses = losses - self.cfg.entropy_coef * entropy
+        if entropy is not None and coef:
+            losses = losses - coef * entropy
         loss_sum = (losses * self.token_weights(mask)).sum()
         with torch.no_grad():
             lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high

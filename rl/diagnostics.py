@@ -6,6 +6,9 @@ The learner adds these to each step's metrics (and so to the run's `metrics.json
 
 * `zero_var_groups`: the fraction of groups whose rewards are all equal. Their advantages are 0,
   so they carry no policy gradient; near 1.0 the run learns nothing however long it trains.
+* `stuck_groups`: the fraction of groups all scoring the same and below the batch's mean reward:
+  prompts answered the same wrong way every time. Late in a run these are the ones the policy
+  has stopped exploring (often a token the answer needs was pushed to ~0 probability).
 * `group_reward_std`: mean over groups of the rewards' standard deviation.
 * `adv_abs_mean`, `adv_min`, `adv_max`, `adv_nonzero` (fraction of trajectories with A != 0).
 * `staleness_hist`: {policy versions behind the learner: trajectories}, by each one's oldest step.
@@ -60,8 +63,11 @@ def batch_diagnostics(
         prompt = decode(first.steps[0].prompt_tokens.tolist()) if len(first.steps[0].prompt_tokens) else first.task
         by_prompt[f"{first.domain}:{prompt}"].extend(t.final_reward for t in g)
     n = max(len(trajs), 1)
+    mean = sum(t.final_reward for t in trajs) / n
+    stuck = sum(1 for s, g in zip(stds, groups) if s < ZERO_VAR_EPS and g[0].final_reward < mean - ZERO_VAR_EPS)
     return {
         "zero_var_groups": sum(1 for s in stds if s < ZERO_VAR_EPS) / max(len(groups), 1),
+        "stuck_groups": stuck / max(len(groups), 1),
         "group_reward_std": sum(stds) / max(len(groups), 1),
         "adv_abs_mean": float(adv.abs().mean()) if len(adv) else 0.0,
         "adv_min": float(adv.min()) if len(adv) else 0.0,

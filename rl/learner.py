@@ -42,7 +42,7 @@ from hpcrl.rl.distenv import DistEnv, resolve_dist_env
 from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config, layer_leaf_modules
 from hpcrl.rl.logprobs import PolicyHead
 from hpcrl.rl.policy import build_policy_model, load_tokenizer, model_eos_ids, resolve_device
-from hpcrl.rl.schedule import lr_at, set_lr
+from hpcrl.rl.schedule import entropy_coef_at, lr_at, set_lr
 from hpcrl.rl.trajectory import Trajectory
 from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
 
@@ -218,6 +218,7 @@ class Learner:
         rewards = torch.tensor([t.final_reward for t in trajs])
         gidx = torch.tensor([i for i, g in enumerate(groups) for _ in g])
         adv = self.algorithm.advantages(rewards, gidx)
+        ent_coef = entropy_coef_at(self.cfg.algorithm, self.step)
         # Every advantage 0 (no group with reward variance): no policy gradient, yet an Adam step
         # would still move every weight on momentum (and on the entropy bonus alone). Skip it:
         # the step counts, the weights, the optimizer state and the version stay.
@@ -243,7 +244,7 @@ class Learner:
             # The number of micro-batches follows the batch's lengths, not DeepSpeed's configured
             # gradient_accumulation_steps: the last one is the boundary that reduces and steps.
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
-            loss_sum, st = self._micro_step(chunk, trajs, adv)
+            loss_sum, st = self._micro_step(chunk, trajs, adv, ent_coef)
             # DeepSpeed averages gradients over ranks: scale so the result is the batch's loss
             # (loss_agg's weighted sum over the whole batch / its denominator), whatever each
             # rank and micro-batch holds.
@@ -287,6 +288,7 @@ class Learner:
             "action_tokens": int(tok),
             "staleness_max": max(int(k) for k in diag["staleness_hist"]),
             "lr": lr,
+            "entropy_coef": ent_coef,
             "skipped": skip,
             "micro_batches": 0 if skip else len(chunks),
             **diag,
@@ -316,7 +318,13 @@ class Learner:
             longest = max(longest, n)
         return [*out, cur]
 
-    def _micro_step(self, chunk: list[int], trajs: Sequence[Trajectory], adv: torch.Tensor):
+    def _micro_step(
+        self,
+        chunk: list[int],
+        trajs: Sequence[Trajectory],
+        adv: torch.Tensor,
+        ent_coef: float | None = None,
+    ):
         if not chunk:
             # This rank has fewer rows than another: run a masked dummy row anyway, so the
             # collective parameter gathers inside forward stay in step across ranks.
@@ -333,9 +341,10 @@ class Learner:
             )
         )
         lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
-        if not self.cfg.algorithm.entropy_coef:
+        ent_coef = self.cfg.algorithm.entropy_coef if ent_coef is None else ent_coef
+        if not ent_coef:
             entropy = entropy.detach()  # measured for the diagnostics only
-        loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy)
+        loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy, ent_coef)
         if self.reference is not None:
             loss_sum, stats = self._add_reference_kl(loss_sum, stats, lp, tb)
         return loss_sum, stats

@@ -1,6 +1,7 @@
 """The learner's learning-rate schedule: linear warm-up, then constant, linear or cosine decay.
 
     lr = lr_at(cfg.learner, step)          # the rate for optimizer step `step` (0-based)
+    c = entropy_coef_at(cfg.learner.algorithm, step)   # the entropy bonus's coefficient there
     set_lr(engine.optimizer, lr)           # every parameter group
 
 Step s < lr_warmup_steps trains at lr x (s + 1) / lr_warmup_steps. After the warm-up,
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from hpcrl.core.config import LearnerConfig
+from hpcrl.core.config import AlgorithmConfig, LearnerConfig
 
-__all__ = ["lr_at", "set_lr"]
+__all__ = ["lr_at", "set_lr", "entropy_coef_at"]
 
 
 def lr_at(cfg: LearnerConfig, step: int) -> float:
@@ -29,6 +30,14 @@ def lr_at(cfg: LearnerConfig, step: int) -> float:
     if cfg.lr_schedule == "linear":
         return base - (base - low) * frac
     return low + 0.5 * (base - low) * (1.0 + math.cos(math.pi * frac))
+
+
+def entropy_coef_at(cfg: AlgorithmConfig, step: int) -> float:
+    """The entropy bonus's coefficient at optimizer step `step` (0-based): entropy_coef, decayed
+    linearly to 0 over entropy_decay_steps when that is set (a pure function of the step too)."""
+    if not cfg.entropy_decay_steps:
+        return cfg.entropy_coef
+    return cfg.entropy_coef * max(0.0, 1.0 - step / cfg.entropy_decay_steps)
 
 
 def set_lr(optimizer, lr: float) -> None:

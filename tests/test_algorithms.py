@@ -316,6 +316,23 @@ def test_lr_schedule():
     assert opt.param_groups[0]["lr"] == 0.25
 
 
+def test_entropy_coefficient_decay():
+    from hpcrl.rl.schedule import entropy_coef_at
+
+    assert entropy_coef_at(AlgorithmConfig(entropy_coef=0.05), 10**6) == 0.05  # 0: constant
+    decay = AlgorithmConfig(entropy_coef=0.05, entropy_decay_steps=100)
+    assert [entropy_coef_at(decay, s) for s in (0, 50, 100, 500)] == pytest.approx([0.05, 0.025, 0.0, 0.0])
+    # The coefficient handed to token_loss is the one used: at 0 the bonus adds no gradient.
+    from hpcrl.rl.logprobs import chunked_logprobs
+
+    z = torch.nn.Parameter(torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]]))
+    ids = torch.tensor([[0, 1, 2]])
+    batch = TokenBatch(ids, torch.ones_like(ids), torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.zeros(1))
+    lp, ent = chunked_logprobs(z, torch.eye(3), ids[:, 1:], chunk_tokens=1)
+    make_algorithm(decay).token_loss(lp, batch, ent, entropy_coef_at(decay, 100))[0].backward()
+    assert torch.equal(z.grad, torch.zeros_like(z))
+
+
 @pytest.mark.parametrize("loss_agg", ["token", "seq", "constant"])
 def test_reference_kl_is_weighted_as_the_policy_loss(loss_agg):
     """k3 per action token, hand-computed; the loss term weights each token as the policy loss

@@ -38,7 +38,7 @@ def test_batch_diagnostics_on_a_hand_made_batch():
     ]
     adv = torch.tensor([0.7071, -0.7071, 0.0, 0.0])
     d = batch_diagnostics(groups, adv, version=5, eos_ids={EOS}, decode=lambda ids: "".join(chr(60 + i) for i in ids))
-    assert d["zero_var_groups"] == 0.5
+    assert d["zero_var_groups"] == 0.5 and d["stuck_groups"] == 0.5  # b: wrong every time, below the mean
     assert d["group_reward_std"] == pytest.approx(np.std([1.0, 0.0], ddof=1) / 2)
     assert d["adv_nonzero"] == 0.5 and d["adv_max"] == pytest.approx(0.7071) and d["adv_min"] == pytest.approx(-0.7071)
     assert d["adv_abs_mean"] == pytest.approx(0.7071 / 2)

@@ -323,7 +323,7 @@ class Learner:
         chunk: list[int],
         trajs: Sequence[Trajectory],
         adv: torch.Tensor,
-        ent_coef: float | None = None,
+        ent_coef: float,
     ):
         if not chunk:
             # This rank has fewer rows than another: run a masked dummy row anyway, so the
@@ -341,7 +341,6 @@ class Learner:
             )
         )
         lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
-        ent_coef = self.cfg.algorithm.entropy_coef if ent_coef is None else ent_coef
         if not ent_coef:
             entropy = entropy.detach()  # measured for the diagnostics only
         loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy, ent_coef)

@@ -1,4 +1,5 @@
-"""The learner's learning-rate schedule: linear warm-up, then constant, linear or cosine decay.
+"""The learner's schedules: the learning rate (linear warm-up, then constant, linear or cosine
+decay) and the entropy bonus's coefficient (constant, or a linear decay to 0).
 
     lr = lr_at(cfg.learner, step)          # the rate for optimizer step `step` (0-based)
     c = entropy_coef_at(cfg.learner.algorithm, step)   # the entropy bonus's coefficient there
@@ -6,8 +7,8 @@
 
 Step s < lr_warmup_steps trains at lr x (s + 1) / lr_warmup_steps. After the warm-up,
 `constant` keeps lr; `linear` and `cosine` decay from lr to lr x lr_min_ratio at `max_steps`
-(and stay there if the run goes on). The schedule is a pure function of the step, which the
-learner's checkpoint restores, so a resumed run continues on the same curve.
+(and stay there if the run goes on). Both schedules are pure functions of the step, which the
+learner's checkpoint restores, so a resumed run continues on the same curves.
 """
 
 from __future__ import annotations

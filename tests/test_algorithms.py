@@ -328,9 +328,14 @@ def test_entropy_coefficient_decay():
     z = torch.nn.Parameter(torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]]))
     ids = torch.tensor([[0, 1, 2]])
     batch = TokenBatch(ids, torch.ones_like(ids), torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.zeros(1))
-    lp, ent = chunked_logprobs(z, torch.eye(3), ids[:, 1:], chunk_tokens=1)
-    make_algorithm(decay).token_loss(lp, batch, ent, entropy_coef_at(decay, 100))[0].backward()
-    assert torch.equal(z.grad, torch.zeros_like(z))
+    p = torch.softmax(z.detach()[0, 1], -1)
+    h = -(p * p.log()).sum()
+    for step, c in ((50, 0.025), (100, 0.0)):
+        z.grad = None
+        lp, ent = chunked_logprobs(z, torch.eye(3), ids[:, 1:], chunk_tokens=1)
+        make_algorithm(decay).token_loss(lp, batch, ent, entropy_coef_at(decay, step))[0].backward()
+        # d(-c H)/dz_k = c p_k (log p_k + H) at the action position, as in the constant case
+        assert torch.allclose(z.grad[0, 1], c * p * (p.log() + h), atol=1e-7), (step, z.grad)
 
 
 @pytest.mark.parametrize("loss_agg", ["token", "seq", "constant"])

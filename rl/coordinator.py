@@ -509,9 +509,10 @@ class Coordinator:
         finally:
             # Answered now rather than left to time out; "stop" only if the run is over (this
             # process may be stopping for a restart, which the generators wait out).
-            for rid, (name, *_) in parked.items():
-                with self._lock:
-                    reply = self._answer(name, 0, time.monotonic())
+            with self._lock:
+                now = time.monotonic()
+                replies = {rid: self._answer(name, 0, now) for rid, (name, *_) in parked.items()}
+            for rid, reply in replies.items():
                 server.reply(rid, Reply("ok", reply))
             with self._lock:
                 self.write_status(final=True)

@@ -318,13 +318,7 @@ class Learner:
             longest = max(longest, n)
         return [*out, cur]
 
-    def _micro_step(
-        self,
-        chunk: list[int],
-        trajs: Sequence[Trajectory],
-        adv: torch.Tensor,
-        ent_coef: float,
-    ):
+    def _micro_step(self, chunk: list[int], trajs: Sequence[Trajectory], adv: torch.Tensor, ent_coef: float):
         if not chunk:
             # This rank has fewer rows than another: run a masked dummy row anyway, so the
             # collective parameter gathers inside forward stay in step across ranks.

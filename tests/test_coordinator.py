@@ -235,6 +235,33 @@ def _serving(c: Coordinator, run):
     return stop, t
 
 
+def test_a_parked_sync_is_answered_when_the_coordinator_stops_serving(tmp_path):
+    """A generator parked on a full window is answered (empty) as the coordinator stops, not
+    left to its hour-long wait; "stop" stays false because the run is not over (the
+    coordinator may be stopping for a restart, which generators wait out)."""
+    from hpcrl.core.rpc import RequestClient
+    from hpcrl.core.transport import Node
+
+    run = tmp_path / "run"
+    c = make(run, sync_wait_s=3600.0, lease_s=600)
+    stop, thread = _serving(c, run)
+    body = {"generator": "g0", "want": 100, "done": [], "failed": [], "released": [], "stats": {}, "life": "a"}
+    try:
+        with Node(run, "gen-0") as gnode:
+            gen = RequestClient(gnode, "coordinator", timeout_s=3600.0, retries=0)
+            assert len(gen.request("sync", body).body["tickets"]) == 16  # the window is now full
+            pending = gen.start("sync", body)
+            assert pending.poll(0.3) is None  # parked
+            leases_before = set(c.leases)
+            stop.set()
+            reply = pending.poll(60.0)
+            assert reply is not None and reply.body["tickets"] == [] and reply.body["stop"] is False
+            assert set(c.leases) == leases_before
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_a_sync_that_finds_no_work_waits_for_the_learner_instead_of_polling(tmp_path):
     """Long poll (coordinator.sync_wait_s): a generator asking while the window is full is
     answered when the learner's report opens it, not at the end of its wait; one asking for

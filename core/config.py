@@ -292,6 +292,12 @@ class GeneratorConfig:
     weight_swap: Literal["continue", "restart"] = spec(
         "continue", help="new weights: actions in flight continue under them, or restart (exactly on-policy)"
     )
+    explore_temperature: float = spec(
+        1.0,
+        help="sampling temperature for a task whose last group here had equal rewards below the domain's mean "
+        "(wrong every time: no gradient), while under a fifth of the domain's groups are; 1: off (rl/explore.py)",
+        ge=1.0,
+    )
     session_fault: Literal["resume", "reissue"] = spec(
         "resume",
         help="a sandbox session's server fails mid-episode: resume on another server from the last good step, "

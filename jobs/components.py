@@ -410,6 +410,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                     "batch_rows": s.batch_rows,
                     "overlap_batches": s.overlap_batches,
                     "lent": s.lent,
+                    "hot_episodes": gen.stuck.hot_episodes,
                     "reward_mean": s.reward_sum / max(s.trajectories, 1),
                 }
 

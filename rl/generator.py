@@ -34,6 +34,7 @@ import numpy as np
 from hpcrl.core.config import GeneratorConfig
 from hpcrl.rl.domains import Domain, Environment, ExecFeedback, StepResult
 from hpcrl.rl.engine import ContextTooLong, DecodeEngine, SamplingSpec
+from hpcrl.rl.explore import StuckTasks
 from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import EpisodeTicket, TaskSource
 from hpcrl.rl.trajectory import SandboxOutcome, Step, Trajectory
@@ -86,6 +87,7 @@ class _Episode:
     version: int = -1  # the policy version its current action started under
     chat: bool = False  # prompt and feedback are chat turns
     fault: str = ""  # the last sandbox infrastructure fault its environment resumed after
+    temperature: float = 1.0  # its sampling temperature (the domain's, or hotter: rl/explore.py)
 
 
 class Generator:
@@ -118,6 +120,7 @@ class Generator:
         self.pool = cf.ThreadPoolExecutor(max_workers=cfg.env_threads, thread_name_prefix=f"{name}-env")
         self.episodes: list[_Episode] = []
         self.stats = GeneratorStats()
+        self.stuck = StuckTasks(cfg.explore_temperature, {n: d.size for n, d in self.domains.items()})
         missing = [d for d, dom in self.domains.items() if dom.needs_executor and executor is None]
         if missing:
             raise ValueError(f"generator {name}: domains {missing} run code but no executor (sandbox) was given")
@@ -210,6 +213,7 @@ class Generator:
             if hasattr(env, "on_fault"):  # a session environment: what its sandbox faults do
                 env.on_fault = self.cfg.session_fault
             ep = _Episode(ticket, domain, env, task.id, time.time())
+            ep.temperature = self.stuck.temperature(ticket, domain.action.temperature)
             self.episodes.append(ep)
             if domain.needs_executor:
                 ep.future = self.pool.submit(_timed, env.reset)
@@ -237,7 +241,7 @@ class Generator:
     def _submit(self, ep: _Episode, source: TaskSource) -> None:
         a = ep.domain.action
         room = self.max_context - len(ep.context)
-        spec = SamplingSpec(a.temperature, a.top_p, a.top_k, a.stop, self._domain_eos[ep.domain.name])
+        spec = SamplingSpec(ep.temperature, a.top_p, a.top_k, a.stop, self._domain_eos[ep.domain.name])
         max_new = min(self.cfg.max_new_tokens, a.max_tokens, room)
         # Keep the cache for its next turn where episodes of this domain do have one, and while
         # nothing is known yet (a domain's first actions): waiting for the first step result
@@ -367,6 +371,7 @@ class Generator:
         )
         self.stats.trajectories += 1
         self.stats.reward_sum += reward
+        self.stuck.record(ep.ticket, reward)
         t0 = time.perf_counter()
         sink(traj)
         source.done(ep.ticket)

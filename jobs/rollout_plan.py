@@ -21,7 +21,7 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   starts into GPUs a rollout job holds. In `scheduler.rollout_partition` (preemptible by the GPU
   partition: checked at submit and here, slurm/preempt.py) Slurm preempts such a rollout job in
   its next pass (SIGTERM: it hands back and exits). Otherwise the planner cancels it at once
-  (`rollout_jobs_to_yield`), a poll later; with a rollout partition only as a fallback, after
+  (jobs/give_way.py), a poll later; with a rollout partition only as a fallback, after
   `rollout_yield_after_s` of Slurm not preempting it (sooner it would race Slurm's preemption).
   Locally the windows are `scheduler.local_windows` (seconds from the run start); each is
   filled once, its processes get its end as their deadline and are signalled (SIGTERM) there,
@@ -35,6 +35,7 @@ as components with role `rollout`.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 import os
@@ -45,14 +46,13 @@ from pathlib import Path
 
 from hpcrl.core.config import Config, SchedulerConfig
 from hpcrl.core.files import atomic_write_json
+from hpcrl.jobs.give_way import overdue, rollout_jobs_to_yield
 from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
 from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow
 
 __all__ = [
     "RolloutJobSize",
     "coordinator_has_work",
-    "rollout_jobs_to_yield",
-    "overdue",
     "size_rollout_jobs",
     "rollout_planner",
     "check_rollout_partition",
@@ -351,7 +351,7 @@ class SlurmBackend:
         for row in queries.queue(job_ids=list(running)):
             if row["state"] == "RUNNING" and row["job_id"] in running:
                 ours.setdefault(row["reason_or_nodelist"], []).append((row["job_id"], running[row["job_id"]]["gpus"]))
-        blocking = rollout_jobs_to_yield(pending, idle, ours, members)
+        blocking = rollout_jobs_to_yield(pending, idle, ours, members, dt.datetime.now())
         self.blocking, give = overdue(blocking, self.blocking, now, self.yield_after_s)
         if not give:
             return False
@@ -368,53 +368,6 @@ class SlurmBackend:
         queries.cancel([j["job_id"] for j in act.values()])  # SIGTERM: each hands back what it holds
         for rec in act.values():
             rec.update(state="ended", ended=time.time(), slurm_state="cancelled at the run's end")
-
-
-_WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
-
-
-def rollout_jobs_to_yield(
-    pending, idle_by_node: dict[str, int], ours_by_node: dict[str, list[tuple[str, int]]], members: dict
-) -> dict[str, str]:
-    """{our rollout job id: the pending job it must give way to} (pure).
-
-    `pending`: other users' pending GPU jobs in Slurm's order; `idle_by_node`: idle GPUs per node;
-    `ours_by_node`: our running rollout jobs per node, (job id, GPUs); `members`: partition ->
-    its nodes. A pending job of N nodes with G GPUs each that held or dependent jobs aside finds
-    fewer than N nodes with G idle GPUs, but enough once our rollout jobs' GPUs count as idle,
-    gets those: ours are given back on as few nodes as it needs. GPUs a pending job could take
-    (with or without ours) are not counted again for the jobs after it. CPUs and memory are
-    not weighed: a rollout job holds little of either."""
-    idle = dict(idle_by_node)
-    ours = {n: list(js) for n, js in ours_by_node.items()}
-    out: dict[str, str] = {}
-    for job in pending:
-        if job.nodes < 1 or job.reason.startswith(_WAITING_ON_OTHERS):
-            continue
-        per_node = -(-job.gpus // job.nodes)
-        nodes = [n for n in members.get(job.partition, ()) if n in idle]
-        ready = sorted((n for n in nodes if idle[n] >= per_node), key=lambda n: idle[n])
-        lendable = lambda n: idle[n] + sum(g for _, g in ours.get(n, []))
-        could = sorted((n for n in nodes if idle[n] < per_node <= lendable(n)), key=lambda n: -idle[n])
-        short = max(job.nodes - len(ready), 0)
-        if short > len(could):
-            continue  # it waits for others' GPUs too: giving ours back would not start it
-        for n in could[:short]:
-            ours[n].sort(key=lambda jg: jg[1])
-            while idle[n] < per_node:
-                job_id, gpus = ours[n].pop()
-                out[job_id] = job.job_id
-                idle[n] += gpus
-        for n in ready[: job.nodes - short] + could[:short]:
-            idle[n] -= per_node  # it takes these: not for the jobs after it
-    return out
-
-
-def overdue(blocking: dict[str, str], since: dict[str, float], now: float, after_s: float) -> tuple[dict, dict]:
-    """(since when each rollout job of `blocking` has blocked a pending job, those that have for
-    `after_s` or more) (pure). One that stopped blocking is forgotten: blocking again starts anew."""
-    since = {j: since.get(j, now) for j in blocking}
-    return since, {j: other for j, other in blocking.items() if now - since[j] >= after_s}
 
 
 # squeue states of a job whose processes are gone (it will not run again: rollout jobs are not requeued)

@@ -89,6 +89,9 @@ class PendingJob:
     expected_start: dt.datetime | None  # Slurm's backfill estimate; None when it has none yet
     reason: str
     priority: int
+    # Nodes Slurm's backfill has planned it on (squeue %Y), empty when it has none yet: a job that
+    # cannot start now holds these from expected_start, and backfill keeps lower ones off them.
+    sched_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,13 +173,14 @@ _PENDING_FIELDS = (
     "priority",
     "tres",
     "reason",
+    "sched_nodes",
     "name",
 )
 
 
 def pending_jobs(partition: str | None = None) -> list[PendingJob]:
     """Pending jobs with Slurm's expected start times (`squeue --start`), earliest first."""
-    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%j"]
+    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%Y|%j"]
     if partition:
         argv += ["-p", partition]
     rows = parse.parse_delimited(run_slurm(argv).stdout, _PENDING_FIELDS)
@@ -193,6 +197,7 @@ def pending_jobs(partition: str | None = None) -> list[PendingJob]:
             expected_start=parse.parse_timestamp(r["start"]),
             reason=r["reason"],
             priority=int(r["priority"] or 0),
+            sched_nodes=tuple(parse.expand_hostlist(r["sched_nodes"])),
         )
         for r in rows
     ]

@@ -8,9 +8,10 @@ import datetime as dt
 import math
 
 from hpcrl.core.config import SchedulerConfig, load_config
+from hpcrl.jobs.give_way import overdue
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import coordinator_has_work, overdue, size_rollout_jobs
+from hpcrl.jobs.rollout_plan import coordinator_has_work, size_rollout_jobs
 from hpcrl.slurm.backfill.planner import ClusterWindow
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState

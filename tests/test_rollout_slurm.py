@@ -31,8 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.jobs.give_way import rollout_jobs_to_yield
 from hpcrl.jobs.launch import read_jobs
-from hpcrl.jobs.rollout_plan import ROLLOUT_NAME, rollout_jobs_to_yield
+from hpcrl.jobs.rollout_plan import ROLLOUT_NAME
 from hpcrl.jobs.supervise import queue_states
 from hpcrl.rl.coordinator import read_status
 from hpcrl.slurm import parse, queries
@@ -100,8 +101,9 @@ def test_scheduler_parameters_are_parsed_from_scontrol_show_config():
     assert parse.parse_scheduler_parameters("ClusterName = x\n") == {}
 
 
-def _pending(job_id: str, gpus: int, nodes: int = 1, reason: str = "Resources", partition: str = "gpu"):
-    return queries.PendingJob(job_id, partition, "other", "x", nodes, 1, gpus, 600, None, reason, 1)
+def _pending(job_id: str, gpus: int, nodes: int = 1, reason: str = "Resources", partition: str = "gpu", **kw):
+    kw = {"time_limit_s": 600, "expected_start": None, "priority": 1, **kw}
+    return queries.PendingJob(job_id, partition, "other", "x", nodes, 1, gpus, reason=reason, **kw)
 
 
 def test_rollout_jobs_give_way_only_to_a_pending_job_they_keep_from_starting():
@@ -127,6 +129,37 @@ def test_rollout_jobs_give_way_only_to_a_pending_job_they_keep_from_starting():
     # A job of another partition whose nodes we are not on.
     elsewhere = {**members, "other": ("n9",)}
     assert rollout_jobs_to_yield([_pending("b", 1, partition="other")], {"n2": 0}, ours, elsewhere) == {}
+
+
+def test_rollout_jobs_do_not_give_way_to_a_job_a_higher_priority_plan_holds_back():
+    """Run 6 of docs/benchmarks.md's backfill runs: ours were cancelled for jobs squeue showed
+    with reason Priority, behind a higher-priority job planned on the same GPUs, which Slurm
+    then did not start either: the GPUs stood idle."""
+    now = dt.datetime(2026, 12, 5, 12, 0, 0)
+    members = {"gpu": ("n1", "n2")}
+    ours = {"n2": [("r0", 1)]}
+    idle = {"n1": 0, "n2": 1}
+    # 4 GPUs on one node: not even n2 with ours (2) holds it; Slurm plans it on n2 in 5 minutes.
+    top = _pending("a", 4, priority=10, expected_start=now + dt.timedelta(seconds=300), sched_nodes=("n2",))
+    # 10 minutes on n2 would still run at a's start: Slurm keeps it off n2, ours stays.
+    long = _pending("b", 2, reason="Priority", time_limit_s=600)
+    assert rollout_jobs_to_yield([long, top], idle, ours, members, now) == {}
+    # The same jobs in Slurm's expected-start order are taken by priority: a first.
+    assert rollout_jobs_to_yield([top, long], idle, ours, members, now) == {}
+    # 2 minutes end before a's start: backfill would start it in our GPU, so ours gives way.
+    short = _pending("b", 2, reason="Priority", time_limit_s=120)
+    assert rollout_jobs_to_yield([top, short], idle, ours, members, now) == {"r0": "b"}
+    # A job without a time limit never ends in time.
+    assert rollout_jobs_to_yield([top, _pending("b", 2, time_limit_s=None)], idle, ours, members, now) == {}
+    # a planned on n1 holds nothing on n2; a plan without nodes or start holds nothing (as before).
+    on_n1 = _pending("a", 4, priority=10, expected_start=now + dt.timedelta(seconds=300), sched_nodes=("n1",))
+    assert rollout_jobs_to_yield([on_n1, long], idle, ours, members, now) == {"r0": "b"}
+    unplanned = _pending("a", 4, priority=10, expected_start=now + dt.timedelta(seconds=300))
+    assert rollout_jobs_to_yield([unplanned, long], idle, ours, members, now) == {"r0": "b"}
+    assert rollout_jobs_to_yield([top, long], idle, ours, members) == {"r0": "b"}  # no clock: as before
+    # A lower-priority job does not hold anything for a higher one: b is taken first and gets ours.
+    low = _pending("a", 4, priority=0, expected_start=now + dt.timedelta(seconds=300), sched_nodes=("n2",))
+    assert rollout_jobs_to_yield([low, _pending("b", 2, priority=5)], idle, ours, members, now) == {"r0": "b"}
 
 
 @pytest.mark.slurm

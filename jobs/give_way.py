@@ -1,0 +1,85 @@
+"""Which of the run's rollout jobs give their GPUs back to another user's pending job (pure).
+
+    blocking = rollout_jobs_to_yield(pending, idle_by_node, ours_by_node, members, now)
+    since, give = overdue(blocking, since, now_s, after_s)   # blocking for after_s or more
+
+`RolloutPlanner`'s give-way (jobs/rollout_plan.py) asks Slurm for the pending jobs, idle GPUs
+and where its rollout jobs run, and cancels what these rules name: the backfill contract is
+that a rollout job delays no one's start, including a job whose start moved earlier because
+another ended before its limit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+__all__ = ["rollout_jobs_to_yield", "overdue"]
+
+_WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
+
+
+def rollout_jobs_to_yield(
+    pending,
+    idle_by_node: dict[str, int],
+    ours_by_node: dict[str, list[tuple[str, int]]],
+    members: dict,
+    now: dt.datetime | None = None,
+) -> dict[str, str]:
+    """{our rollout job id: the pending job it must give way to} (pure).
+
+    `pending`: other users' pending GPU jobs; `idle_by_node`: idle GPUs per node; `ours_by_node`:
+    our running rollout jobs per node, (job id, GPUs); `members`: partition -> its nodes; `now`:
+    the time the expected starts are read against (Slurm's local time). Jobs are taken in
+    priority order, as Slurm's scheduler takes them. A pending job of N nodes with G GPUs each
+    that held or dependent jobs aside finds fewer than N nodes with G idle GPUs, but enough once
+    our rollout jobs' GPUs count as idle, gets those: ours are given back on as few nodes as it
+    needs. GPUs a pending job could take (with or without ours) are not counted again for the
+    jobs after it. A higher-priority job that cannot start now even with ours holds the nodes
+    Slurm planned it on (`sched_nodes`) from its expected start: a lower one that would still run
+    then may not start there (Slurm's backfill does not delay it; squeue says reason Priority),
+    so ours are not given back for it on those nodes. Without a plan (no nodes or no start
+    known) nothing is held, and ours are given back as before. CPUs and memory are not weighed:
+    a rollout job holds little of either."""
+    idle = dict(idle_by_node)
+    ours = {n: list(js) for n, js in ours_by_node.items()}
+    out: dict[str, str] = {}
+    held: list[tuple[dt.datetime, frozenset[str]]] = []  # (from when, nodes) of blocked higher ones
+    for _, job in sorted(enumerate(pending), key=lambda ij: (-ij[1].priority, ij[0])):
+        if job.nodes < 1 or job.reason.startswith(_WAITING_ON_OTHERS):
+            continue
+        per_node = -(-job.gpus // job.nodes)
+        nodes = [n for n in members.get(job.partition, ()) if n in idle and not _held_for(job, n, held, now)]
+        ready = sorted((n for n in nodes if idle[n] >= per_node), key=lambda n: idle[n])
+        lendable = lambda n: idle[n] + sum(g for _, g in ours.get(n, []))
+        could = sorted((n for n in nodes if idle[n] < per_node <= lendable(n)), key=lambda n: -idle[n])
+        short = max(job.nodes - len(ready), 0)
+        if short > len(could):
+            # It waits for others' GPUs too: giving ours back would not start it. It holds its plan.
+            if job.expected_start is not None and job.sched_nodes:
+                held.append((job.expected_start, frozenset(job.sched_nodes)))
+            continue
+        for n in could[:short]:
+            ours[n].sort(key=lambda jg: jg[1])
+            while idle[n] < per_node:
+                job_id, gpus = ours[n].pop()
+                out[job_id] = job.job_id
+                idle[n] += gpus
+        for n in ready[: job.nodes - short] + could[:short]:
+            idle[n] -= per_node  # it takes these: not for the jobs after it
+    return out
+
+
+def _held_for(job, node: str, held: list[tuple[dt.datetime, frozenset[str]]], now: dt.datetime | None) -> bool:
+    """Whether a higher-priority job's plan keeps `job` off `node`: it holds the node from a time
+    before `job`, started now, would end (a job without a time limit never ends in time)."""
+    if now is None:
+        return False
+    end = now + dt.timedelta(seconds=job.time_limit_s) if job.time_limit_s is not None else dt.datetime.max
+    return any(node in nodes and start < end for start, nodes in held)
+
+
+def overdue(blocking: dict[str, str], since: dict[str, float], now: float, after_s: float) -> tuple[dict, dict]:
+    """(since when each rollout job of `blocking` has blocked a pending job, those that have for
+    `after_s` or more) (pure). One that stopped blocking is forgotten: blocking again starts anew."""
+    since = {j: since.get(j, now) for j in blocking}
+    return since, {j: other for j, other in blocking.items() if now - since[j] >= after_s}

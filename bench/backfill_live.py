@@ -23,10 +23,11 @@ cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (id
 the partition in the baseline), filled_gpu_h (GPU-hours rollout jobs held in the backfill run
 over the same span), rollout_jobs {submitted, started, ended_in_window: ended before the
 window they were sized to closed, gave_way: cancelled by the planner, preempted: by Slurm},
-trained_from_rollout_jobs, lost and duplicated (rl/audit.py
-account: must be 0), max_delay_s (largest start delay of a background job, backfill vs
-baseline, each from its t0) against bf_interval_s, and per run the partition's busy GPU-hours,
-trajectories trained, trained per hpcrl GPU-hour and the reward at the end.
+trained_from_rollout_jobs, lost and duplicated (rl/audit.py account: must be 0), max_delay_s
+(largest start delay of a background job, backfill vs baseline, each from its t0, read from the
+job's own clock as it starts: sacct's whole seconds cannot tell a delay from the 1-s
+bf_interval; max_delay_sacct_s beside) against bf_interval_s, and per run the partition's busy
+GPU-hours, trajectories trained, trained per hpcrl GPU-hour and the reward at the end.
 Only this script's own jobs are cancelled, by id; it refuses to start while other jobs are queued.
 """
 
@@ -87,7 +88,10 @@ def submit_held(tmp: Path, name: str, gpus: int, limit_min: int, run_s: int) -> 
     from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
 
     res = Resources(partition="gpu", time_min=limit_min, nodes=1, gpus_per_node=gpus, mem_mb=256)
-    text = render_script([res], [f"sleep {run_s}"], job_name=name, output=str(tmp / f"{name}-%j.out"))
+    # Its own clock at its start, to the microsecond: sacct's start times are whole seconds, too
+    # coarse to tell a delay from Slurm's 1-s backfill interval.
+    clock = f"date +%s.%N > {tmp / name}.started"
+    text = render_script([res], [clock, f"sleep {run_s}"], job_name=name, output=str(tmp / f"{name}-%j.out"))
     return submit_script(write_script(text, tmp / f"{name}.sh"), ["--hold"])
 
 
@@ -194,6 +198,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "busy_gpu_h": (busy_bg + busy_fixed + busy_rollout) / 3600,
         "rollout_gpu_h": busy_rollout / 3600,
         "background_start_s": {n: (bg[j].start.timestamp() - t0) for n, j in others.items()},
+        "background_clock_s": {n: float((scripts / f"{n}.started").read_text()) - t0 for n in others},
         "rollout_jobs": {
             "submitted": len(rollout),
             "started": sum(1 for r in rollout.values() if recs.get(r["job_id"]) and recs[r["job_id"]].start),
@@ -238,7 +243,9 @@ def main() -> int:
         base = run_once("baseline", Path(d), args)
         wait_until(lambda: not queries.queue(), 120, "the queue to empty between runs")
         bf = run_once("backfill", Path(d), args)
-    delays = {n: bf["background_start_s"][n] - s for n, s in base["background_start_s"].items()}
+    # Delays from each job's own clock (what its user sees, sub-second); sacct's whole seconds beside.
+    delays = {n: bf["background_clock_s"][n] - s for n, s in base["background_clock_s"].items()}
+    sacct_delays = {n: bf["background_start_s"][n] - s for n, s in base["background_start_s"].items()}
     hole = base["idle_gpu_h"]
     out = {
         "hole_gpu_h": round(hole, 5),
@@ -248,12 +255,14 @@ def main() -> int:
         "trained_from_rollout_jobs": bf["trained_from_rollout_jobs"],
         "lost": base["lost"] + bf["lost"],
         "duplicated": base["duplicated"] + bf["duplicated"],
-        "max_delay_s": round(max(delays.values()), 1),
+        "max_delay_s": round(max(delays.values()), 2),
+        "max_delay_sacct_s": round(max(sacct_delays.values()), 1),
         "bf_interval_s": bf_interval_s,
         "rollout_partition": args.rollout_partition or None,
-        "delays_s": {n: round(v, 1) for n, v in delays.items()},
+        "delays_s": {n: round(v, 2) for n, v in delays.items()},
         "runs": {
-            r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "mode")} for r in (base, bf)
+            r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "background_clock_s", "mode")}
+            for r in (base, bf)
         },
     }
     if args.json:
@@ -276,6 +285,7 @@ def main() -> int:
         print(f"{key:34s}{out[key]}")
     print(f"{'lost / duplicated':34s}{out['lost']} / {out['duplicated']}")
     print(f"{'max_delay_s (bf_interval_s)':34s}{out['max_delay_s']} ({bf_interval_s})")
+    print(f"{'max_delay_sacct_s':34s}{out['max_delay_sacct_s']}")
     return 0
 
 

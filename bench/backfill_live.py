@@ -3,6 +3,7 @@ without delaying anyone? (issue 12, item 4)
 
     make devcluster && .venv/bin/python bench/backfill_live.py [--json] [--seed 7]   # about 6 minutes
     .venv/bin/python bench/backfill_live.py --rollout-partition scavenger   # Slurm preempts them
+    .venv/bin/python bench/backfill_live.py --keep /tmp/bflive   # keep the runs' logs to read after
 
 The same hpcrl run (`hpcrl submit`, tiny policy, the default domains; learner and one generator,
 2 of the 8 GPUs) twice, under the same background workload of other jobs on the gpu partition:
@@ -34,6 +35,7 @@ Only this script's own jobs are cancelled, by id; it refuses to start while othe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -232,6 +234,7 @@ def main() -> int:
         default="",
         help="scheduler.rollout_partition of the backfill run: a preemptible partition (dev cluster: scavenger)",
     )
+    p.add_argument("--keep", default="", help="keep both runs' directories (logs, rollout.json) under this folder")
     args = p.parse_args()
     from hpcrl.slurm import queries
 
@@ -239,7 +242,12 @@ def main() -> int:
         print("the dev cluster's queue is not empty: wait for it (or cancel your jobs) first", file=sys.stderr)
         return 2
     bf_interval_s = int(queries.scheduler_parameters().get("bf_interval", 30))
-    with tempfile.TemporaryDirectory(prefix="hpcrl-bflive-", dir=os.environ.get("HPCRL_BENCH_DIR")) as d:
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        where = contextlib.nullcontext(tempfile.mkdtemp(prefix="hpcrl-bflive-", dir=args.keep))
+    else:
+        where = tempfile.TemporaryDirectory(prefix="hpcrl-bflive-", dir=os.environ.get("HPCRL_BENCH_DIR"))
+    with where as d:
         base = run_once("baseline", Path(d), args)
         wait_until(lambda: not queries.queue(), 120, "the queue to empty between runs")
         bf = run_once("backfill", Path(d), args)

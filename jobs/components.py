@@ -54,6 +54,7 @@ class _Stop(threading.Event):
     ahead of the time limit; `requeue` tells the component to requeue its job once it has drained."""
 
     requeue = False
+    signalled_at: float | None = None  # time.time() of the first SIGTERM/SIGINT
 
 
 LAUNCHER_ENV = "HPCRL_LAUNCHER"  # "pid:create_time" of the `hpcrl run` that owns these local jobs
@@ -95,8 +96,14 @@ def start_component(run_dir: Path, name: str, role: str, metrics_cfg=None) -> _S
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
     stop = _Stop()
     if threading.current_thread() is threading.main_thread():
+
+        def on_signal(*_):
+            if stop.signalled_at is None:
+                stop.signalled_at = time.time()  # for the hand-back's timing line; no logging in a handler
+            stop.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
 
         def time_limit(*_):
             # Replaces submitit's USR2 handler, which requeues at once and exits from inside the
@@ -440,13 +447,28 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                     source.sink,
                     stop=lambda: beat() or stop.is_set() or source.should_stop() or self.should_end(),
                 )
-                source.release(gen.in_flight())  # unfinished episodes go back to the coordinator at once
+                t_loop = time.time()
+                held = gen.in_flight()
+                source.release(held)  # unfinished episodes go back to the coordinator at once
                 # Tell the coordinator before closing: close() waits for environment steps still
                 # running (a sandbox run up to its limit), which held the hand-back up as long.
                 source.finish(timeout_s=60.0)
+                t_acked = time.time()
                 gen.close()
             finally:
                 source.close()
+            # Where a stop's time went (a preempted rollout job's exit delays whoever preempted it).
+            t0 = stop.signalled_at or t_loop
+            log.info(
+                "%s: stopped (%s): loop ended %.3f s after it, %d episodes handed back and the store's "
+                "acknowledgements in %.3f s more, closed %.3f s after it",
+                self.name,
+                "signal" if stop.signalled_at else "no signal",
+                t_loop - t0,
+                len(held),
+                t_acked - t_loop,
+                time.time() - t0,
+            )
             # "coordinator": the run is over; "signal": asked to stop (the runner may restart it);
             # "window": a rollout job's window ended (jobs/rollout.py: never requeued).
             by = "coordinator" if source.should_stop() else "window" if self.should_end() else "signal"

@@ -73,10 +73,10 @@ class StuckTasks:
         self._visits.move_to_end(key)
         while len(self._visits) > _MAX_TASKS:
             self._visits.popitem(last=False)
-        if not visit.hot:
+        if not visit.hot or base >= self.explore_temperature:
             return base
         self.hot_episodes += 1
-        return max(base, self.explore_temperature)
+        return self.explore_temperature
 
     def record(self, ticket: EpisodeTicket, reward: float) -> None:
         """An episode of `ticket` ended with `reward`."""

@@ -46,6 +46,7 @@ def test_only_the_group_after_one_wrong_every_time_is_hot():
     assert _group(s, 0, 7, [0.0, 0.0]) == [1.5, 1.5]
     assert _group(s, 0, 8, [0.0, 0.0], base=2.0) == [2.0, 2.0]
     assert _group(s, 0, 9, [0.0, 0.0], base=0.0) == [0.0, 0.0]
+    assert s.hot_episodes == 10  # group 7 as well; a domain already as hot, or greedy, is not counted
     # The task of index i comes back as i + size in the next pass.
     assert _group(s, 10, 11, [0.0, 0.0]) == [1.5, 1.5]
     # While a fifth or more of the domain's groups are stuck, none is hot (early in a run).

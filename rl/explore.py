@@ -63,8 +63,10 @@ class StuckTasks:
     def temperature(self, ticket: EpisodeTicket, base: float) -> float:
         """The temperature for this episode: `base`, or explore_temperature if its task's last group
         (another group than this one) was stuck. Greedy (`base` 0) stays greedy."""
+        if self.explore_temperature <= 1.0 or base <= 0:  # off (the default): nothing kept, nothing looked up
+            return base
         key = self._key(ticket)
-        if self.explore_temperature <= 1.0 or base <= 0 or key is None:
+        if key is None:
             return base
         visit = self._visits.get(key)
         if visit is None or visit.group != ticket.group:

@@ -6,8 +6,9 @@ decay) and the entropy bonus's coefficient (constant, or a linear decay to 0).
     set_lr(engine.optimizer, lr)           # every parameter group
 
 Step s < lr_warmup_steps trains at lr x (s + 1) / lr_warmup_steps. After the warm-up,
-`constant` keeps lr; `linear` and `cosine` decay from lr to lr x lr_min_ratio at `max_steps`
-(and stay there if the run goes on). Both schedules are pure functions of the step, which the
+`constant` keeps lr; `linear` and `cosine` decay from lr to lr x lr_min_ratio over
+`lr_decay_steps` after the warm-up (0: until `max_steps`), and stay there if the run goes on. A
+decay of its own length serves a run that time or a user ends rather than `max_steps`. Both schedules are pure functions of the step, which the
 learner's checkpoint restores, so a resumed run continues on the same curves.
 """
 
@@ -26,7 +27,8 @@ def lr_at(cfg: LearnerConfig, step: int) -> float:
         return base * (step + 1) / warm
     if cfg.lr_schedule == "constant":
         return base
-    frac = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+    span = cfg.lr_decay_steps or cfg.max_steps - warm
+    frac = min(1.0, (step - warm) / max(1, span))
     low = base * cfg.lr_min_ratio
     if cfg.lr_schedule == "linear":
         return base - (base - low) * frac

@@ -311,6 +311,9 @@ def test_lr_schedule():
     assert lr_at(cos, 104) == pytest.approx(1e-4) and lr_at(cos, 500) == pytest.approx(1e-4)
     lin = LearnerConfig(lr=1e-3, lr_schedule="linear", lr_min_ratio=0.0, max_steps=100)
     assert lr_at(lin, 0) == pytest.approx(1e-3) and lr_at(lin, 25) == pytest.approx(0.75e-3)
+    # A decay of its own length (lr_decay_steps) counts from the end of the warm-up, not to max_steps.
+    own = LearnerConfig(lr=1e-3, lr_schedule="linear", lr_warmup_steps=10, lr_decay_steps=40, max_steps=10**7)
+    assert [lr_at(own, s) for s in (10, 30, 50, 10**6)] == pytest.approx([1e-3, 0.55e-3, 1e-4, 1e-4])
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     set_lr(opt, 0.25)
     assert opt.param_groups[0]["lr"] == 0.25

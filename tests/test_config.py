@@ -220,7 +220,7 @@ def test_cli_validate_ok_and_print():
             "algorithm, group_size, batch_groups, micro_batch, micro_batch_tokens, weight_decay, adam_beta1, "
             "adam_beta2, "
             "adam_eps, "
-            "lr_schedule, lr_warmup_steps, lr_min_ratio, skip_empty_steps, filter_groups, store_refresh_s, "
+            "lr_schedule, lr_decay_steps, lr_warmup_steps, lr_min_ratio, skip_empty_steps, filter_groups, store_refresh_s, "
             "grad_clip, max_steps, publish_every, keep_weights, checkpoint_every, keep_checkpoints, dist_backend, "
             "logit_chunk_tokens, activation_checkpointing, gather_per_layer, offload_optimizer, offload_params, "
             "deepspeed, eval "

@@ -217,14 +217,14 @@ class LearnerConfig:
     adam_beta2: float = spec(0.999, help="AdamW beta2 (second-moment decay)", ge=0, lt=1)
     adam_eps: float = spec(1e-8, help="AdamW epsilon", gt=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = spec(
-        "constant", help="learning rate after warm-up: constant, or a decay to lr x lr_min_ratio (see lr_decay_steps)"
+        "cosine", help="learning rate after warm-up: constant, or a decay to lr x lr_min_ratio (see lr_decay_steps)"
     )
     lr_decay_steps: int = spec(
-        0, help="lr_schedule linear/cosine: steps after warm-up over which the rate decays; 0: until max_steps", ge=0
+        2400, help="lr_schedule linear/cosine: steps after warm-up over which the rate decays; 0: until max_steps", ge=0
     )
     lr_warmup_steps: int = spec(0, help="linear learning-rate warm-up from 0 over this many optimizer steps", ge=0)
     lr_min_ratio: float = spec(
-        0.1, help="lr_schedule linear/cosine: the final learning rate as a fraction of lr", ge=0, le=1
+        0.2, help="lr_schedule linear/cosine: the final learning rate as a fraction of lr", ge=0, le=1
     )
     skip_empty_steps: bool = spec(
         True, help="no optimizer update for a batch whose advantages are all 0 (Adam would move on momentum)"

@@ -303,7 +303,7 @@ def test_lr_schedule():
     from hpcrl.core.config import LearnerConfig
     from hpcrl.rl.schedule import lr_at, set_lr
 
-    warm = LearnerConfig(lr=1e-3, lr_warmup_steps=4, max_steps=104)
+    warm = LearnerConfig(lr=1e-3, lr_schedule="constant", lr_warmup_steps=4, max_steps=104)
     assert [lr_at(warm, s) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
     cos = LearnerConfig(lr=1e-3, lr_schedule="cosine", lr_warmup_steps=4, lr_min_ratio=0.1, max_steps=104)
     assert lr_at(cos, 4) == pytest.approx(1e-3)

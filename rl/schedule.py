@@ -7,9 +7,10 @@ decay) and the entropy bonus's coefficient (constant, or a linear decay to 0).
 
 Step s < lr_warmup_steps trains at lr x (s + 1) / lr_warmup_steps. After the warm-up,
 `constant` keeps lr; `linear` and `cosine` decay from lr to lr x lr_min_ratio over
-`lr_decay_steps` after the warm-up (0: until `max_steps`), and stay there if the run goes on. A
-decay of its own length serves a run that time or a user ends rather than `max_steps`. Both schedules are pure functions of the step, which the
-learner's checkpoint restores, so a resumed run continues on the same curves.
+`lr_decay_steps` (0: until `max_steps`) and stay there if the run goes on. A decay of its own
+length serves a run that time or a user ends rather than `max_steps`. Both schedules are pure
+functions of the step, which the learner's checkpoint restores, so a resumed run continues on
+the same curves.
 """
 
 from __future__ import annotations

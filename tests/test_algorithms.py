@@ -305,14 +305,19 @@ def test_lr_schedule():
 
     warm = LearnerConfig(lr=1e-3, lr_schedule="constant", lr_warmup_steps=4, max_steps=104)
     assert [lr_at(warm, s) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
-    cos = LearnerConfig(lr=1e-3, lr_schedule="cosine", lr_warmup_steps=4, lr_min_ratio=0.1, max_steps=104)
+    # lr_decay_steps 0: the decay runs until max_steps.
+    cos = LearnerConfig(
+        lr=1e-3, lr_schedule="cosine", lr_warmup_steps=4, lr_min_ratio=0.1, lr_decay_steps=0, max_steps=104
+    )
     assert lr_at(cos, 4) == pytest.approx(1e-3)
     assert lr_at(cos, 54) == pytest.approx(0.55e-3)  # half-way: the mean of lr and lr x min_ratio
     assert lr_at(cos, 104) == pytest.approx(1e-4) and lr_at(cos, 500) == pytest.approx(1e-4)
-    lin = LearnerConfig(lr=1e-3, lr_schedule="linear", lr_min_ratio=0.0, max_steps=100)
+    lin = LearnerConfig(lr=1e-3, lr_schedule="linear", lr_min_ratio=0.0, lr_decay_steps=0, max_steps=100)
     assert lr_at(lin, 0) == pytest.approx(1e-3) and lr_at(lin, 25) == pytest.approx(0.75e-3)
     # A decay of its own length (lr_decay_steps) counts from the end of the warm-up, not to max_steps.
-    own = LearnerConfig(lr=1e-3, lr_schedule="linear", lr_warmup_steps=10, lr_decay_steps=40, max_steps=10**7)
+    own = LearnerConfig(
+        lr=1e-3, lr_schedule="linear", lr_warmup_steps=10, lr_decay_steps=40, lr_min_ratio=0.1, max_steps=10**7
+    )
     assert [lr_at(own, s) for s in (10, 30, 50, 10**6)] == pytest.approx([1e-3, 0.55e-3, 1e-4, 1e-4])
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     set_lr(opt, 0.25)

@@ -34,7 +34,7 @@ OWNED_KEYS = {
     "gradient_accumulation_steps": "learner.micro_batch (micro-steps follow from the batch)",
     "gradient_clipping": "learner.grad_clip",
     # The learner sets the learning rate of every param group at each step (learner.lr_schedule).
-    "scheduler": "learner.lr_schedule, learner.lr_warmup_steps and learner.lr_min_ratio",
+    "scheduler": "learner.lr_schedule, lr_decay_steps, lr_warmup_steps and lr_min_ratio",
 }
 
 

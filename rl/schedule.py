@@ -1,16 +1,17 @@
 """The learner's schedules: the learning rate (linear warm-up, then constant, linear or cosine
 decay) and the entropy bonus's coefficient (constant, or a linear decay to 0).
 
-    lr = lr_at(cfg.learner, step)          # the rate for optimizer step `step` (0-based)
+    lr = lr_at(cfg.learner, step)          # the rate for learner step `step` (0-based)
     c = entropy_coef_at(cfg.learner.algorithm, step)   # the entropy bonus's coefficient there
     set_lr(engine.optimizer, lr)           # every parameter group
 
 Step s < lr_warmup_steps trains at lr x (s + 1) / lr_warmup_steps. After the warm-up,
 `constant` keeps lr; `linear` and `cosine` decay from lr to lr x lr_min_ratio over
 `lr_decay_steps` (0: until `max_steps`) and stay there if the run goes on. A decay of its own
-length serves a run that time or a user ends rather than `max_steps`. Both schedules are pure
-functions of the step, which the learner's checkpoint restores, so a resumed run continues on
-the same curves.
+length serves a run that time or a user ends rather than `max_steps`. `step` is the learner's
+step, which counts every batch, one skipped for want of signal (skip_empty_steps) included: the
+curves follow the data consumed. Both schedules are pure functions of the step, which the
+learner's checkpoint restores, so a resumed run continues on the same curves.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ OVERRIDES = [
     "learner.batch_groups=4",
     "learner.micro_batch=4",
     f"learner.lr={LR}",
+    # The rate follows the learner's step, a skipped batch's included: held constant here so a run
+    # with a skipped batch trains exactly as one without it (the schedules: test_lr_schedule).
+    "learner.lr_schedule=constant",
     "learner.keep_weights=5",
     "generators.episodes_in_flight=16",
     "domains=[{name: arith/copy}, {name: arith/max3-retry2}]",

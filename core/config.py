@@ -212,6 +212,10 @@ class LearnerConfig:
     micro_batch_tokens: int = spec(
         8192, help="... and at most this many padded tokens (rows x the longest); 0: rows only", ge=0
     )
+    share_prompt: bool = spec(
+        True,
+        help="the learner runs a group's common prompt once, not once per member (needs sdpa or eager attention)",
+    )
     weight_decay: float = spec(0.0, help="AdamW weight decay", ge=0)
     adam_beta1: float = spec(0.9, help="AdamW beta1 (first-moment decay)", ge=0, lt=1)
     adam_beta2: float = spec(0.999, help="AdamW beta2 (second-moment decay)", ge=0, lt=1)

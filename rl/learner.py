@@ -34,13 +34,14 @@ import torch
 
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
-from hpcrl.rl.batch import collate
+from hpcrl.rl.batch import collate, collate_rows, layout
 from hpcrl.rl.checkpoints import CheckpointError, mark_complete, prune_checkpoints, resume_tag
 from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
 from hpcrl.rl.distenv import DistEnv, resolve_dist_env
 from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config, layer_leaf_modules
 from hpcrl.rl.logprobs import PolicyHead
+from hpcrl.rl.packing import MASKED_ATTENTION, Unit, attention_mask, pack, plan_units
 from hpcrl.rl.policy import build_policy_model, load_tokenizer, model_eos_ids, resolve_device
 from hpcrl.rl.schedule import entropy_coef_at, lr_at, set_lr
 from hpcrl.rl.trajectory import Trajectory
@@ -200,13 +201,23 @@ class Learner:
                 eps=self.cfg.adam_eps,
             )
         engine, *_ = self.ds.initialize(model=head, optimizer=opt, config=config)
+        self.attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.dtype = next(model.parameters()).dtype  # an eager attention mask's dtype
+        self.share_prompt = self.cfg.share_prompt and self.attn_impl in MASKED_ATTENTION
+        if self.cfg.share_prompt and not self.share_prompt:
+            warnings.warn(
+                f"learner.share_prompt: the model's {self.attn_impl!r} attention takes no 4-D mask "
+                f"(one of {MASKED_ATTENTION} does); training one row per trajectory",
+                stacklevel=2,
+            )
         return engine
 
     # -- training ------------------------------------------------------------------------
 
     def train_step(self, groups: Sequence[Sequence[Trajectory]]) -> dict[str, Any]:
         """One optimizer step on `groups` (batch_groups groups of group_size). Every rank must
-        call it with the same groups; rank r trains rows r, r + world, ..."""
+        call it with the same groups; rank r trains rows r, r + world, ... (with share_prompt:
+        groups r, r + world, ..., whole)."""
         t0 = time.perf_counter()
         trajs = [t for g in groups for t in g]
         expected = self.cfg.batch_groups * self.cfg.group_size
@@ -224,12 +235,23 @@ class Learner:
         # the step counts, the weights, the optimizer state and the version stay.
         skip = self.cfg.skip_empty_steps and bool((adv.abs() < 1e-12).all())
 
-        mine = list(range(self.rank, len(trajs), self.world))
-        # Rows of similar length together (contiguous runs of the sorted rows) keep padding low;
-        # the chunk count is the same on every rank (possibly an empty chunk), because each
-        # forward pass gathers ZeRO-3 shards collectively.
-        mine.sort(key=lambda i: -trajs[i].n_tokens)
-        chunks = self._chunks(mine, trajs)
+        if self.share_prompt:
+            # Whole groups per rank, each group's common prompt once (rl/packing.py).
+            starts = [0]
+            for g in groups:
+                starts.append(starts[-1] + len(g))
+            mine_groups = [list(range(starts[k], starts[k + 1])) for k in range(self.rank, len(groups), self.world)]
+            mine = [i for g in mine_groups for i in g]
+            rows = {i: layout(trajs[i]) for i in mine}
+            units = plan_units(rows, mine_groups, self.cfg.micro_batch_tokens)
+            chunks = self._chunks(units, [u.length for u in units], [len(u.members) for u in units])
+        else:
+            mine = list(range(self.rank, len(trajs), self.world))
+            # Rows of similar length together (contiguous runs of the sorted rows) keep padding
+            # low; the chunk count is the same on every rank (possibly an empty chunk), because
+            # each forward pass gathers ZeRO-3 shards collectively.
+            mine.sort(key=lambda i: -trajs[i].n_tokens)
+            chunks = self._chunks(mine, [trajs[i].n_tokens for i in mine], [1] * len(mine))
         if self.world > 1:
             chunks += [[]] * (int(self.comm.max([float(len(chunks))])[0]) - len(chunks))
         local_den = self.algorithm.denominator([int(sum(s.loss_mask.sum() for s in trajs[i].steps)) for i in mine])
@@ -244,7 +266,10 @@ class Learner:
             # The number of micro-batches follows the batch's lengths, not DeepSpeed's configured
             # gradient_accumulation_steps: the last one is the boundary that reduces and steps.
             self.engine.set_gradient_accumulation_boundary(k == len(chunks) - 1)
-            loss_sum, st = self._micro_step(chunk, trajs, adv, ent_coef)
+            if self.share_prompt:
+                loss_sum, st = self._micro_step_packed(chunk, rows, trajs, adv, ent_coef)
+            else:
+                loss_sum, st = self._micro_step(chunk, trajs, adv, ent_coef)
             # DeepSpeed averages gradients over ranks: scale so the result is the batch's loss
             # (loss_agg's weighted sum over the whole batch / its denominator), whatever each
             # rank and micro-batch holds.
@@ -301,21 +326,22 @@ class Learner:
             out["publish_s"] = time.perf_counter() - t1
         return out
 
-    def _chunks(self, rows: list[int], trajs: Sequence[Trajectory]) -> list[list[int]]:
-        """`rows` (longest first) cut into micro-batches of at most micro_batch rows and
-        micro_batch_tokens padded tokens (rows x the longest); a row over the budget goes alone.
+    def _chunks(self, items: list, lengths: list[int], counts: list[int]) -> list[list]:
+        """`items` (rows or packed units, longest first; each `lengths` tokens holding `counts`
+        trajectories) cut into micro-batches of at most micro_batch trajectories and
+        micro_batch_tokens padded tokens (items x the longest); one over the budget goes alone.
         Short rows thus share one pass (fewer, larger kernels), long ones are bounded in memory."""
         cap_rows, cap_tokens = self.cfg.micro_batch, self.cfg.micro_batch_tokens
-        out: list[list[int]] = []
-        cur: list[int] = []
-        longest = 0
-        for i in rows:
-            n = trajs[i].n_tokens
-            if cur and (len(cur) >= cap_rows or (cap_tokens and (len(cur) + 1) * max(longest, n) > cap_tokens)):
+        out: list[list] = []
+        cur: list = []
+        longest = held = 0
+        for item, n, k in zip(items, lengths, counts):
+            over_rows = held + k > cap_rows
+            if cur and (over_rows or (cap_tokens and (len(cur) + 1) * max(longest, n) > cap_tokens)):
                 out.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
+                cur, longest, held = [], 0, 0
+            cur.append(item)
+            longest, held = max(longest, n), held + k
         return [*out, cur]
 
     def _micro_step(self, chunk: list[int], trajs: Sequence[Trajectory], adv: torch.Tensor, ent_coef: float):
@@ -335,6 +361,33 @@ class Learner:
             )
         )
         lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
+        if not ent_coef:
+            entropy = entropy.detach()  # measured for the diagnostics only
+        loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy, ent_coef)
+        if self.reference is not None:
+            loss_sum, stats = self._add_reference_kl(loss_sum, stats, lp, tb)
+        return loss_sum, stats
+
+    def _micro_step_packed(self, units: list, rows: dict, trajs: Sequence[Trajectory], adv: torch.Tensor, ent_coef):
+        if not units:
+            # This rank has fewer micro-batches than another: a masked dummy row through the same
+            # packed pass (ZeRO-3 checks that every rank's forward visits the same modules).
+            dummy = {0: ([self.pad_id, self.pad_id], [1.0], [0.0])}
+            pb = pack([Unit((0,), 0, 2)], dummy, self.pad_id).to(self.device)
+            lp, _ = self.engine(pb.input_ids, attention_mask(pb.segment, self.attn_impl, self.dtype), packed=pb)
+            if self.reference is not None:
+                self.reference.logprobs(pb.input_ids, torch.ones_like(pb.input_ids))
+            return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
+        members = [i for u in units for i in u.members]  # the grid's rows, in pack()'s order
+        tb = collate_rows([rows[i] for i in members], adv[members], self.pad_id)
+        tb = type(tb)(
+            *(
+                x.to(self.device)
+                for x in (tb.input_ids, tb.attention_mask, tb.action_mask, tb.behaviour_logprobs, tb.advantages)
+            )
+        )
+        pb = pack(units, rows, self.pad_id).to(self.device)
+        lp, entropy = self.engine(pb.input_ids, attention_mask(pb.segment, self.attn_impl, self.dtype), packed=pb)
         if not ent_coef:
             entropy = entropy.detach()  # measured for the diagnostics only
         loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy, ent_coef)

@@ -105,23 +105,28 @@ class PolicyHead(torch.nn.Module):
             if getattr(head, "bias", None) is not None:
                 register_external_parameter(self, head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, packed=None):
+        """(log p, entropy) of each next token, [B, T-1]. With `packed` (rl/packing.py; the
+        arguments are then its packed rows and 4-D mask) only the action tokens it lists are
+        scored and put in their slots of the members' grid, the others 0, stacked: [2, B, T-1]."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        positions = _positions(attention_mask) if packed is None else packed.position_ids
         out = self.lm.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask), use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
         )
-        hidden = out.last_hidden_state[:, :-1]
         head = self.lm.get_output_embeddings()
-        return chunked_logprobs(
-            hidden,
-            head.weight,
-            input_ids[:, 1:],
-            self.chunk_tokens,
-            bias=getattr(head, "bias", None),
-            softcap=self._softcap,
-            scale=self._scale,
-        )
+        kw = dict(bias=getattr(head, "bias", None), softcap=self._softcap, scale=self._scale)
+        if packed is None:
+            hidden = out.last_hidden_state[:, :-1]
+            return chunked_logprobs(hidden, head.weight, input_ids[:, 1:], self.chunk_tokens, **kw)
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(0, packed.src)
+        lp, ent = chunked_logprobs(hidden, head.weight, packed.targets, self.chunk_tokens, **kw)
+        # One output tensor [2, B, T-1], not two: ZeRO-3 hooks each output's backward, and the
+        # order two of them fired in varied with the batch; ranks that disagree on it deadlock.
+        which = (torch.arange(2, device=lp.device)[:, None], packed.dest[None])
+        both = lp.new_zeros(2, packed.members * packed.width).index_put(which, torch.stack((lp, ent)))
+        return both.view(2, packed.members, packed.width)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, chunk_tokens=1024):

@@ -217,8 +217,8 @@ def test_cli_validate_ok_and_print():
         (
             ["learner.lrr=1"],
             "config error: learner.lrr: unknown key (did you mean 'lr'?); valid keys: lr, max_staleness, "
-            "algorithm, group_size, batch_groups, micro_batch, micro_batch_tokens, weight_decay, adam_beta1, "
-            "adam_beta2, "
+            "algorithm, group_size, batch_groups, micro_batch, micro_batch_tokens, share_prompt, weight_decay, "
+            "adam_beta1, adam_beta2, "
             "adam_eps, "
             "lr_schedule, lr_decay_steps, lr_warmup_steps, lr_min_ratio, skip_empty_steps, filter_groups, "
             "store_refresh_s, "

@@ -221,6 +221,27 @@ def test_per_layer_gathering_trains_exactly_as_per_submodule_gathering(setup):
     assert_same_training(weights(tmp / "noleaf", 0), weights(tmp / "leaf", 2), weights(tmp / "noleaf", 2), lr=LR)
 
 
+def test_shared_prompt_packing_trains_exactly_as_one_row_per_trajectory(setup):
+    """learner.share_prompt (the default) runs each group's common prompt once, its members'
+    own tokens masked from each other (rl/packing.py), and gives whole groups to each rank: the
+    same loss, statistics and update as one row per trajectory, on one rank and on two."""
+    from hpcrl.core.config import dump_config
+
+    tmp, cfg, batches = setup
+    rows_cfg = tmp / "rows.yaml"
+    rows_cfg.write_text(dump_config(load_config(None, OVERRIDES + ["learner.share_prompt=false"])))
+    packed = run_ranks(1, cfg, tmp / "packed", batches, tmp / "packed-out")[0]
+    packed2 = run_ranks(2, cfg, tmp / "packed2", batches, tmp / "packed2-out")[0]
+    rows = run_ranks(1, rows_cfg, tmp / "rows", batches, tmp / "rows-out")[0]
+    for a, a2, b in zip(packed["steps"], packed2["steps"], rows["steps"]):
+        assert a["action_tokens"] == a2["action_tokens"] == b["action_tokens"] > 0
+        for key in ("loss", "ratio_mean", "entropy", "clip_fraction"):
+            assert a[key] == pytest.approx(b[key], abs=1e-5) and a2[key] == pytest.approx(b[key], abs=1e-5), key
+    w0 = weights(tmp / "rows", 0)
+    assert_same_training(w0, weights(tmp / "packed", 2), weights(tmp / "rows", 2), lr=LR)
+    assert_same_training(w0, weights(tmp / "packed2", 2), weights(tmp / "rows", 2), lr=LR)
+
+
 def test_token_budget_micro_batches_train_as_one_pass(setup):
     """learner.micro_batch_tokens cuts each rank's rows by their padded length: how many micro-
     batches a step takes follows the batch (the ranks agree on the most, a short rank runs empty

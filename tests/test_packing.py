@@ -1,0 +1,120 @@
+"""Shared-prompt packing (rl/packing.py): which groups pack and how, and that a packed forward
+pass gives every action token the log-probability, entropy and gradient it gets in a row of its
+own, under both attention implementations that take a mask."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hpcrl.rl.batch import collate_rows
+from hpcrl.rl.logprobs import PolicyHead
+from hpcrl.rl.packing import MIN_SAVED, Unit, attention_mask, pack, plan_units
+
+PAD = 0
+
+
+def row(ids: list[int], first_action: int) -> tuple[list[int], list[float], list[float]]:
+    """layout() of a one-step trajectory: tokens from `first_action` on are actions."""
+    mask = [1.0 if t + 1 >= first_action else 0.0 for t in range(len(ids) - 1)]
+    return ids, mask, [-0.5 * m for m in mask]
+
+
+def test_plan_units_packs_groups_that_share_a_prompt_and_splits_over_the_budget():
+    rows = [
+        row([1, 5, 6, 7, 2], 3),  # group A: prompt 1 5 6, answers 7 2 / 7 3 / 8
+        row([1, 5, 6, 7, 3], 3),
+        row([1, 5, 6, 8], 3),
+        row([1, 9, 2], 2),  # group B: only token 1 in common: 1 of 7 tokens saved, not packed
+        row([1, 4, 3, 3], 2),
+    ]
+    units = plan_units(rows, [[0, 1, 2], [3, 4]])
+    # A shares "1 5 6" (3 tokens): 3 + 2 + 2 + 1 = 8 tokens against 14.
+    assert Unit((0, 1, 2), 3, 8) in units
+    assert Unit((3,), 0, 3) in units and Unit((4,), 0, 4) in units
+    assert [u.length for u in units] == sorted((u.length for u in units), reverse=True)
+    # Identical first answers share too: "1 5 6 7" is common to rows 0 and 1.
+    assert plan_units(rows, [[0, 1]]) == [Unit((0, 1), 4, 6)]
+    # A budget of 6 tokens: the prefix goes with every unit the group is split into.
+    assert plan_units(rows, [[0, 1, 2]], budget_tokens=6) == [Unit((1, 2), 3, 6), Unit((0,), 3, 5)]
+    assert MIN_SAVED > 1 / 7  # group B's case above
+
+
+def test_pack_lays_out_prefix_members_positions_and_gather_indices():
+    rows = [row([1, 5, 6, 7, 2], 3), row([1, 5, 6, 8], 3), row([1, 9], 1)]
+    pb = pack([Unit((0, 1), 3, 6), Unit((2,), 0, 2)], rows, PAD)
+    assert pb.input_ids.tolist() == [[1, 5, 6, 7, 2, 8], [1, 9, PAD, PAD, PAD, PAD]]
+    assert pb.position_ids.tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 0, 0, 0, 0]]
+    assert pb.segment.tolist() == [[0, 0, 0, 1, 1, 2], [1, 1, -1, -1, -1, -1]]
+    assert (pb.members, pb.width) == (3, 4)
+    # Row 0 predicts 7 at the prefix's end (2) and 2 at its own 7 (3); row 1 predicts 8 at 2;
+    # row 2 predicts 9 at 0 of the second packed row (flat 6).
+    assert pb.targets.tolist() == [7, 2, 8, 9]
+    assert pb.src.tolist() == [2, 3, 2, 6]
+    assert pb.dest.tolist() == [0 * 4 + 2, 0 * 4 + 3, 1 * 4 + 2, 2 * 4 + 0]
+    allowed = attention_mask(pb.segment, "sdpa", torch.float32)[0, 0]
+    # Member 2's token (position 5) sees the prefix and itself, not member 1's tokens.
+    assert allowed[5].tolist() == [True, True, True, False, False, True]
+    assert allowed[4].tolist() == [True, True, True, True, True, False]
+    eager = attention_mask(pb.segment, "eager", torch.float32)[0, 0]
+    assert torch.equal(eager == 0, allowed)
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        attention_mask(pb.segment, "flash_attention_2", torch.float32)
+
+
+def _groups(rng: random.Random, vocab: int):
+    """Groups of 4 with prompts of 2-7 tokens; answers of 1-5 tokens, some alike, some repeated."""
+    rows, groups = [], []
+    for _ in range(6):
+        prompt = [1] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 7))]
+        members = []
+        for _ in range(4):
+            answer = [rng.randrange(3, 6) for _ in range(rng.randrange(1, 6))]
+            r = row(prompt + answer, len(prompt))
+            if rng.random() < 0.3:  # a token of the answer not trained (loss_mask 0)
+                mask = list(r[1])
+                mask[-1] = 0.0
+                r = (r[0], mask, r[2])
+            members.append(len(rows))
+            rows.append(r)
+        groups.append(members)
+    return rows, groups
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_forward_matches_one_row_per_trajectory(impl):
+    torch.manual_seed(0)
+    vocab = 12
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, attn_implementation=impl)  # fmt: skip
+    head = PolicyHead(LlamaForCausalLM(cfg).float())
+    rows, groups = _groups(random.Random(1), vocab)
+    units = plan_units(rows, groups)
+    assert any(u.prefix > 0 and len(u.members) > 1 for u in units), "want packed groups"
+    members = [i for u in units for i in u.members]
+    tb = collate_rows([rows[i] for i in members], torch.zeros(len(members)), PAD)
+    on = tb.action_mask > 0
+
+    def run(packed: bool):
+        head.zero_grad()
+        if packed:
+            pb = pack(units, rows, PAD)
+            lp, ent = head(pb.input_ids, attention_mask(pb.segment, impl, torch.float32), packed=pb)
+        else:
+            lp, ent = head(tb.input_ids, tb.attention_mask)
+        weights = torch.linspace(-1.0, 1.0, on.sum().item())  # a different weight per token
+        ((lp[on] * weights).sum() + 0.1 * ent[on].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters()}
+        return lp.detach(), ent.detach(), grads
+
+    lp_p, ent_p, g_p = run(True)
+    lp_r, ent_r, g_r = run(False)
+    torch.testing.assert_close(lp_p[on], lp_r[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_p[on], ent_r[on], atol=1e-5, rtol=1e-5)
+    assert (lp_p[~on] == 0).all() and (ent_p[~on] == 0).all()
+    for name in g_r:
+        torch.testing.assert_close(g_p[name], g_r[name], atol=1e-5, rtol=1e-4, msg=name)

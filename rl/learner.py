@@ -243,7 +243,7 @@ class Learner:
             mine_groups = [list(range(starts[k], starts[k + 1])) for k in range(self.rank, len(groups), self.world)]
             mine = [i for g in mine_groups for i in g]
             rows = {i: layout(trajs[i]) for i in mine}
-            units = plan_units(rows, mine_groups, self.cfg.micro_batch_tokens)
+            units = plan_units(rows, mine_groups, self.cfg.micro_batch_tokens, self.cfg.micro_batch)
             chunks = self._chunks(units, [u.length for u in units], [len(u.members) for u in units])
         else:
             mine = list(range(self.rank, len(trajs), self.world))
@@ -374,7 +374,7 @@ class Learner:
             # packed pass (ZeRO-3 checks that every rank's forward visits the same modules).
             dummy = {0: ([self.pad_id, self.pad_id], [1.0], [0.0])}
             pb = pack([Unit((0,), 0, 2)], dummy, self.pad_id).to(self.device)
-            lp, _ = self.engine(pb.input_ids, attention_mask(pb.segment, self.attn_impl, self.dtype), packed=pb)
+            lp, _ = self.engine(pb.input_ids, self._packed_mask([], pb), packed=pb)
             if self.reference is not None:
                 self.reference.logprobs(pb.input_ids, torch.ones_like(pb.input_ids))
             return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
@@ -387,13 +387,20 @@ class Learner:
             )
         )
         pb = pack(units, rows, self.pad_id).to(self.device)
-        lp, entropy = self.engine(pb.input_ids, attention_mask(pb.segment, self.attn_impl, self.dtype), packed=pb)
+        lp, entropy = self.engine(pb.input_ids, self._packed_mask(units, pb), packed=pb)
         if not ent_coef:
             entropy = entropy.detach()  # measured for the diagnostics only
         loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy, ent_coef)
         if self.reference is not None:
             loss_sum, stats = self._add_reference_kl(loss_sum, stats, lp, tb)
         return loss_sum, stats
+
+    def _packed_mask(self, units: list, pb) -> torch.Tensor:
+        """The 4-D mask when some unit shares a prefix; else plain rows, and the 2-D padding
+        mask (the model's own causal mask: no [L, L] tensor for a long row of its own)."""
+        if any(u.prefix for u in units):
+            return attention_mask(pb.segment, self.attn_impl, self.dtype)
+        return (pb.segment >= 0).long()
 
     def _add_reference_kl(self, loss_sum: torch.Tensor, stats: dict, lp: torch.Tensor, tb):
         """loss + beta x KL(pi || reference) over the micro-batch's action tokens."""

@@ -15,9 +15,10 @@ share a position, as they would over separate rows.
 
 A group is packed when that removes at least `MIN_SAVED` of its tokens (short prompts and long
 completions save little, and a packed row's attention costs its length squared); else each
-member is a unit of its own (prefix 0: plain causal attention). A packed unit holds at most
-`budget_tokens` tokens: a group longer than that is split over several units, each with the
-prefix. Needs an attention that takes an arbitrary mask (sdpa, eager; not flash-attention 2).
+member is a unit of its own (prefix 0: plain causal attention; a micro-batch of such units
+needs no 4-D mask, so a long row of its own costs no [L, L] tensor). A packed unit holds at
+most `budget_tokens` tokens: a group longer than that is split over several units, each with
+the prefix. Needs an attention that takes an arbitrary mask (sdpa, eager; not flash-attention 2).
 """
 
 from __future__ import annotations
@@ -71,11 +72,9 @@ def _common_prefix(seqs: Sequence[list[int]]) -> int:
     return n
 
 
-def plan_units(
-    rows: Mapping[int, Row] | Sequence[Row], groups: Sequence[Sequence[int]], budget_tokens: int = 0
-) -> list[Unit]:
-    """Units for `groups` (each a list of row indices), longest first; `budget_tokens` (0: none)
-    caps a packed unit's length."""
+def plan_units(rows: Rows, groups: Sequence[Sequence[int]], budget_tokens: int = 0, max_members: int = 0) -> list[Unit]:
+    """Units for `groups` (each a list of row indices), longest first; `budget_tokens` caps a
+    packed unit's length and `max_members` its trajectories (0: no cap)."""
     units: list[Unit] = []
     for members in groups:
         ids = [rows[i][0] for i in members]
@@ -88,7 +87,7 @@ def plan_units(
         length = c
         for i, s in zip(members, ids):
             own = len(s) - c
-            if cur and budget_tokens and length + own > budget_tokens:
+            if cur and ((budget_tokens and length + own > budget_tokens) or len(cur) == max_members):
                 units.append(Unit(tuple(cur), c, length))
                 cur, length = [], c
             cur.append(i)

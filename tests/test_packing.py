@@ -40,6 +40,8 @@ def test_plan_units_packs_groups_that_share_a_prompt_and_splits_over_the_budget(
     assert plan_units(rows, [[0, 1]]) == [Unit((0, 1), 4, 6)]
     # A budget of 6 tokens: the prefix goes with every unit the group is split into.
     assert plan_units(rows, [[0, 1, 2]], budget_tokens=6) == [Unit((1, 2), 3, 6), Unit((0,), 3, 5)]
+    # At most 2 trajectories a unit (learner.micro_batch): the same split by count.
+    assert plan_units(rows, [[0, 1, 2]], max_members=2) == [Unit((0, 1), 3, 7), Unit((2,), 3, 4)]
     assert MIN_SAVED > 1 / 7  # group B's case above
 
 
@@ -118,3 +120,23 @@ def test_packed_forward_matches_one_row_per_trajectory(impl):
     assert (lp_p[~on] == 0).all() and (ent_p[~on] == 0).all()
     for name in g_r:
         torch.testing.assert_close(g_p[name], g_r[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rows_of_their_own_take_the_plain_padding_mask():
+    """Units without a shared prefix (what plan_units makes of a group not worth packing) go
+    through the packed pass with the 2-D padding mask, as the learner sends them: no [L, L]
+    tensor, the same log-probabilities as one row per trajectory."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)  # fmt: skip
+    head = PolicyHead(LlamaForCausalLM(cfg).float())
+    rows = [row([1, 4, 5, 6, 2], 2), row([1, 7, 3], 2), row([1, 8, 8, 9, 9, 3], 3)]
+    units = [Unit((i,), 0, len(r[0])) for i, r in enumerate(rows)]
+    pb = pack(units, rows, PAD)
+    tb = collate_rows(rows, torch.zeros(3), PAD)
+    on = tb.action_mask > 0
+    with torch.no_grad():
+        lp_p, _ = head(pb.input_ids, (pb.segment >= 0).long(), packed=pb)
+        lp_r, _ = head(tb.input_ids, tb.attention_mask)
+    torch.testing.assert_close(lp_p[on], lp_r[on], atol=1e-5, rtol=1e-5)

@@ -130,6 +130,10 @@ def pack(units: Sequence[Unit], rows: Rows, pad_id: int) -> PackedBatch:
             dest.append(b * grid_w + t)
             at += own
             b += 1
+    if not any(len(x) for x in targets):
+        # No action token to train (every loss mask 0): score one token anyway, into a slot the
+        # mask ignores, so the loss still has a graph for backward (and ZeRO-3 its hooks).
+        src, targets, dest = [np.zeros(1, np.int64)], [ids[0, :1]], [np.zeros(1, np.int64)]
     flat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))
     ids_t, pos_t, seg_t = (torch.from_numpy(a) for a in (ids, pos, seg))
     return PackedBatch(ids_t, pos_t, seg_t, flat(src), flat(targets), flat(dest), b, grid_w)

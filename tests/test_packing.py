@@ -140,3 +140,20 @@ def test_rows_of_their_own_take_the_plain_padding_mask():
         lp_p, _ = head(pb.input_ids, (pb.segment >= 0).long(), packed=pb)
         lp_r, _ = head(tb.input_ids, tb.attention_mask)
     torch.testing.assert_close(lp_p[on], lp_r[on], atol=1e-5, rtol=1e-5)
+
+
+def test_a_micro_batch_without_action_tokens_still_backpropagates():
+    """Every loss mask 0 (nothing to train in this micro-batch): the packed pass still scores
+    one token, into a slot the mask ignores, so backward runs (ZeRO-3 needs every rank's)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True)  # fmt: skip
+    head = PolicyHead(LlamaForCausalLM(cfg).float())
+    rows = [([1, 4, 5, 6], [0.0] * 3, [0.0] * 3), ([1, 4, 5, 7], [0.0] * 3, [0.0] * 3)]
+    units = plan_units(rows, [[0, 1]])
+    pb = pack(units, rows, PAD)
+    lp, _ = head(pb.input_ids, attention_mask(pb.segment, "sdpa", torch.float32), packed=pb)
+    tb = collate_rows(rows, torch.zeros(2), PAD)
+    (lp * tb.action_mask).sum().backward()
+    assert all(p.grad is not None for p in head.parameters())

@@ -300,7 +300,7 @@ class GeneratorConfig:
         "continue", help="new weights: actions in flight continue under them, or restart (exactly on-policy)"
     )
     explore_temperature: float = spec(
-        1.0,
+        2.0,
         help="sampling temperature for a task whose last group here had equal rewards below the domain's mean "
         "(wrong every time: no gradient), while under a fifth of the domain's groups are; 1: off (rl/explore.py)",
         ge=1.0,

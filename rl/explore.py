@@ -1,6 +1,6 @@
 """Hotter sampling for a task whose last group was wrong every time (generators.explore_temperature).
 
-    tracker = StuckTasks(explore_temperature=1.5, sizes={"sum": 100})   # domain -> its size (1: off)
+    tracker = StuckTasks(explore_temperature=2.0, sizes={"sum": 100})   # domain -> its size (1: off)
     t = tracker.temperature(ticket, domain.action.temperature)   # when the episode starts
     tracker.record(ticket, reward)                               # when it ends
 
@@ -10,6 +10,10 @@ once a token's probability has collapsed (docs/learning.md §4: the digit 0 at ~
 longer than a run. An entropy bonus cannot lift such a token (its push is proportional to the
 probability) and it keeps every solved answer soft as well. This raises the temperature only
 where a task is stuck: one success among a hot group gets the usual group-relative advantage.
+At 2.0 (the default) a token at log-probability -10.5 is sampled at ~5e-3: a policy that had
+lost `0+0=` for 500 s found it again within a minute, where 1.5 took minutes (docs/learning.md
+§4.4). For a pretrained model with a large vocabulary such a temperature samples much noise
+beside the answer; there, keep it near 1.
 Solved tasks and tasks that already vary are sampled as the domain asks, so the end of a run
 is not capped. The recorded log-probabilities stay the model's own at temperature 1
 (rl/engine.py), so the learner's importance ratio treats the hot samples as the policy's: a

@@ -25,11 +25,12 @@ vocabulary and shape (tied embeddings, hidden 64, 2 layers, 4 heads, MLP 256); `
 the harness as it is (its 48-character alphabet); `both` runs TRL twice.
 
 Printed for each run: the moving-average reward (window 20 optimizer steps, as the harness
-computes it) at 60, 150, 300 and 600 s, the time to a moving average of 0.5 and 0.9, steps,
-samples/s (TRL: completions generated per second of training; hpcrl: trajectories trained per
-second), and the load average during the run (other jobs share the machine: per-step and
-per-sample figures do not depend on it, wall-clock ones do). `--json` writes everything, and
-`--out` keeps the runs and a `vs_trl.png` of the curves.
+computes it) at 60, 150, 300 and 600 s, and its median and 10th percentile over the last fifth
+before each (48-60 s, ..., 480-600 s: one instant can fall on a single bad step); the time to a
+moving average of 0.5 and 0.9, steps, samples/s (TRL: completions generated per second of
+training; hpcrl: trajectories trained per second), and the load average during the run (other
+jobs share the machine: per-step and per-sample figures do not depend on it, wall-clock ones
+do). `--json` writes everything, and `--out` keeps the runs and a `vs_trl.png` of the curves.
 """
 
 from __future__ import annotations
@@ -118,9 +119,19 @@ def summarize(points: list[tuple[int, float, int, float]], minutes: float) -> di
         hit = next((i for i, v in enumerate(ma) if i + 1 >= full and v >= target), None)
         return None if hit is None else {"seconds": round(points[hit][1], 1), "step": points[hit][0]}
 
+    def trailing(seconds: float):
+        """Median and 10th percentile of the moving average over the last fifth before `seconds`:
+        the value at one instant can sit on a single bad step (a 20-step window late in a run
+        holds ~1.5 s of hpcrl's steps), so it is read beside the level around it."""
+        vals = sorted(m for p, m in zip(points, ma) if 0.8 * seconds <= p[1] <= seconds)
+        if not vals or reached < seconds:
+            return None
+        return {"median": round(vals[len(vals) // 2], 4), "p10": round(vals[len(vals) // 10], 4)}
+
     wall = points[-1][1]
     return {
         "ma_at_s": {str(s): at(s) for s in CHECKPOINTS_S},
+        "ma_trailing_s": {str(s): trailing(s) for s in CHECKPOINTS_S},
         "to_ma": {str(t): first(t) for t in TARGETS},
         "steps": points[-1][0],
         "samples": points[-1][2],
@@ -244,7 +255,9 @@ def _rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
     by_step = {}
-    for line in path.read_text().splitlines():
+    text = path.read_text()
+    # While the run is live its last line may be half written: only whole lines count.
+    for line in text[: text.rfind("\n") + 1].splitlines():
         if line.strip():
             r = json.loads(line)
             by_step[r["step"]] = r
@@ -277,6 +290,15 @@ def table(results: list[dict]) -> str:
             f"{name:24}{cells}{r['steps']:>8}{r['samples_per_s']:>11.0f}"
             f"{str(r['load']['mean']) + ' / ' + str(r['load']['max']):>15}"
         )
+    lines += ["", "moving average over the last fifth before each checkpoint, median (10th percentile):"]
+    for r in results:
+        name = r["system"] + (f" ({r['vocab']} tokens)" if r.get("vocab") else "")
+        trail = r.get("ma_trailing_s") or {}
+        cells = "".join(
+            f"{'-' if not trail.get(str(s)) else '{median:.3f} ({p10:.3f})'.format(**trail[str(s)]):>17}"
+            for s in CHECKPOINTS_S
+        )
+        lines.append(f"{name:24}{cells}")
     return "\n".join(lines)
 
 

@@ -39,8 +39,8 @@ __all__ = ["GroupBuffer", "DROP_REASONS", "collate", "layout"]
 # groups; under 1 MB in memory and in the learner's checkpoint.
 _CLOSED_KEEP = 16384
 # Why the learner dropped a trajectory: too many versions behind it, its group had closed (a
-# re-issued episode finished twice), the same episode twice in an open group, or its group's
-# rewards were all equal (filter_groups).
+# re-issued episode finished twice), the same episode twice in a group not yet trained, or its
+# group's rewards were all equal (filter_groups).
 DROP_REASONS = ("stale", "late", "duplicate", "filtered")
 
 
@@ -81,6 +81,12 @@ class GroupBuffer:
         key = self.key(traj)
         if key in self._closed:
             self._drop([traj], "late")
+            return
+        if key in self._complete:
+            # Its group is whole and waits to be trained, so this is a second copy of one of its
+            # episodes (a re-issued lease both generators finished). Taken for a new open group,
+            # it would have replaced the waiting group unaccounted once that group filled again.
+            self._drop([traj], "duplicate")
             return
         group = self._open.setdefault(key, {})
         if traj.episode in group:

@@ -3,6 +3,7 @@ the algorithm registry, and the token layout the learner trains on."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -250,6 +251,26 @@ def test_entropy_bonus_gradient_is_the_entropy_gradient():
     loss_sum, stats = off.token_loss(lp, batch, ent.detach())
     loss_sum.backward()
     assert torch.equal(hidden.grad, torch.zeros_like(z)) and stats["entropy_sum"] > 0
+
+
+def test_copies_of_a_whole_waiting_group_are_dropped_not_swapped_in():
+    """A generator killed after its group was stored but before it told the coordinator: the
+    coordinator re-issues the episodes, another generator finishes them, and their copies arrive
+    while the first group is whole and waiting for a batch. Found in
+    test_rollout_processes_fill_local_windows_and_lose_nothing: the copies filled a new group
+    under the same key, which replaced the waiting one, and 8 stored trajectories were neither
+    trained nor dropped."""
+    buf = GroupBuffer(group_size=2)
+    first = [traj("t1", 0, 1.0), traj("t1", 1, 0.0)]
+    for t in first:
+        buf.add(t)
+    copies = [dataclasses.replace(t, generator="h") for t in first]
+    for t in copies:
+        buf.add(t)
+    assert buf.complete_groups == 1 and buf.duplicates == 2
+    assert sorted(buf.drained()) == [("r/h/0", "duplicate"), ("r/h/1", "duplicate")]
+    (group,) = buf.pop(1, version=0, max_staleness=2)
+    assert [t.id for t in group] == ["r/g/0", "r/g/1"]
 
 
 def test_group_buffer_keeps_two_groups_of_one_task_apart_and_counts_dropped_groups_once():

@@ -73,6 +73,10 @@ class TokenBatch:
     def n_action_tokens(self) -> int:
         return int(self.action_mask.sum().item())
 
+    def to(self, device) -> TokenBatch:
+        fields = (self.input_ids, self.attention_mask, self.action_mask, self.behaviour_logprobs, self.advantages)
+        return TokenBatch(*(t.to(device) for t in fields))
+
 
 def group_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, normalize_std: bool, eps: float = 1e-6

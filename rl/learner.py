@@ -353,13 +353,9 @@ class Learner:
             if self.reference is not None:
                 self.reference.logprobs(ids, torch.ones_like(ids))
             return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
-        tb = self._on_device(collate([trajs[i] for i in chunk], adv[chunk], self.pad_id))
+        tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id).to(self.device)
         lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
         return self._loss(lp, entropy, tb, ent_coef)
-
-    def _on_device(self, tb):
-        fields = (tb.input_ids, tb.attention_mask, tb.action_mask, tb.behaviour_logprobs, tb.advantages)
-        return type(tb)(*(x.to(self.device) for x in fields))
 
     def _loss(self, lp: torch.Tensor, entropy: torch.Tensor, tb, ent_coef: float):
         if not ent_coef:
@@ -380,7 +376,7 @@ class Learner:
                 self.reference.logprobs(pb.input_ids, torch.ones_like(pb.input_ids))
             return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
         members = [i for u in units for i in u.members]  # the grid's rows, in pack()'s order
-        tb = self._on_device(collate_rows([rows[i] for i in members], adv[members], self.pad_id))
+        tb = collate_rows([rows[i] for i in members], adv[members], self.pad_id).to(self.device)
         pb = pack(units, rows, self.pad_id).to(self.device)
         lp, entropy = self.engine(pb.input_ids, self._packed_mask(units, pb), packed=pb)
         return self._loss(lp, entropy, tb, ent_coef)

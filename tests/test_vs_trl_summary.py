@@ -44,5 +44,8 @@ def test_a_half_written_last_metrics_line_is_not_read(vs_trl, tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "time": 5.0}\n{"step": 2, "time": 6.0}\n{"step": 3, "ti')
     assert [r["step"] for r in vs_trl._rows(path)] == [1, 2]
+    assert vs_trl._last_row(path) == {"step": 2, "time": 6.0}
     path.write_text('{"step": 1, "time": 5.0}\n')
     assert [r["step"] for r in vs_trl._rows(path)] == [1]
+    assert vs_trl._last_row(path) == {"step": 1, "time": 5.0}
+    assert vs_trl._last_row(tmp_path / "absent.jsonl") is None

@@ -94,6 +94,20 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
 
 
 @pytest.mark.slow
+def _last_audited_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / AUDIT_NAME).read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            steps.append(json.loads(line).get("step", 0))
+        except json.JSONDecodeError:  # the line being written
+            pass
+    return max(steps)
+
+
 def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_path):
     from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
     from hpcrl.rl.store.reader import StoreReader, iter_segments
@@ -114,14 +128,16 @@ def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_pat
         assert proc.poll() is None and time.monotonic() < deadline, (
             proc.stdout.read()[-3000:] if proc.poll() else "no progress"
         )
-        st = read_status(run_dir) or {}
-        step = (st.get("learner") or {}).get("step", 0)
+        # The audit log is written (and fsynced) at every step; status.json lags it. Kill 4+ steps
+        # past a checkpoint (every 10) and 2+ steps before the next, so the dead life has trained
+        # steps its restart must redo, whatever the machine's speed: one read of the log just
+        # before the kill, no step counted from a lagging status.
+        step = _last_audited_step(run_dir)
         learner = pids(run_dir, "learner")
-        if step >= 14 and learner:
-            os.kill(learner[0], signal.SIGKILL)  # mid-run, 4+ steps after the step-10 checkpoint
+        if step >= 14 and step % 10 in range(1, 8) and learner:
+            os.kill(learner[0], signal.SIGKILL)
             killed = step
-            # status.json lags the learner: on a busy machine it may have passed step 20 and saved
-            # again. The newest whole checkpoint at the kill is what the restart must resume from.
+            # The newest whole checkpoint at the kill is what the restart must resume from.
             tag = resume_tag(run_dir / "checkpoints")
             saved = json.loads((run_dir / "checkpoints" / tag / COMPLETE_NAME).read_text())["step"]
         time.sleep(0.2)

@@ -4,6 +4,7 @@ without delaying anyone? (issue 12, item 4)
     make devcluster && .venv/bin/python bench/backfill_live.py [--json] [--seed 7]   # about 6 minutes
     .venv/bin/python bench/backfill_live.py --rollout-partition scavenger   # Slurm preempts them
     .venv/bin/python bench/backfill_live.py --keep /tmp/bflive   # keep the runs' logs to read after
+    .venv/bin/python bench/backfill_live.py --set scheduler.give_way_interval_s=2   # any override
 
 The same hpcrl run (`hpcrl submit`, tiny policy, the default domains; learner and one generator,
 2 of the 8 GPUs) twice, under the same background workload of other jobs on the gpu partition:
@@ -16,8 +17,8 @@ has published weights, so both runs see the same queue from the same moment.
 * backfill: up to --rollout-jobs rollout jobs (1 GPU each) that the run's supervisor sizes to
   the windows squeue --start shows (jobs/rollout_plan.py); with --rollout-partition they are
   submitted to that preemptible partition (scheduler.rollout_partition: the dev cluster's
-  `scavenger`), so Slurm preempts one that blocks a background job instead of the planner
-  cancelling it a poll later.
+  `scavenger`), so Slurm preempts one that blocks a background job (the planner's give-way then
+  waits scheduler.rollout_yield_after_s before it cancels one itself).
 
 Each run is measured over [t0, the last background job's end] from sacct (1 s resolution), then
 cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (idle GPU-hours of
@@ -112,7 +113,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     from hpcrl.slurm import queries
 
     jobs_cap = args.rollout_jobs if mode == "backfill" else 0
-    part = [f"scheduler.rollout_partition={args.rollout_partition}"] if mode == "backfill" else []
+    part = [f"scheduler.rollout_partition={args.rollout_partition}", *args.set] if mode == "backfill" else []
     run_dir = tmp / mode
     scripts = tmp / f"{mode}-others"
     scripts.mkdir(parents=True)
@@ -235,6 +236,13 @@ def main() -> int:
         help="scheduler.rollout_partition of the backfill run: a preemptible partition (dev cluster: scavenger)",
     )
     p.add_argument("--keep", default="", help="keep both runs' directories (logs, rollout.json) under this folder")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override of the backfill run, e.g. scheduler.rollout_yield_after_s=0 (repeatable)",
+    )
     args = p.parse_args()
     from hpcrl.slurm import queries
 
@@ -267,6 +275,7 @@ def main() -> int:
         "max_delay_sacct_s": round(max(sacct_delays.values()), 1),
         "bf_interval_s": bf_interval_s,
         "rollout_partition": args.rollout_partition or None,
+        "overrides": args.set,
         "delays_s": {n: round(v, 2) for n, v in delays.items()},
         "runs": {
             r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "background_clock_s", "mode")}

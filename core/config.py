@@ -416,6 +416,13 @@ class SchedulerConfig:
         "is cancelled, seconds",
         ge=0,
     )
+    give_way_interval_s: float = spec(
+        0.0,
+        help="how often a Slurm run checks whether its rollout jobs keep another job from starting "
+        "(one squeue of the partitions; the full check when a job there started or ended), seconds; "
+        "0: a quarter of Slurm's bf_interval, at least 0.25",
+        ge=0,
+    )
     local_windows: tuple[LocalWindowConfig, ...] = spec(
         factory=lambda: (LocalWindowConfig(),),
         help="executor local: idle-GPU windows rollout processes may use (the Slurm run asks squeue)",

@@ -3,6 +3,7 @@
     planner = rollout_planner(cfg, run_dir, roles)   # None unless scheduler.policy is backfill and
                                                      # max_rollout_jobs and max_rollout_gpus are > 0
     planner.tick()                                   # every poll of LocalRun / the Slurm supervisor
+    planner.watch()                                  # between the Slurm supervisor's polls (give-way)
     planner.stop_all()                               # the run is over
 
 It lives in the process that already watches the run's jobs (`LocalRun` for `hpcrl run`, the
@@ -21,8 +22,10 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   starts into GPUs a rollout job holds. In `scheduler.rollout_partition` (preemptible by the GPU
   partition: checked at submit and here, slurm/preempt.py) Slurm preempts such a rollout job in
   its next pass (SIGTERM: it hands back and exits). Otherwise the planner cancels it at once
-  (jobs/give_way.py), a poll later; with a rollout partition only as a fallback, after
-  `rollout_yield_after_s` of Slurm not preempting it (sooner it would race Slurm's preemption).
+  (jobs/give_way.py) within `scheduler.give_way_interval_s` (by default a quarter of Slurm's
+  bf_interval: between its polls the supervisor runs `watch()`, one squeue of the partitions, and
+  the full check once a job there started or ended); with a rollout partition only after
+  `rollout_yield_after_s` of Slurm not preempting it.
   Locally the windows are `scheduler.local_windows` (seconds from the run start); each is
   filled once, its processes get its end as their deadline and are signalled (SIGTERM) there,
   killed rollout_drain_s + 30 s later if still alive, as Slurm's time limit would.
@@ -52,6 +55,7 @@ from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow
 
 __all__ = [
     "RolloutJobSize",
+    "give_way_interval_s",
     "coordinator_has_work",
     "size_rollout_jobs",
     "rollout_planner",
@@ -74,6 +78,21 @@ def coordinator_has_work(status: dict | None, max_ahead_groups: int) -> bool:
         return False  # no weights published yet: a generator started now would only wait for them
     consumed = int(ln.get("trained_groups", 0)) + int(ln.get("dropped_groups", 0))
     return int(status.get("queued", 0)) > 0 or int(status.get("groups_issued", 0)) - consumed < max_ahead_groups
+
+
+def give_way_interval_s(configured_s: float, scheduler_parameters: dict[str, str]) -> float:
+    """How often the supervisor watches for a job that our rollout jobs keep from starting (pure):
+    `configured_s`, or a quarter of Slurm's bf_interval (30 s when unset), at least 0.25 s. A job
+    that ends early pulls a pending job's start into our GPUs; Slurm's next backfill pass would
+    start it there, so giving way well within one pass keeps its start where it would have been
+    without us. One squeue per look: on a production cluster (bf_interval 30 s) every 7.5 s."""
+    if configured_s > 0:
+        return configured_s
+    try:
+        bf_interval_s = float(scheduler_parameters.get("bf_interval") or 30)
+    except ValueError:
+        bf_interval_s = 30.0
+    return max(bf_interval_s / 4, 0.25)
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,8 @@ class RolloutPlanner:
         self.gpus_per_job = max(cfg.slurm.generator.gpus_per_node, 1)
         self.record = self._load()
         self._next_plan = 0.0
+        self._seen = None  # the partitions' jobs at the last watch()
+        self.watch_interval_s = math.inf  # how often watch() is due (Slurm: give_way_interval_s)
 
     def _load(self) -> dict:
         import json
@@ -169,6 +190,16 @@ class RolloutPlanner:
         if changed:
             self.save()
 
+    def watch(self) -> None:
+        """Between polls: tick() at once if a job in the partitions started, ended or was queued
+        since the last look (one squeue), so a rollout job gives way within one look of it."""
+        if not any(not j.get("pending") for j in self.active().values()):
+            return  # nothing running that could be in anyone's way
+        seen = self.backend.signature(self)
+        if seen != self._seen:
+            self.tick()
+            self._seen = seen  # after the check: one that failed (squeue busy) is tried again
+
     def stop_all(self) -> None:
         self.backend.stop_all(self)
         self.save()
@@ -213,6 +244,9 @@ class LocalBackend:
             gpus_free -= jobs * p.gpus_per_job
             changed = True
         return changed
+
+    def signature(self, p: RolloutPlanner) -> None:
+        return None  # local windows: nothing to give way to
 
     def reap(self, p: RolloutPlanner, now: float) -> bool:
         changed = False
@@ -296,6 +330,12 @@ class SlurmBackend:
                 window.blocked_by,
             )
         return True
+
+    def signature(self, p: RolloutPlanner) -> tuple:
+        from hpcrl.slurm import queries
+
+        parts = {p.cfg.slurm.generator.partition, p.sched.rollout_partition} - {""}
+        return queries.partition_jobs(sorted(parts))
 
     def reap(self, p: RolloutPlanner, now: float) -> bool:
         from hpcrl.slurm import queries
@@ -453,4 +493,11 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
 
         yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0
         backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s)
-    return RolloutPlanner(cfg, run_dir, template, backend)
+    planner = RolloutPlanner(cfg, run_dir, template, backend)
+    if cfg.executor == "slurm":
+        from hpcrl.slurm import queries
+
+        params = {} if s.give_way_interval_s > 0 else queries.scheduler_parameters()
+        planner.watch_interval_s = give_way_interval_s(s.give_way_interval_s, params)
+        log.info("rollout: give-way checked every %.2f s", planner.watch_interval_s)
+    return planner

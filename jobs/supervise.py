@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -471,8 +472,19 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
                 done = None
             if done:
                 return done
-            stop.wait(self.poll_s)
+            self.between_polls(stop)
         return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
+
+    def between_polls(self, stop) -> None:
+        """Wait poll_s; meanwhile rollout jobs give way as soon as a job in their partitions ends
+        (RolloutPlanner.watch every scheduler.give_way_interval_s), not a poll later."""
+        due = time.monotonic() + self.poll_s
+        step = self.rollouts.watch_interval_s if self.rollouts is not None else math.inf
+        while not stop.wait(max(min(step, due - time.monotonic()), 0.0)) and time.monotonic() < due:
+            try:
+                self.rollouts.watch()
+            except SlurmCommandError as exc:
+                log.warning("%s", exc)
 
     def check(self, record: dict) -> str | None:
         """One poll: restart dead and hung components after their backoff; 'finished' when the

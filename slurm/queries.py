@@ -321,6 +321,14 @@ def queue(user: str | None = None, job_ids: list[str] | tuple[str, ...] = ()) ->
     )
 
 
+def partition_jobs(partitions: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(job id, state) of every pending, running or completing job in these partitions, sorted:
+    one cheap squeue whose change says that a job there started, ended or was queued."""
+    argv = ["squeue", "-h", "-r", "-t", "PENDING,RUNNING,COMPLETING", "-o", "%i|%T", "-p", ",".join(partitions)]
+    rows = parse.parse_delimited(run_slurm(argv).stdout, ("job_id", "state"))
+    return tuple(sorted((r["job_id"], r["state"]) for r in rows))
+
+
 def cancel(job_ids: list[str] | tuple[str, ...], signal: str | None = None) -> None:
     """`scancel` these jobs (all of an array's tasks when given the array id)."""
     if not job_ids:

@@ -11,7 +11,7 @@ from hpcrl.core.config import SchedulerConfig, load_config
 from hpcrl.jobs.give_way import overdue
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import coordinator_has_work, size_rollout_jobs
+from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, give_way_interval_s, size_rollout_jobs
 from hpcrl.slurm.backfill.planner import ClusterWindow
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState
@@ -107,3 +107,77 @@ def test_in_a_preemptible_partition_the_planner_gives_way_only_after_slurm_did_n
     since, give = overdue({"r0": "b"}, since, now=159.0, after_s=60.0)  # r1 was preempted: forgotten
     assert since == {"r0": 100.0} and give == {}
     assert overdue({"r0": "c", "r1": "b"}, since, now=160.0, after_s=60.0) == ({"r0": 100.0, "r1": 160.0}, {"r0": "c"})
+
+
+def test_give_way_is_watched_within_a_quarter_of_slurms_backfill_interval():
+    assert give_way_interval_s(0.0, {"bf_interval": "1", "bf_continue": ""}) == 0.25
+    assert give_way_interval_s(0.0, {"bf_interval": "60"}) == 15.0
+    assert give_way_interval_s(0.0, {}) == 7.5  # Slurm's default bf_interval, 30 s
+    assert give_way_interval_s(0.0, {"bf_interval": "0.4"}) == 0.25  # never a busy loop on squeue
+    assert give_way_interval_s(2.0, {"bf_interval": "1"}) == 2.0  # configured: as asked
+
+
+class _Backend:
+    """Counts full checks; `jobs` is what one squeue of the partitions would show."""
+
+    def __init__(self):
+        self.jobs, self.looks, self.checks = (("5", "RUNNING"),), 0, 0
+
+    def signature(self, p):
+        self.looks += 1
+        return self.jobs
+
+    def reap(self, p, now):
+        self.checks += 1
+        return False
+
+
+def test_between_polls_a_full_check_runs_only_when_a_job_started_or_ended(tmp_path):
+    cfg = load_config(None, ["scheduler.plan_interval_s=1000"])
+    backend = _Backend()
+    p = RolloutPlanner(cfg, tmp_path, None, backend, clock=lambda: 0.0)
+    p._next_plan = math.inf  # planning is the poll's business, not watch()'s
+    p.watch()
+    assert backend.looks == 0, "nothing of ours runs: no squeue at all"
+    p.record["jobs"]["rollout-0"] = {"state": "active", "gpus": 1, "pending": True}
+    p.watch()
+    assert backend.looks == 0, "ours still pending: it is in no one's way"
+    p.record["jobs"]["rollout-0"]["pending"] = False
+    p.watch()
+    p.watch()
+    assert (backend.looks, backend.checks) == (2, 1)  # first look: a check; the same jobs: none
+    backend.jobs = (("5", "COMPLETING"),)  # another job ended: its GPUs may start someone now
+    p.watch()
+    p.watch()
+    assert (backend.looks, backend.checks) == (4, 2)
+
+
+def test_the_supervisor_watches_for_give_way_between_its_polls(monkeypatch):
+    import types
+
+    from hpcrl.jobs import supervise
+
+    clock = [100.0]
+    monkeypatch.setattr(supervise.time, "monotonic", lambda: clock[0])
+
+    class Stop:  # time passes only while the supervisor waits
+        def __init__(self, set_after: int = 99):
+            self.waits, self.set_after = [], set_after
+
+        def wait(self, timeout):
+            self.waits.append(round(timeout, 6))
+            clock[0] += timeout
+            return len(self.waits) > self.set_after
+
+    planner = types.SimpleNamespace(watch_interval_s=0.5, looks=0)
+    planner.watch = lambda: setattr(planner, "looks", planner.looks + 1)
+    sup = supervise.SupervisorComponent.__new__(supervise.SupervisorComponent)
+    sup.poll_s, sup.rollouts = 2.0, planner
+    stop = Stop()
+    sup.between_polls(stop)
+    assert stop.waits == [0.5, 0.5, 0.5, 0.5] and planner.looks == 3  # the 4th wait ends at the next poll
+    sup.between_polls(stop := Stop(set_after=1))  # one look, then a stop while waiting: no more
+    assert planner.looks == 4 and len(stop.waits) == 2
+    sup.rollouts = None  # no rollout jobs configured: one plain wait
+    sup.between_polls(stop := Stop())
+    assert stop.waits == [2.0]

@@ -11,10 +11,11 @@ while frozen holding leases: whatever it handed back is re-leased well before le
 episodes take milliseconds, so once thawed it usually stores them instead: both are fine);
 the other stops by itself before its window ends (stopped_by window, COMPLETED, not requeued or
 resubmitted). Nothing is lost or trained twice; `hpcrl cancel` leaves no rollout job behind.
-With `scheduler.rollout_partition=scavenger` (the dev cluster's preemptible partition) a gpu job
-that needs the GPUs two rollout jobs hold makes Slurm preempt both, each holding episodes at a
-closed gate (tests/gated_quiz.py): they hand them back, those are issued again at once, the gpu
-job starts; the run then reaches max_steps, ends finished, and no rollout job is left queued.
+A gpu job that needs the GPUs two rollout jobs hold, each holding episodes at a closed gate
+(tests/gated_quiz.py), makes them go: preempted by Slurm with `scheduler.rollout_partition=scavenger`
+(the dev cluster's preemptible partition), cancelled by the run's give-way without one. They hand
+their episodes back, those are issued again at once, the gpu job starts; the run then reaches
+max_steps, ends finished, and no rollout job is left queued.
 A rollout partition that Slurm would not preempt is refused at submit.
 The pure parts (which rollout jobs give way to a pending job, SchedulerParameters) and a rollout
 job's indifference to Slurm's early time-limit warning are tested without the cluster.
@@ -374,17 +375,25 @@ def test_a_preemptible_rollout_partition_is_refused_unless_slurm_preempts_it(slu
 
 
 @pytest.mark.slurm
-def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_lost(slurm_cluster, tmp_path, monkeypatch):
-    """Rollout jobs in the dev cluster's `scavenger` partition (PriorityTier 0, PreemptMode=CANCEL,
-    GraceTime=5) hold the last two GPUs, each with episodes held in flight at a closed gate
+@pytest.mark.parametrize("by", ["slurm", "planner"])
+def test_rollout_jobs_make_way_for_a_gpu_job_and_nothing_is_lost(slurm_cluster, tmp_path, monkeypatch, by):
+    """Rollout jobs hold the last two GPUs, each with episodes held in flight at a closed gate
     (tests/gated_quiz.py); a job of the gpu partition needing two GPUs on one node is submitted.
-    Slurm preempts both (not the planner: its fallback is set far off), they hand their episodes
+    `slurm`: they run in the dev cluster's `scavenger` partition (PriorityTier 0, PreemptMode=CANCEL,
+    GraceTime=5) and Slurm preempts both (not the planner: its fallback is set far off).
+    `planner`: they run in the gpu partition, and the supervisor's give-way (its watch between
+    polls, jobs/rollout_plan.py) cancels both for that job. Either way they hand their episodes
     back, those are issued again at once, the gpu job starts. Then the run reaches max_steps: it
     ends finished and its rollout jobs leave the queue. Nothing lost, nothing trained twice."""
     import shutil
 
     others: list[str] = []
     run_dir = tmp_path / "pre"
+    mode = (
+        ["scheduler.rollout_partition=scavenger", "scheduler.rollout_yield_after_s=3600"]  # Slurm must do it
+        if by == "slurm"
+        else []
+    )
     gate = tmp_path / "gate"
     gate.touch()  # open until the learner's first step (rollout jobs start only once weights exist)
     monkeypatch.setenv("HPCRL_GATE", str(gate))  # the run's jobs inherit it through sbatch
@@ -411,8 +420,7 @@ def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_los
             "scheduler.policy=backfill",
             "scheduler.max_rollout_jobs=2",
             "scheduler.max_rollout_gpus=2",
-            "scheduler.rollout_partition=scavenger",
-            "scheduler.rollout_yield_after_s=3600",  # the planner's fallback stays out: Slurm must do it
+            *mode,
             "scheduler.plan_interval_s=2",
             "scheduler.prior_s=5",
             "scheduler.rollout_drain_s=5",
@@ -438,7 +446,7 @@ def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_los
         jobs = wait_for(two_holding, 300, what="two rollout jobs running, each holding episodes at the gate")
         for rec in jobs.values():
             info = queries.show_job(rec["job_id"])
-            assert info["Partition"] == "scavenger" and info["Requeue"] == "0", info
+            assert info["Partition"] == ("scavenger" if by == "slurm" else "gpu") and info["Requeue"] == "0", info
         holding = {n: held(run_dir, n) for n in jobs}
         foreign = other_job(tmp_path, "other-gpu", 2, 2, 5)
         others.append(foreign)
@@ -447,7 +455,7 @@ def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_los
             evs = events(run_dir)
             return all(any(e.get("g") == n and e.get("released") for e in evs) for n in jobs)
 
-        wait_for(handed_back, 120, what="both preempted rollout jobs handing their episodes back")
+        wait_for(handed_back, 120, what="both rollout jobs handing their episodes back")
         gate.touch()  # their environment steps finish: the jobs exit within GraceTime
         foreign_s = submit_to_start_s(foreign)
         wait_for(
@@ -456,11 +464,16 @@ def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_los
         ended = rollouts(run_dir)
         for name in jobs:
             rec = ended[name]
-            assert rec.get("preempted") and "yielded_to" not in rec, rec  # Slurm's PreemptTime, not the planner
             acct = queries.job_records([rec["job_id"]])[rec["job_id"]]
-            assert acct.state != "CANCELLED" and acct.partition == "scavenger", acct
-        rows = {c["name"]: c for c in status_json(run_dir)["components"] if c.get("role") == "rollout"}
-        assert all(rows[n]["preempted"] == ended[n]["preempted"] for n in jobs), rows  # `hpcrl status` shows it
+            if by == "slurm":
+                assert rec.get("preempted") and "yielded_to" not in rec, rec  # Slurm's PreemptTime, not the planner
+                assert acct.state != "CANCELLED" and acct.partition == "scavenger", acct
+            else:
+                assert rec.get("yielded_to") == foreign and not rec.get("preempted"), rec
+                assert acct.state == "CANCELLED" and acct.partition == "gpu", acct
+        if by == "slurm":
+            rows = {c["name"]: c for c in status_json(run_dir)["components"] if c.get("role") == "rollout"}
+            assert all(rows[n]["preempted"] == ended[n]["preempted"] for n in jobs), rows  # `hpcrl status` shows it
         wait_for(lambda: read_jobs(run_dir).get("state") == "finished", 600, what="the run reaching max_steps")
         rollout_ids = [j["job_id"] for j in rollouts(run_dir).values()]
         wait_for(lambda: not queue_states(rollout_ids), 60, what="the finished run's rollout jobs gone from squeue")
@@ -489,7 +502,7 @@ def test_slurm_preempts_rollout_jobs_in_a_scavenger_partition_and_nothing_is_los
     assert not expired & set(jobs), expired
     trained, _, stored = account(run_dir)
     print(
-        f"preempted {sorted(j['job_id'] for j in jobs.values())} (sacct "
+        f"{'preempted' if by == 'slurm' else 'gave way'}: {sorted(j['job_id'] for j in jobs.values())} (sacct "
         f"{[queries.job_records([j['job_id']])[j['job_id']].state for j in jobs.values()]}); handed back "
         f"{len(released)}, issued again within {max(again.values()):.2f} s; the gpu job's submit-to-start "
         f"{foreign_s:.0f} s (baseline on idle GPUs {baseline_s:.0f} s, sacct 1 s resolution); trained "

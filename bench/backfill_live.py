@@ -202,6 +202,10 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "rollout_gpu_h": busy_rollout / 3600,
         "background_start_s": {n: (bg[j].start.timestamp() - t0) for n, j in others.items()},
         "background_clock_s": {n: float((scripts / f"{n}.started").read_text()) - t0 for n in others},
+        # Slurm plans in bf_resolution steps (60 s): a hole's end is floored to the minute, so how
+        # much of a 1-2 minute hole a one-minute job can use depends on where in its minute t0 fell.
+        "t0_second_of_minute": round(t0 % 60, 1),
+        "first_rollout_submit_s": round(min(r["submitted"] for r in rollout.values()) - t0, 1) if rollout else None,
         "rollout_jobs": {
             "submitted": len(rollout),
             "started": sum(1 for r in rollout.values() if recs.get(r["job_id"]) and recs[r["job_id"]].start),

@@ -2,6 +2,7 @@
 
     blocking = rollout_jobs_to_yield(pending, idle_by_node, ours_by_node, members, now)
     since, give = overdue(blocking, since, now_s, after_s)   # blocking for after_s or more
+    every_s = give_way_interval_s(configured_s, scheduler_parameters)   # how often to look
 
 `RolloutPlanner`'s give-way (jobs/rollout_plan.py) asks Slurm for the pending jobs, idle GPUs
 and where its rollout jobs run, and cancels what these rules name: the backfill contract is
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-__all__ = ["rollout_jobs_to_yield", "overdue"]
+__all__ = ["rollout_jobs_to_yield", "overdue", "give_way_interval_s"]
 
 _WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
 
@@ -83,3 +84,18 @@ def overdue(blocking: dict[str, str], since: dict[str, float], now: float, after
     `after_s` or more) (pure). One that stopped blocking is forgotten: blocking again starts anew."""
     since = {j: since.get(j, now) for j in blocking}
     return since, {j: other for j, other in blocking.items() if now - since[j] >= after_s}
+
+
+def give_way_interval_s(configured_s: float, scheduler_parameters: dict[str, str]) -> float:
+    """How often the supervisor watches for a job that our rollout jobs keep from starting (pure):
+    `configured_s`, or a quarter of Slurm's bf_interval (30 s when unset), at least 0.25 s. A job
+    that ends early pulls a pending job's start into our GPUs; Slurm's next backfill pass would
+    start it there, so giving way well within one pass keeps its start where it would have been
+    without us. One squeue per look: on a production cluster (bf_interval 30 s) every 7.5 s."""
+    if configured_s > 0:
+        return configured_s
+    try:
+        bf_interval_s = float(scheduler_parameters.get("bf_interval") or 30)
+    except ValueError:
+        bf_interval_s = 30.0
+    return max(bf_interval_s / 4, 0.25)

@@ -49,13 +49,12 @@ from pathlib import Path
 
 from hpcrl.core.config import Config, SchedulerConfig
 from hpcrl.core.files import atomic_write_json
-from hpcrl.jobs.give_way import overdue, rollout_jobs_to_yield
+from hpcrl.jobs.give_way import give_way_interval_s, overdue, rollout_jobs_to_yield
 from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
-from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow
+from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, no_window_reason
 
 __all__ = [
     "RolloutJobSize",
-    "give_way_interval_s",
     "coordinator_has_work",
     "size_rollout_jobs",
     "rollout_planner",
@@ -78,21 +77,6 @@ def coordinator_has_work(status: dict | None, max_ahead_groups: int) -> bool:
         return False  # no weights published yet: a generator started now would only wait for them
     consumed = int(ln.get("trained_groups", 0)) + int(ln.get("dropped_groups", 0))
     return int(status.get("queued", 0)) > 0 or int(status.get("groups_issued", 0)) - consumed < max_ahead_groups
-
-
-def give_way_interval_s(configured_s: float, scheduler_parameters: dict[str, str]) -> float:
-    """How often the supervisor watches for a job that our rollout jobs keep from starting (pure):
-    `configured_s`, or a quarter of Slurm's bf_interval (30 s when unset), at least 0.25 s. A job
-    that ends early pulls a pending job's start into our GPUs; Slurm's next backfill pass would
-    start it there, so giving way well within one pass keeps its start where it would have been
-    without us. One squeue per look: on a production cluster (bf_interval 30 s) every 7.5 s."""
-    if configured_s > 0:
-        return configured_s
-    try:
-        bf_interval_s = float(scheduler_parameters.get("bf_interval") or 30)
-    except ValueError:
-        bf_interval_s = 30.0
-    return max(bf_interval_s / 4, 0.25)
 
 
 @dataclass(frozen=True)
@@ -143,6 +127,7 @@ class RolloutPlanner:
         self.record = self._load()
         self._next_plan = 0.0
         self._seen = None  # the partitions' jobs at the last watch()
+        self._why = ""  # why the last plan submitted nothing (logged when it changes)
         self.watch_interval_s = math.inf  # how often watch() is due (Slurm: give_way_interval_s)
 
     def _load(self) -> dict:
@@ -187,8 +172,18 @@ class RolloutPlanner:
 
                 if coordinator_has_work(read_status(self.run_dir), self.max_ahead):
                     changed = self.backend.plan(self, now, jobs_free, gpus_free) or changed
+                else:
+                    self.why_not("the coordinator has no work for another generator (flow control full, or no weights)")
         if changed:
             self.save()
+
+    def why_not(self, why: str) -> None:
+        """Log why no rollout job was submitted, once per reason in a row (the run's log says
+        what the planner saw at each change, without a line every plan_interval_s)."""
+        if why != self._why:
+            self._why = why
+            if why:
+                log.info("rollout: none submitted: %s", why)
 
     def watch(self) -> None:
         """Between polls: tick() at once if a job in the partitions started, ended or was queued
@@ -291,6 +286,7 @@ class SlurmBackend:
         from hpcrl.slurm.backfill.planner import live_window
 
         if any(j.get("pending") for j in p.active().values()):
+            p.why_not("a rollout job is still pending")
             return False  # one not started yet: Slurm has not taken it, a new window would be guessed
         own = tuple(self.own_job_ids()) + tuple(j["job_id"] for j in p.active().values())
         window = live_window(p.cfg.slurm.generator.partition, exclude=own)
@@ -304,7 +300,9 @@ class SlurmBackend:
             unbounded_min=p.cfg.slurm.generator.time_min,
         )
         if size is None:
+            p.why_not(no_window_reason(window, p.sched, p.gpus_per_job))
             return False
+        p.why_not("")
         for _ in range(size.jobs):
             name, comp = p.new_component(None)
             job = self.executor_factory(name, size).submit(comp)

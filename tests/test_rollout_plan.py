@@ -8,11 +8,11 @@ import datetime as dt
 import math
 
 from hpcrl.core.config import SchedulerConfig, load_config
-from hpcrl.jobs.give_way import overdue
+from hpcrl.jobs.give_way import give_way_interval_s, overdue
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, give_way_interval_s, size_rollout_jobs
-from hpcrl.slurm.backfill.planner import ClusterWindow
+from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, size_rollout_jobs
+from hpcrl.slurm.backfill.planner import ClusterWindow, no_window_reason
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState
 
@@ -181,3 +181,13 @@ def test_the_supervisor_watches_for_give_way_between_its_polls(monkeypatch):
     sup.rollouts = None  # no rollout jobs configured: one plain wait
     sup.between_polls(stop := Stop())
     assert stop.waits == [2.0]
+
+
+def test_the_log_says_why_no_rollout_job_was_submitted():
+    s = SchedulerConfig(job_overhead_s=20, slurm_margin_s=20, rollout_drain_s=5)
+    assert "no node of gpu has 2 idle GPU(s)" in no_window_reason(window(600, idle=(("n1", 1),)), s, 2)
+    assert "may start now" in no_window_reason(window(0), s, 1)  # or Slurm has not planned it
+    # Expected 119 s from now at :00 + 119 = 12:01:59, floored to 12:01:00 by bf_resolution: 60 s,
+    # less the 20-s margin: no whole minute.
+    why = no_window_reason(window(119), s, 1)
+    assert "window 119 s before job 77" in why and "0 whole minutes" in why and "60 s steps" in why, why

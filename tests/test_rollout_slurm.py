@@ -464,7 +464,13 @@ def test_rollout_jobs_make_way_for_a_gpu_job_and_nothing_is_lost(slurm_cluster, 
         ended = rollouts(run_dir)
         for name in jobs:
             rec = ended[name]
-            acct = queries.job_records([rec["job_id"]])[rec["job_id"]]
+            # Right after a job ends, slurmdbd may hold a placeholder (name "allocation", no
+            # partition) until the controller's start message for it arrives: wait for the whole one.
+            acct = wait_for(
+                lambda jid=rec["job_id"]: (r := queries.job_records([jid]).get(jid)) and r.partition and r,
+                60,
+                what=f"accounting's whole record of rollout job {rec['job_id']}",
+            )
             if by == "slurm":
                 assert rec.get("preempted") and "yielded_to" not in rec, rec  # Slurm's PreemptTime, not the planner
                 assert acct.state != "CANCELLED" and acct.partition == "scavenger", acct

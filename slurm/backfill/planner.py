@@ -47,6 +47,7 @@ __all__ = [
     "BackfillPlanner",
     "RolloutJobs",
     "SubmittedJob",
+    "no_window_reason",
 ]
 
 # States in which a job's processes are gone for good (its claims can be re-issued).
@@ -365,3 +366,19 @@ class RolloutJobs:
         """Cancel our rollout jobs (all of them by default) by id; never anyone else's."""
         ids = [j for j in (job_ids if job_ids is not None else list(self.active)) if j in self.active]
         queries.cancel(ids)
+
+
+def no_window_reason(window: ClusterWindow, sched: SchedulerConfig, gpus_per_job: int) -> str:
+    """Why `size_rollout_jobs` found no room in `window` (pure; for the log)."""
+    if window.jobs_that_fit(gpus_per_job) < 1:
+        return f"no node of {window.partition} has {gpus_per_job} idle GPU(s)"
+    if window.end is None:
+        return "the rollout caps are spent"
+    at = window.end.strftime("%H:%M:%S")
+    if window.length_s <= 0:
+        return f"pending job {window.blocked_by} may start now (or Slurm has not planned it yet)"
+    fit = BackfillPlanner(sched).minutes_that_fit(window)
+    return (
+        f"window {window.length_s:.0f} s before job {window.blocked_by} (expected {at}, planned by Slurm in "
+        f"{window.bf_resolution_s} s steps): {fit} whole minutes after slurm_margin_s, too short"
+    )

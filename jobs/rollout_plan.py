@@ -177,11 +177,12 @@ class RolloutPlanner:
         if changed:
             self.save()
 
-    def why_not(self, why: str) -> None:
-        """Log why no rollout job was submitted, once per reason in a row (the run's log says
-        what the planner saw at each change, without a line every plan_interval_s)."""
-        if why != self._why:
-            self._why = why
+    def why_not(self, why: str, key=None) -> None:
+        """Log why no rollout job was submitted, once per reason in a row (`key`, or the text):
+        the run's log says what the planner saw at each change, not a line every plan."""
+        key = why if key is None else key
+        if key != self._why:
+            self._why = key
             if why:
                 log.info("rollout: none submitted: %s", why)
 
@@ -300,7 +301,8 @@ class SlurmBackend:
             unbounded_min=p.cfg.slurm.generator.time_min,
         )
         if size is None:
-            p.why_not(no_window_reason(window, p.sched, p.gpus_per_job))
+            # keyed by what ends the window, not its shrinking length: one line per window
+            p.why_not(no_window_reason(window, p.sched, p.gpus_per_job), key=(window.blocked_by, window.end))
             return False
         p.why_not("")
         for _ in range(size.jobs):

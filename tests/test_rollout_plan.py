@@ -191,3 +191,22 @@ def test_the_log_says_why_no_rollout_job_was_submitted():
     # less the 20-s margin: no whole minute.
     why = no_window_reason(window(119), s, 1)
     assert "window 119 s before job 77" in why and "0 whole minutes" in why and "60 s steps" in why, why
+
+
+def test_the_reason_is_logged_once_while_it_holds(tmp_path, caplog):
+    import logging
+
+    p = RolloutPlanner(load_config(None, []), tmp_path, None, _Backend())
+    with caplog.at_level(logging.INFO, logger="hpcrl.rollout"):
+        for left_s in (94, 92, 90):  # the same window, shrinking: one line
+            p.why_not(f"window {left_s} s before job 826", key=("826", "15:29:21"))
+        p.why_not("no node of gpu has 1 idle GPU(s)")
+        p.why_not("no node of gpu has 1 idle GPU(s)")
+        p.why_not("")  # a job was submitted: the next reason is news again
+        p.why_not("no node of gpu has 1 idle GPU(s)")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "rollout: none submitted: window 94 s before job 826",
+        "rollout: none submitted: no node of gpu has 1 idle GPU(s)",
+        "rollout: none submitted: no node of gpu has 1 idle GPU(s)",
+    ], lines

@@ -187,8 +187,9 @@ class RolloutPlanner:
                 log.info("rollout: none submitted: %s", why)
 
     def watch(self) -> None:
-        """Between polls: tick() at once if a job in the partitions started, ended or was queued
-        since the last look (one squeue), so a rollout job gives way within one look of it."""
+        """Between the Slurm supervisor's polls: tick() at once if a job in the partitions started,
+        ended or was queued since the last look (one squeue), so a rollout job gives way within one
+        look of it. Local runs have no one to give way to and never call it."""
         if not any(not j.get("pending") for j in self.active().values()):
             return  # nothing running that could be in anyone's way
         seen = self.backend.signature(self)
@@ -240,9 +241,6 @@ class LocalBackend:
             gpus_free -= jobs * p.gpus_per_job
             changed = True
         return changed
-
-    def signature(self, p: RolloutPlanner) -> None:
-        return None  # local windows: nothing to give way to
 
     def reap(self, p: RolloutPlanner, now: float) -> bool:
         changed = False

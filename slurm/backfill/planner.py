@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,13 +120,7 @@ def find_window(
 
 def bf_resolution_s() -> int:
     """The controller's bf_resolution (SchedulerParameters; Slurm's default is 60 s)."""
-    from hpcrl.slurm.command import run_slurm
-
-    for line in run_slurm(["scontrol", "show", "config"]).stdout.splitlines():
-        if line.strip().startswith("SchedulerParameters"):
-            m = re.search(r"bf_resolution=(\d+)", line)
-            return int(m.group(1)) if m else 60
-    return 60
+    return int(queries.scheduler_parameters().get("bf_resolution") or 60)
 
 
 def live_window(partition: str, exclude: tuple[str, ...] = ()) -> ClusterWindow:

@@ -226,6 +226,12 @@ def test_a_server_killed_while_it_starts_a_sandbox_leaves_none_running(bwrap_ok,
         assert proc.wait(30) == -signal.SIGKILL
         left = settled([uid], timeout_s=10, cgroups=False)
         assert left == [], f"the sandbox outlived its server: {left}"
+        # SIGKILL skipped its atexit: its cgroup parents stay until the next process that probes
+        # cgroups (a server starting) sweeps them. Be that process, so no later test finds them.
+        probe = "from hpcrl.sandbox import cgroups; cgroups.probe()"
+        subprocess.run([sys.executable, "-c", probe], check=True, timeout=60)
+        left = settled([uid], timeout_s=10)  # what the sweep killed, reaped
+        assert left == [], f"the next process to probe cgroups did not sweep the dead server's: {left}"
     finally:
         _kill_uid(uid)
 

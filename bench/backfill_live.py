@@ -24,7 +24,8 @@ Each run is measured over [t0, the last background job's end] from sacct (1 s re
 cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (idle GPU-hours of
 the partition in the baseline), filled_gpu_h (GPU-hours rollout jobs held in the backfill run
 over the same span), rollout_jobs {submitted, started, ended_in_window: ended before the
-window they were sized to closed, gave_way: cancelled by the planner, preempted: by Slurm},
+window they were sized to closed, gave_way: cancelled by the planner, preempted: by Slurm,
+withdrawn: pending past scheduler.rollout_withdraw_s, cancelled before they ran},
 trained_from_rollout_jobs, lost and duplicated (rl/audit.py account: must be 0), max_delay_s
 (largest start delay of a background job, backfill vs baseline, each from its t0, read from the
 job's own clock as it starts: sacct's whole seconds cannot tell a delay from the 1-s
@@ -61,7 +62,6 @@ SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
     "scheduler.prior_s=5",
     "scheduler.rollout_drain_s=5",
     "scheduler.job_overhead_s=20",
-    "scheduler.slurm_margin_s=20",
 ]
 
 
@@ -216,6 +216,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
             "startup_s": sorted(startup_s),  # its start to its first leased episode (none: never leased)
             "gave_way": sum(1 for r in rollout.values() if r.get("yielded_to")),
             "preempted": sum(1 for r in rollout.values() if r.get("preempted")),
+            "withdrawn": sum(1 for r in rollout.values() if r.get("withdrawn")),  # pended too long: never ran
         },
         "trained": acct.trained,
         "trained_from_rollout_jobs": sum("/rollout-" in i for i in trained_ids),

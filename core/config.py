@@ -391,8 +391,9 @@ class SchedulerConfig:
         20.0, help="start-up time of a Slurm rollout job, charged against its window, seconds", ge=0
     )
     slurm_margin_s: float = spec(
-        30.0,
-        help="rollout jobs end this long before the next queued job's expected start (>= Slurm's bf_interval), seconds",
+        0.0,
+        help="rollout jobs are sized to end this long before the next queued job's expected start, seconds; "
+        "0: Slurm's bf_interval + 4 (the wait for the backfill pass that can start them)",
         ge=0,
     )
     plan_interval_s: float = spec(
@@ -414,6 +415,12 @@ class SchedulerConfig:
         60.0,
         help="with rollout_partition: a rollout job Slurm leaves blocking another user's pending job this long "
         "is cancelled, seconds",
+        ge=0,
+    )
+    rollout_withdraw_s: float = spec(
+        0.0,
+        help="a rollout job Slurm has not started this long after submission is withdrawn (scancel) and "
+        "sized again to the window as it is then, seconds; 0: twice Slurm's bf_interval + 4",
         ge=0,
     )
     give_way_interval_s: float = spec(

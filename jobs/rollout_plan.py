@@ -49,7 +49,7 @@ from pathlib import Path
 
 from hpcrl.core.config import Config, SchedulerConfig
 from hpcrl.core.files import atomic_write_json
-from hpcrl.jobs.give_way import give_way_interval_s, overdue, rollout_jobs_to_yield
+from hpcrl.jobs.give_way import give_way_interval_s, overdue, rollout_jobs_to_yield, withdraw_after_s
 from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
 from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, no_window_reason
 
@@ -275,11 +275,20 @@ class LocalBackend:
 class SlurmBackend:
     """Windows from squeue --start (live_window); rollout jobs through submitit's SlurmExecutor."""
 
-    def __init__(self, executor_factory, own_job_ids, yield_after_s: float = 0.0):
+    def __init__(
+        self,
+        executor_factory,
+        own_job_ids,
+        yield_after_s: float = 0.0,
+        params: dict[str, str] | None = None,
+        withdraw_after_s: float = math.inf,
+    ):
         self.executor_factory = executor_factory  # (name, RolloutJobSize) -> a submitit executor
         self.own_job_ids = own_job_ids  # () -> the run's job ids (they end no window)
         self.yield_after_s = yield_after_s  # > 0: Slurm preempts them; give way only if it has not by then
         self.blocking: dict[str, float] = {}  # rollout job id -> since when it blocks a pending job
+        self.params = params  # the controller's SchedulerParameters, read once (None: ask each plan)
+        self.withdraw_after_s = withdraw_after_s  # a rollout job pending this long is withdrawn
 
     def plan(self, p: RolloutPlanner, now: float, jobs_free: int, gpus_free: int) -> bool:
         from hpcrl.slurm.backfill.planner import live_window
@@ -287,8 +296,9 @@ class SlurmBackend:
         if any(j.get("pending") for j in p.active().values()):
             p.why_not("a rollout job is still pending")
             return False  # one not started yet: Slurm has not taken it, a new window would be guessed
-        own = tuple(self.own_job_ids()) + tuple(j["job_id"] for j in p.active().values())
-        window = live_window(p.cfg.slurm.generator.partition, exclude=own)
+        # every job the run ever submitted: a withdrawn one may linger in squeue a moment
+        own = tuple(self.own_job_ids()) + tuple(j["job_id"] for j in p.record["jobs"].values())
+        window = live_window(p.cfg.slurm.generator.partition, exclude=own, params=self.params)
         size = size_rollout_jobs(
             window,
             p.sched,
@@ -358,7 +368,37 @@ class SlurmBackend:
             elif rec.get("pending") and state == "RUNNING":
                 rec.update(pending=False, started=now)
                 changed = True
-        return self.give_way(p, now) or changed
+        return self.withdraw(p, now) | self.give_way(p, now) | changed
+
+    def withdraw(self, p: RolloutPlanner, now: float) -> bool:
+        """Cancel the rollout jobs still pending `withdraw_after_s` after submission that Slurm has
+        looked at (squeue's reason is no longer None) and left pending.
+
+        Sized to a window that Slurm's backfill would have started it in at its next pass, one
+        still pending did not fit after all (the window shrank, another job took the GPUs
+        first); it holds no episodes yet, and while it pends the planner submits nothing.
+        Withdrawn, the next plan sizes a job to the window as it is then. A controller too busy
+        to have looked at it yet (reason None) is waited for."""
+        from hpcrl.slurm import queries
+
+        late = {r["job_id"]: r for r in p.active().values() if r.get("pending")}
+        late = {j: r for j, r in late.items() if now - r["submitted"] >= self.withdraw_after_s}
+        if not late:
+            return False
+        seen = [j for j in queries.pending_jobs() if j.job_id in late and j.reason not in ("", "None")]
+        if not seen:
+            return False
+        queries.cancel([j.job_id for j in seen])  # should one start meanwhile: SIGTERM, it hands back
+        for j in seen:
+            rec = late[j.job_id]
+            rec.update(state="ended", ended=now, slurm_state=f"withdrawn: pending ({j.reason})", withdrawn=now)
+            log.info(
+                "rollout: job %s withdrawn after %.0f s pending (%s); its window is sized again",
+                j.job_id,
+                now - rec["submitted"],
+                j.reason,
+            )
+        return True
 
     def give_way(self, p: RolloutPlanner, now: float) -> bool:
         """Cancel (ours, by id) the running rollout jobs that keep a pending job from starting now.
@@ -489,13 +529,18 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
             ex.update_parameters(**params)
             return ex
 
-        yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0
-        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s)
-    planner = RolloutPlanner(cfg, run_dir, template, backend)
-    if cfg.executor == "slurm":
         from hpcrl.slurm import queries
 
-        params = {} if s.give_way_interval_s > 0 else queries.scheduler_parameters()
+        params = queries.scheduler_parameters()  # once: they change only with a reconfigure
+        yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0
+        withdraw_s = withdraw_after_s(s.rollout_withdraw_s, params)
+        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s, params, withdraw_s)
+    planner = RolloutPlanner(cfg, run_dir, template, backend)
+    if cfg.executor == "slurm":
         planner.watch_interval_s = give_way_interval_s(s.give_way_interval_s, params)
-        log.info("rollout: give-way checked every %.2f s", planner.watch_interval_s)
+        log.info(
+            "rollout: give-way checked every %.2f s; a rollout job pending %.0f s is withdrawn",
+            planner.watch_interval_s,
+            withdraw_s,
+        )
     return planner

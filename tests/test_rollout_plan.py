@@ -8,11 +8,11 @@ import datetime as dt
 import math
 
 from hpcrl.core.config import SchedulerConfig, load_config
-from hpcrl.jobs.give_way import give_way_interval_s, overdue
+from hpcrl.jobs.give_way import give_way_interval_s, overdue, withdraw_after_s
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, size_rollout_jobs
-from hpcrl.slurm.backfill.planner import ClusterWindow, no_window_reason
+from hpcrl.jobs.rollout_plan import RolloutPlanner, SlurmBackend, coordinator_has_work, size_rollout_jobs
+from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, backfill_parameters, no_window_reason
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState
 
@@ -115,6 +115,59 @@ def test_give_way_is_watched_within_a_quarter_of_slurms_backfill_interval():
     assert give_way_interval_s(0.0, {}) == 7.5  # Slurm's default bf_interval, 30 s
     assert give_way_interval_s(0.0, {"bf_interval": "0.4"}) == 0.25  # never a busy loop on squeue
     assert give_way_interval_s(2.0, {"bf_interval": "1"}) == 2.0  # configured: as asked
+
+
+def test_the_margin_is_one_backfill_pass_plus_slack_unless_set():
+    # 70 s before a job expected at 12:02:00 (a whole minute: bf_resolution does not cut it).
+    def w(bf_interval_s):
+        now = NOW + dt.timedelta(seconds=50)
+        return ClusterWindow("gpu", now, (("n1", 1),), NOW + dt.timedelta(seconds=120), "77", 60, bf_interval_s)
+
+    derived = BackfillPlanner(SchedulerConfig())  # slurm_margin_s 0: bf_interval + 4 s
+    assert derived.margin_s(w(1)) == 5.0 and derived.margin_s(w(30)) == 34.0
+    assert derived.minutes_that_fit(w(1)) == 1  # dev cluster: 70 - 5 s hold one minute
+    assert derived.minutes_that_fit(w(30)) == 0  # Slurm's default pass: 70 - 34 s do not
+    fixed = BackfillPlanner(SchedulerConfig(slurm_margin_s=20))
+    assert fixed.margin_s(w(1)) == 20 and fixed.minutes_that_fit(w(1)) == 0  # as configured
+    assert "after a 5-s margin" in no_window_reason(w(1), SchedulerConfig(), 1).replace("1 whole", "")
+    # SchedulerParameters as scontrol prints them; Slurm's defaults where absent or unreadable
+    assert backfill_parameters({"bf_interval": "1", "bf_resolution": "60", "bf_continue": ""}) == (60, 1.0)
+    assert backfill_parameters({}) == (60, 30.0)
+    assert backfill_parameters({"bf_interval": "x", "bf_resolution": "y"}) == (60, 30.0)
+
+
+def test_a_rollout_job_pending_past_two_backfill_passes_is_withdrawn():
+    assert withdraw_after_s(0.0, {"bf_interval": "1"}) == 6.0  # the dev cluster
+    assert withdraw_after_s(0.0, {}) == 64.0  # Slurm's default bf_interval, 30 s
+    assert withdraw_after_s(15.0, {"bf_interval": "1"}) == 15.0  # configured: as asked
+
+
+def test_withdrawn_pending_jobs_end_and_let_the_planner_size_again(tmp_path, monkeypatch):
+    from hpcrl.slurm import queries
+
+    cancelled = []
+    monkeypatch.setattr(queries, "cancel", lambda ids: cancelled.extend(ids))
+    reasons = {"41": "Resources", "42": "Priority", "44": "None"}  # squeue's reason; None: not looked at yet
+
+    def pending_jobs():
+        return [queries.PendingJob(j, "gpu", "me", "r", 1, 1, 1, 60, None, r, 1, ()) for j, r in reasons.items()]
+
+    monkeypatch.setattr(queries, "pending_jobs", pending_jobs)
+    backend = SlurmBackend(None, lambda: (), withdraw_after_s=6.0)
+    p = RolloutPlanner(load_config(None, []), tmp_path, None, backend)
+    jobs = p.record["jobs"]
+    jobs["rollout-0"] = {"job_id": "41", "state": "active", "gpus": 1, "pending": True, "submitted": 100.0}
+    jobs["rollout-1"] = {"job_id": "42", "state": "active", "gpus": 1, "pending": True, "submitted": 103.0}
+    jobs["rollout-2"] = {"job_id": "43", "state": "active", "gpus": 1, "pending": False, "submitted": 90.0}
+    assert not backend.withdraw(p, now=105.9) and cancelled == []  # none pends 6 s yet
+    assert backend.withdraw(p, now=106.0) and cancelled == ["41"]  # only the late one, and only ours
+    assert jobs["rollout-0"]["state"] == "ended" and jobs["rollout-0"]["withdrawn"] == 106.0
+    assert jobs["rollout-1"]["state"] == jobs["rollout-2"]["state"] == "active"  # running: give-way's business
+    assert p.free() == (p.sched.max_rollout_jobs - 2, p.sched.max_rollout_gpus - 2)  # its GPU counts free again
+    # A controller that has not looked at a job yet (reason None) is waited for, however long.
+    jobs["rollout-3"] = {"job_id": "44", "state": "active", "gpus": 1, "pending": True, "submitted": 0.0}
+    assert backend.withdraw(p, now=109.0) and cancelled == ["41", "42"]
+    assert jobs["rollout-3"]["state"] == "active" and "Priority" in jobs["rollout-1"]["slurm_state"]
 
 
 class _Backend:

@@ -254,6 +254,8 @@ def test_worker_bad_arguments_exit_2(tmp_path, args, fragment):
 
 
 def test_planner_settings_come_from_the_config():
-    cfg = dataclasses.replace(CFG, slurm_margin_s=0.0, job_overhead_s=0.0)
-    plan = BackfillPlanner(cfg).plan(window(125), tasks(100.0))
-    assert plan.time_limit_min == 2  # with no margin, 125 s hold two whole minutes
+    # 125 s to a reservation Slurm floors to 120 s; 0 would derive the margin from bf_interval
+    cfg = dataclasses.replace(CFG, slurm_margin_s=1.0, job_overhead_s=0.0)
+    plan = BackfillPlanner(cfg).plan(window(125), tasks(50.0))
+    assert plan.time_limit_min == 1  # 119 s: one whole minute, and a 50-s task fits it with no overhead
+    assert BackfillPlanner(CFG).plan(window(125), tasks(50.0)) is None  # 90 s: 1 minute, 20 s + 50 s do not

@@ -40,6 +40,7 @@ from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_sc
 
 __all__ = [
     "ClusterWindow",
+    "backfill_parameters",
     "find_window",
     "live_window",
     "RolloutJobPlan",
@@ -48,6 +49,12 @@ __all__ = [
     "SubmittedJob",
     "no_window_reason",
 ]
+
+# Seconds between reading a window and Slurm's backfill pass seeing our job, besides waiting
+# for that pass: the age of the squeue/scontrol answers, sbatch, and the pass's own run time.
+# Measured on the dev cluster (bf_interval 1 s): a one-minute job in a 95-s window planned
+# with bf_interval + 4 s started 1.0 s after submission (docs/benchmarks.md, run 18).
+SUBMIT_SLACK_S = 4.0
 
 # States in which a job's processes are gone for good (its claims can be re-issued).
 _ENDED = (
@@ -73,6 +80,7 @@ class ClusterWindow:
     end: dt.datetime | None  # earliest expected start of a pending GPU job there; None: none pending
     blocked_by: str | None  # that job's id
     bf_resolution_s: int = 60  # Slurm's backfill plans in steps of this (SchedulerParameters)
+    bf_interval_s: float = 30.0  # ... and runs a pass this often (SchedulerParameters)
 
     @property
     def gpus_idle(self) -> int:
@@ -95,6 +103,7 @@ def find_window(
     now: dt.datetime,
     exclude: tuple[str, ...] = (),
     bf_resolution_s: int = 60,
+    bf_interval_s: float = 30.0,
 ) -> ClusterWindow:
     """The backfill window for GPU jobs in `partition` now (pure: tested on captured states).
 
@@ -115,20 +124,38 @@ def find_window(
         start = max(job.expected_start or now, now)
         if end is None or start < end:
             end, blocked_by = start, job.job_id
-    return ClusterWindow(partition, now, tuple((n.name, n.gpus_idle) for n in idle), end, blocked_by, bf_resolution_s)
+    idle_by_node = tuple((n.name, n.gpus_idle) for n in idle)
+    return ClusterWindow(partition, now, idle_by_node, end, blocked_by, bf_resolution_s, bf_interval_s)
+
+
+def backfill_parameters(params: dict[str, str]) -> tuple[int, float]:
+    """(bf_resolution, bf_interval) in seconds from SchedulerParameters (pure); Slurm's
+    defaults, 60 and 30 s, where absent or unreadable."""
+    try:
+        resolution = int(params.get("bf_resolution") or 60)
+    except ValueError:
+        resolution = 60
+    try:
+        interval = float(params.get("bf_interval") or 30)
+    except ValueError:
+        interval = 30.0
+    return resolution, interval
 
 
 def bf_resolution_s() -> int:
     """The controller's bf_resolution (SchedulerParameters; Slurm's default is 60 s)."""
-    return int(queries.scheduler_parameters().get("bf_resolution") or 60)
+    return backfill_parameters(queries.scheduler_parameters())[0]
 
 
-def live_window(partition: str, exclude: tuple[str, ...] = ()) -> ClusterWindow:
-    """`find_window` on what the controller says now (scontrol show node/partition/config, squeue --start)."""
+def live_window(partition: str, exclude: tuple[str, ...] = (), params: dict[str, str] | None = None) -> ClusterWindow:
+    """`find_window` on what the controller says now (scontrol show node/partition, squeue --start).
+
+    `params`: the controller's SchedulerParameters when the caller has read them already (they
+    change only with a reconfigure); otherwise `scontrol show config` is asked here."""
+    resolution, interval = backfill_parameters(queries.scheduler_parameters() if params is None else params)
     now = dt.datetime.now().replace(microsecond=0)
-    return find_window(
-        partition, queries.nodes(), queries.partitions(), queries.pending_jobs(), now, exclude, bf_resolution_s()
-    )
+    pending = queries.pending_jobs()
+    return find_window(partition, queries.nodes(), queries.partitions(), pending, now, exclude, resolution, interval)
 
 
 @dataclass(frozen=True)
@@ -181,15 +208,20 @@ class BackfillPlanner:
 
         Backfill aligns the blocking job's reservation down to bf_resolution, and considers our
         job at its next pass (up to bf_interval after submission) with its end rounded up. So a
-        job fits iff now + slurm_margin_s + limit <= floor_r(window.end); slurm_margin_s stands
-        for that delay plus drift of the estimate. This matches all four cases measured on the
-        dev cluster (1-minute jobs 119 and 119 s before a reservation started at once, 103 and
-        103 s before, at other offsets to the minute, waited).
+        job fits iff now + margin + limit <= floor_r(window.end), the margin standing for that
+        delay (`margin_s`). This matches all four cases measured on the dev cluster (1-minute
+        jobs 119 and 119 s before a reservation started at once, 103 and 103 s before, at other
+        offsets to the minute, waited).
         """
         r = window.bf_resolution_s
         end = window.end.timestamp()
         latest_end = end - end % r if r > 0 else end
-        return max(int((latest_end - window.now.timestamp() - self.cfg.slurm_margin_s) // 60), 0)
+        return max(int((latest_end - window.now.timestamp() - self.margin_s(window)) // 60), 0)
+
+    def margin_s(self, window: ClusterWindow) -> float:
+        """scheduler.slurm_margin_s, or (0) Slurm's bf_interval plus SUBMIT_SLACK_S: the next
+        backfill pass that can start our job comes up to bf_interval after we read the window."""
+        return self.cfg.slurm_margin_s or window.bf_interval_s + SUBMIT_SLACK_S
 
     def plan(self, window: ClusterWindow, tasks: list[RolloutTask]) -> RolloutJobPlan | None:
         """None when no job can be started in the window (no idle GPUs, too short, nothing fits)."""
@@ -373,5 +405,6 @@ def no_window_reason(window: ClusterWindow, sched: SchedulerConfig, gpus_per_job
     fit = BackfillPlanner(sched).minutes_that_fit(window)
     return (
         f"window {window.length_s:.0f} s before job {window.blocked_by} (expected {at}, planned by Slurm in "
-        f"{window.bf_resolution_s} s steps): {fit} whole minutes after slurm_margin_s, too short"
+        f"{window.bf_resolution_s} s steps): {fit} whole minutes after a {BackfillPlanner(sched).margin_s(window):g}-s "
+        "margin, too short"
     )

@@ -272,6 +272,13 @@ class LocalBackend:
         self.reap(p, time.time())
 
 
+def window_key(window: ClusterWindow) -> list:
+    """What identifies a window apart from when it is read (pure, JSON-able): the job ending it,
+    that job's expected start, and the GPUs free on each node."""
+    end = None if window.end is None else window.end.timestamp()
+    return [window.blocked_by, end, [list(n) for n in window.idle_by_node]]
+
+
 class SlurmBackend:
     """Windows from squeue --start (live_window); rollout jobs through submitit's SlurmExecutor."""
 
@@ -282,6 +289,7 @@ class SlurmBackend:
         yield_after_s: float = 0.0,
         params: dict[str, str] | None = None,
         withdraw_after_s: float = math.inf,
+        need=None,
     ):
         self.executor_factory = executor_factory  # (name, RolloutJobSize) -> a submitit executor
         self.own_job_ids = own_job_ids  # () -> the run's job ids (they end no window)
@@ -289,6 +297,7 @@ class SlurmBackend:
         self.blocking: dict[str, float] = {}  # rollout job id -> since when it blocks a pending job
         self.params = params  # the controller's SchedulerParameters, read once (None: ask each plan)
         self.withdraw_after_s = withdraw_after_s  # a rollout job pending this long is withdrawn
+        self.need = need  # one rollout job's request (slurm/sbatch.Resources): windows count whole jobs of it
 
     def plan(self, p: RolloutPlanner, now: float, jobs_free: int, gpus_free: int) -> bool:
         from hpcrl.slurm.backfill.planner import live_window
@@ -298,7 +307,12 @@ class SlurmBackend:
             return False  # one not started yet: Slurm has not taken it, a new window would be guessed
         # every job the run ever submitted: a withdrawn one may linger in squeue a moment
         own = tuple(self.own_job_ids()) + tuple(j["job_id"] for j in p.record["jobs"].values())
-        window = live_window(p.cfg.slurm.generator.partition, exclude=own, params=self.params)
+        window = live_window(p.cfg.slurm.generator.partition, exclude=own, params=self.params, need=self.need)
+        key = window_key(window)
+        if any(r.get("withdrawn") and r.get("window_key") == key for r in p.record["jobs"].values()):
+            # Slurm left a job sized to this very window pending: it would again, until it changes.
+            p.why_not(f"Slurm left a rollout job pending in this window (before job {window.blocked_by})", key=key)
+            return False
         size = size_rollout_jobs(
             window,
             p.sched,
@@ -324,6 +338,7 @@ class SlurmBackend:
                 "window_s": None if math.isinf(size.window_s) else size.window_s,
                 "window_end": None if window.end is None else window.end.timestamp(),
                 "blocked_by": window.blocked_by,
+                "window_key": key,
                 "submitted": now,
                 "pending": True,
                 "state": "active",
@@ -500,7 +515,7 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
     template = next((r.component for r in roles if r.slurm_role == "generator"), None)
     if template is None:
         raise ValueError("scheduler.max_rollout_jobs > 0 needs generators.count >= 1: rollout jobs run what gen-0 runs")
-    from hpcrl.jobs.launch import BOOT_PYTHON, make_executor, slurm_parameters
+    from hpcrl.jobs.launch import BOOT_PYTHON, make_executor, role_resources, slurm_parameters
 
     check_rollout_partition(cfg)
     if cfg.executor == "local":
@@ -534,7 +549,8 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
         params = queries.scheduler_parameters()  # once: they change only with a reconfigure
         yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0
         withdraw_s = withdraw_after_s(s.rollout_withdraw_s, params)
-        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s, params, withdraw_s)
+        need = role_resources(cfg.slurm, "generator")  # what each rollout job asks for (slurm_parameters)
+        backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s, params, withdraw_s, need)
     planner = RolloutPlanner(cfg, run_dir, template, backend)
     if cfg.executor == "slurm":
         planner.watch_interval_s = give_way_interval_s(s.give_way_interval_s, params)

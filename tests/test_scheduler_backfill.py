@@ -20,10 +20,11 @@ import pytest
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.backfill.packer import RolloutTask
-from hpcrl.slurm.backfill.planner import BackfillPlanner, find_window
+from hpcrl.slurm.backfill.planner import BackfillPlanner, find_window, jobs_fitting, no_window_reason
 from hpcrl.slurm.backfill.taskqueue import DirTaskQueue, TaskQueueError
 from hpcrl.slurm.backfill.worker import run_window
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
+from hpcrl.slurm.sbatch import Resources
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW = dt.datetime(2026, 12, 2, 12, 0, 0)
@@ -64,6 +65,24 @@ def test_window_without_pending_gpu_jobs_is_unbounded_and_unplanned_jobs_close_i
     assert find_window("gpu", drained, PARTS, [], NOW).gpus_idle == 0
     with pytest.raises(ValueError, match="partition 'gpuu' does not exist; partitions: cpu, gpu"):
         find_window("gpuu", nodes, PARTS, [], NOW)
+
+
+def test_a_window_counts_only_whole_rollout_jobs_that_the_nodes_cpus_and_memory_hold():
+    # As on the dev cluster in run 19: n1 has a GPU idle but the run's own learner and generator
+    # hold its memory; Slurm left a 4-GB rollout job sized to that GPU pending (reason Priority).
+    full = NodeState("n1", "MIXED", ("cpu", "gpu"), 8, 7, 4, 3, 16384, 14592)  # 1 GPU, 1 CPU, 1.75 GB free
+    roomy = NodeState("n2", "MIXED", ("cpu", "gpu"), 8, 5, 4, 1, 16384, 4096)  # 3 GPUs, 3 CPUs, 12 GB free
+    gen = Resources(partition="gpu", gpus_per_node=1, cpus_per_task=1, mem_mb=4096)
+    w = find_window("gpu", [full, roomy], PARTS, [], NOW, need=gen)
+    assert w.idle_by_node == (("n2", 3),) and w.need == "1 GPU, 1 CPU, 4096 MB"
+    assert jobs_fitting(full, gen) == 0 and jobs_fitting(roomy, gen) == 3
+    assert jobs_fitting(roomy, dataclasses.replace(gen, cpus_per_task=2)) == 1  # 3 CPUs: one 2-CPU job
+    assert jobs_fitting(roomy, dataclasses.replace(gen, mem_mb=5000)) == 2  # 12 GB: two 5-GB jobs
+    assert jobs_fitting(roomy, dataclasses.replace(gen, gpus_per_node=2)) == 1
+    assert find_window("gpu", [full, roomy], PARTS, [], NOW).idle_by_node == (("n1", 1), ("n2", 3))  # GPUs only
+    alone = find_window("gpu", [full], PARTS, [], NOW, need=gen)
+    why = no_window_reason(alone, CFG, 1)
+    assert why == "no node of gpu has room for a rollout job (1 GPU, 1 CPU, 4096 MB free)", why
 
 
 # ------------------------------------------------------------------------------ planning

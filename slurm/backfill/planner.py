@@ -42,6 +42,7 @@ __all__ = [
     "ClusterWindow",
     "backfill_parameters",
     "find_window",
+    "jobs_fitting",
     "live_window",
     "RolloutJobPlan",
     "BackfillPlanner",
@@ -76,11 +77,14 @@ _ENDED = (
 class ClusterWindow:
     partition: str
     now: dt.datetime
-    idle_by_node: tuple[tuple[str, int], ...]  # usable nodes of the partition with idle GPUs
+    # nodes of the partition with idle GPUs: how many, or with a job shape (`need`) only as many
+    # as whole jobs of it fit beside what runs there (its CPUs and memory count too)
+    idle_by_node: tuple[tuple[str, int], ...]
     end: dt.datetime | None  # earliest expected start of a pending GPU job there; None: none pending
     blocked_by: str | None  # that job's id
     bf_resolution_s: int = 60  # Slurm's backfill plans in steps of this (SchedulerParameters)
     bf_interval_s: float = 30.0  # ... and runs a pass this often (SchedulerParameters)
+    need: str = ""  # the job shape idle_by_node was counted for, for the log ("": GPUs only)
 
     @property
     def gpus_idle(self) -> int:
@@ -104,18 +108,23 @@ def find_window(
     exclude: tuple[str, ...] = (),
     bf_resolution_s: int = 60,
     bf_interval_s: float = 30.0,
+    need: Resources | None = None,
 ) -> ClusterWindow:
     """The backfill window for GPU jobs in `partition` now (pure: tested on captured states).
 
     A pending GPU job of any partition sharing these nodes ends the window at its expected
     start. One without an estimate yet (Slurm's backfill pass has not planned it) ends it
     now: wait a backfill cycle rather than guess. Jobs in `exclude` (our own) do not count.
+    With `need` (one rollout job's request), a node's idle GPUs count only as far as whole jobs
+    of that shape fit its idle CPUs and free memory too: an idle GPU on a node whose memory the
+    run's own learner holds takes no job, and Slurm would leave one sized to it pending.
     """
     by_name = {p.name: p for p in partitions}
     if partition not in by_name:
         raise ValueError(f"partition {partition!r} does not exist; partitions: {', '.join(sorted(by_name))}")
     members = set(by_name[partition].nodes)
-    idle = [n for n in nodes if n.name in members and n.gpus_idle > 0]
+    usable = {n.name: (n.gpus_idle if need is None else jobs_fitting(n, need) * need.gpus_per_node) for n in nodes}
+    idle = [n for n in nodes if n.name in members and usable[n.name] > 0]
     sharing = {p.name for p in partitions if members & set(p.nodes)}
     end, blocked_by = None, None
     for job in pending:
@@ -124,8 +133,30 @@ def find_window(
         start = max(job.expected_start or now, now)
         if end is None or start < end:
             end, blocked_by = start, job.job_id
-    idle_by_node = tuple((n.name, n.gpus_idle) for n in idle)
-    return ClusterWindow(partition, now, idle_by_node, end, blocked_by, bf_resolution_s, bf_interval_s)
+    idle_by_node = tuple((n.name, usable[n.name]) for n in idle)
+    shape = "" if need is None else describe(need)
+    return ClusterWindow(partition, now, idle_by_node, end, blocked_by, bf_resolution_s, bf_interval_s, shape)
+
+
+def jobs_fitting(node: NodeState, need: Resources) -> int:
+    """How many single-node jobs of `need` the node's idle GPUs, idle CPUs and free memory hold
+    at once (pure). Memory counts only where Slurm tracks it (AllocMem; CR_*_Memory)."""
+    counts = [node.cpus_idle // max(need.ntasks_per_node * need.cpus_per_task, 1)]
+    if need.gpus_per_node:
+        counts.append(node.gpus_idle // need.gpus_per_node)
+    if need.mem_mb:
+        counts.append(max(node.real_memory_mb - node.alloc_memory_mb, 0) // need.mem_mb)
+    return max(min(counts), 0)
+
+
+def describe(need: Resources) -> str:
+    """One job's request as the log says it: '1 GPU, 2 CPUs, 4096 MB'."""
+    cpus = need.ntasks_per_node * need.cpus_per_task
+    parts = [f"{need.gpus_per_node} GPU{'s' * (need.gpus_per_node != 1)}"] if need.gpus_per_node else []
+    parts.append(f"{cpus} CPU{'s' * (cpus != 1)}")
+    if need.mem_mb:
+        parts.append(f"{need.mem_mb} MB")
+    return ", ".join(parts)
 
 
 def backfill_parameters(params: dict[str, str]) -> tuple[int, float]:
@@ -147,7 +178,12 @@ def bf_resolution_s() -> int:
     return backfill_parameters(queries.scheduler_parameters())[0]
 
 
-def live_window(partition: str, exclude: tuple[str, ...] = (), params: dict[str, str] | None = None) -> ClusterWindow:
+def live_window(
+    partition: str,
+    exclude: tuple[str, ...] = (),
+    params: dict[str, str] | None = None,
+    need: Resources | None = None,
+) -> ClusterWindow:
     """`find_window` on what the controller says now (scontrol show node/partition, squeue --start).
 
     `params`: the controller's SchedulerParameters when the caller has read them already (they
@@ -155,7 +191,8 @@ def live_window(partition: str, exclude: tuple[str, ...] = (), params: dict[str,
     resolution, interval = backfill_parameters(queries.scheduler_parameters() if params is None else params)
     now = dt.datetime.now().replace(microsecond=0)
     pending = queries.pending_jobs()
-    return find_window(partition, queries.nodes(), queries.partitions(), pending, now, exclude, resolution, interval)
+    nodes, parts = queries.nodes(), queries.partitions()
+    return find_window(partition, nodes, parts, pending, now, exclude, resolution, interval, need)
 
 
 @dataclass(frozen=True)
@@ -396,6 +433,8 @@ class RolloutJobs:
 def no_window_reason(window: ClusterWindow, sched: SchedulerConfig, gpus_per_job: int) -> str:
     """Why `size_rollout_jobs` found no room in `window` (pure; for the log)."""
     if window.jobs_that_fit(gpus_per_job) < 1:
+        if window.need:
+            return f"no node of {window.partition} has room for a rollout job ({window.need} free)"
         return f"no node of {window.partition} has {gpus_per_job} idle GPU(s)"
     if window.end is None:
         return "the rollout caps are spent"

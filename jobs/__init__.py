@@ -9,10 +9,10 @@ submitit executor (the one translation); `boot` is the first thing every job's p
 (it holds an early SIGUSR2 until the component can drain on it); `supervise` watches the jobs
 and restarts what dies, locally (`LocalRun`) and on Slurm (`SupervisorComponent`), deciding as
 `restarts` says (budgets that refill, backoff, hangs from heartbeats); `rollout_plan` submits
-backfill rollout jobs (`rollout`) into idle-GPU windows, and `give_way` says which of them hand
-their GPUs back to another user's pending job; `scripts` renders plain sbatch scripts and is
-the command they run; `rundir` creates run directories; `report` and `slurmstatus` are what
-`hpcrl run` and `hpcrl status` print, `plots` draws `hpcrl plot`'s pictures and `accounting`
-is `hpcrl report`'s sacct and cost figures; `chaos` is the fault drill; `cli/` has one module
-per verb.
+backfill rollout jobs (`rollout`) into idle-GPU windows (on Slurm through `rollout_slurm`), and
+`give_way` says which of them hand their GPUs back to another user's pending job; `scripts`
+renders plain sbatch scripts and is the command they run; `rundir` creates run directories;
+`report` and `slurmstatus` are what `hpcrl run` and `hpcrl status` print, `plots` draws
+`hpcrl plot`'s pictures and `accounting` is `hpcrl report`'s sacct and cost figures; `chaos`
+is the fault drill; `cli/` has one module per verb.
 """

@@ -419,8 +419,8 @@ class SchedulerConfig:
     )
     rollout_withdraw_s: float = spec(
         0.0,
-        help="a rollout job Slurm has not started this long after submission is withdrawn (scancel) and "
-        "sized again to the window as it is then, seconds; 0: twice Slurm's bf_interval + 4",
+        help="a rollout job that Slurm has looked at and left pending this long after submission is withdrawn "
+        "(scancel) and sized again to the window as it is then, seconds; 0: twice Slurm's bf_interval + 4",
         ge=0,
     )
     give_way_interval_s: float = spec(

@@ -29,14 +29,14 @@ from conftest import wait_for
 pytestmark = pytest.mark.slurm
 
 
-def hold(tmp_path, name: str, nodes: int, gpus: int, time_min: int, seconds: int) -> str:
+def hold(tmp_path, name: str, nodes: int, gpus: int, time_min: int, seconds: int, *sbatch_args: str) -> str:
     text = render_script(
         [Resources(partition="gpu", time_min=time_min, nodes=nodes, gpus_per_node=gpus, mem_mb=256)],
         [f"sleep {seconds}"],
         job_name=name,
         output=str(tmp_path / f"{name}-%j.out"),
     )
-    return submit_script(write_script(text, tmp_path / f"{name}.sh"))
+    return submit_script(write_script(text, tmp_path / f"{name}.sh"), list(sbatch_args))
 
 
 def state(job_id: str) -> str | None:
@@ -156,3 +156,42 @@ def test_requeued_rollout_job_gives_back_what_its_killed_run_held(slurm_cluster,
     wait_for(lambda: not queries.queue(job_ids=[job.job_id]), 30, what="the rollout job to leave the queue")
     jobs.poll()
     assert queue.claimed() == {} and not jobs.active
+
+
+def test_a_live_window_counts_whole_jobs_and_a_job_slurm_leaves_pending_is_withdrawn(slurm_cluster, tmp_path):
+    """The window as the planner reads it from the live controller counts only rollout jobs that
+    fit a node's memory too; and a job Slurm has looked at and left pending (here: held) is
+    withdrawn by id, once it has pended withdraw_after_s."""
+    from hpcrl.core.config import load_config
+    from hpcrl.jobs.rollout_plan import RolloutPlanner
+    from hpcrl.jobs.rollout_slurm import SlurmBackend
+    from hpcrl.slurm.backfill.planner import no_window_reason
+
+    gpus_only = live_window("gpu")
+    assert gpus_only.gpus_idle > 0, "the dev cluster should have idle GPUs between tests"
+    small = live_window("gpu", need=Resources(partition="gpu", gpus_per_node=1, mem_mb=256))
+    assert small.gpus_idle == gpus_only.gpus_idle  # 256 MB and one CPU per GPU: every idle GPU takes one
+    biggest = max(n.real_memory_mb for n in queries.nodes())
+    huge = live_window("gpu", need=Resources(partition="gpu", gpus_per_node=1, mem_mb=biggest + 1))
+    assert huge.jobs_that_fit(1) == 0
+    assert "has room for a rollout job (1 GPU, 1 CPU" in no_window_reason(huge, SchedulerConfig(), 1)
+
+    held = hold(tmp_path, "hpcrl-rollout-held", 1, 1, 1, 30, "--hold")
+    other = hold(tmp_path, "someone-else", 1, 1, 1, 30, "--hold")
+    try:
+        wait_for(
+            lambda: next((j.reason for j in queries.pending_jobs() if j.job_id == held), "None") != "None",
+            30,
+            what="Slurm's reason for the held job",
+        )
+        backend = SlurmBackend(None, lambda: (), withdraw_after_s=6.0)
+        p = RolloutPlanner(load_config(None, []), tmp_path, None, backend)
+        rec = {"job_id": held, "state": "active", "gpus": 1, "pending": True, "submitted": 0.0}
+        p.record["jobs"]["rollout-0"] = rec
+        assert backend.withdraw(p, now=5.0) is False and rec["state"] == "active"  # not 6 s yet
+        assert backend.withdraw(p, now=6.0) is True and rec["state"] == "ended" and rec["withdrawn"] == 6.0
+        wait_for(lambda: state(held) in (None, "CANCELLED"), 30, what="the withdrawn job to be cancelled")
+        assert state(other) == "PENDING", "only our own job is withdrawn, by id"
+    finally:
+        queries.cancel([held, other])
+    wait_for(lambda: not queries.queue(job_ids=[held, other]), 30, what="the held jobs to leave the queue")

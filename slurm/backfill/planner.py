@@ -123,7 +123,8 @@ def find_window(
     if partition not in by_name:
         raise ValueError(f"partition {partition!r} does not exist; partitions: {', '.join(sorted(by_name))}")
     members = set(by_name[partition].nodes)
-    usable = {n.name: (n.gpus_idle if need is None else jobs_fitting(n, need) * need.gpus_per_node) for n in nodes}
+    per_job = 1 if need is None else max(need.gpus_per_node, 1)  # as BackfillPlanner/RolloutPlanner count GPUs
+    usable = {n.name: (n.gpus_idle if need is None else jobs_fitting(n, need) * per_job) for n in nodes}
     idle = [n for n in nodes if n.name in members and usable[n.name] > 0]
     sharing = {p.name for p in partitions if members & set(p.nodes)}
     end, blocked_by = None, None

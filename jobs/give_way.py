@@ -3,7 +3,6 @@
     blocking = rollout_jobs_to_yield(pending, idle_by_node, ours_by_node, members, now)
     since, give = overdue(blocking, since, now_s, after_s)   # blocking for after_s or more
     every_s = give_way_interval_s(configured_s, scheduler_parameters)   # how often to look
-    pend_s = withdraw_after_s(configured_s, scheduler_parameters)      # how long one may pend
 
 `RolloutPlanner`'s give-way (jobs/rollout_plan.py) asks Slurm for the pending jobs, idle GPUs
 and where its rollout jobs run, and cancels what these rules name: the backfill contract is
@@ -15,9 +14,9 @@ from __future__ import annotations
 
 import datetime as dt
 
-from hpcrl.slurm.backfill.planner import SUBMIT_SLACK_S, backfill_parameters
+from hpcrl.slurm.backfill.planner import backfill_parameters
 
-__all__ = ["rollout_jobs_to_yield", "overdue", "give_way_interval_s", "withdraw_after_s"]
+__all__ = ["rollout_jobs_to_yield", "overdue", "give_way_interval_s"]
 
 _WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
 
@@ -98,13 +97,3 @@ def give_way_interval_s(configured_s: float, scheduler_parameters: dict[str, str
     if configured_s > 0:
         return configured_s
     return max(backfill_parameters(scheduler_parameters)[1] / 4, 0.25)
-
-
-def withdraw_after_s(configured_s: float, scheduler_parameters: dict[str, str]) -> float:
-    """How long a rollout job may pend before the planner withdraws it (pure): `configured_s`, or
-    two of Slurm's backfill passes plus SUBMIT_SLACK_S. Sized to a window, a job that fits starts
-    at the first pass that sees it (within bf_interval + SUBMIT_SLACK_S); one more pass covers a
-    pass already under way when it was submitted. Dev cluster 6 s; Slurm's default 64 s."""
-    if configured_s > 0:
-        return configured_s
-    return 2 * backfill_parameters(scheduler_parameters)[1] + SUBMIT_SLACK_S

@@ -54,9 +54,9 @@ from pathlib import Path
 
 from hpcrl.core.config import Config
 from hpcrl.core.files import atomic_write_json
-from hpcrl.jobs.give_way import give_way_interval_s, withdraw_after_s
+from hpcrl.jobs.give_way import give_way_interval_s
 from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
-from hpcrl.jobs.rollout_slurm import RolloutJobSize, SlurmBackend
+from hpcrl.jobs.rollout_slurm import RolloutJobSize, SlurmBackend, withdraw_after_s
 
 __all__ = [
     "coordinator_has_work",

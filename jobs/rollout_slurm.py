@@ -23,9 +23,15 @@ from dataclasses import dataclass
 
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.jobs.give_way import overdue, rollout_jobs_to_yield
-from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, no_window_reason
+from hpcrl.slurm.backfill.planner import (
+    SUBMIT_SLACK_S,
+    BackfillPlanner,
+    ClusterWindow,
+    backfill_parameters,
+    no_window_reason,
+)
 
-__all__ = ["RolloutJobSize", "size_rollout_jobs", "SlurmBackend", "window_key"]
+__all__ = ["RolloutJobSize", "size_rollout_jobs", "SlurmBackend", "window_key", "withdraw_after_s"]
 
 log = logging.getLogger("hpcrl.rollout")
 
@@ -64,6 +70,16 @@ def size_rollout_jobs(
     # --time-min one episode threw most of each window away; one minute of slack still lets
     # backfill start a job whose window shrank a step since squeue --start was read.
     return RolloutJobSize(jobs, gpus_per_job, limit, max(need_min, limit - 1), window.length_s)
+
+
+def withdraw_after_s(configured_s: float, scheduler_parameters: dict[str, str]) -> float:
+    """How long a rollout job may pend before the planner withdraws it (pure): `configured_s`, or
+    two of Slurm's backfill passes plus SUBMIT_SLACK_S. Sized to a window, a job that fits starts
+    at the first pass that sees it (within bf_interval + SUBMIT_SLACK_S); one more pass covers a
+    pass already under way when it was submitted. Dev cluster 6 s; Slurm's default 64 s."""
+    if configured_s > 0:
+        return configured_s
+    return 2 * backfill_parameters(scheduler_parameters)[1] + SUBMIT_SLACK_S
 
 
 def window_key(window: ClusterWindow) -> list:
@@ -191,8 +207,11 @@ class SlurmBackend:
         to have looked at it yet (reason None) is waited for."""
         from hpcrl.slurm import queries
 
-        late = {r["job_id"]: r for r in p.active().values() if r.get("pending")}
-        late = {j: r for j, r in late.items() if now - r["submitted"] >= self.withdraw_after_s}
+        late = {
+            r["job_id"]: r
+            for r in p.active().values()
+            if r.get("pending") and now - r["submitted"] >= self.withdraw_after_s
+        }
         if not late:
             return False
         seen = [j for j in queries.pending_jobs() if j.job_id in late and j.reason not in ("", "None")]

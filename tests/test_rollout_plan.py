@@ -8,11 +8,11 @@ import datetime as dt
 import math
 
 from hpcrl.core.config import SchedulerConfig, load_config
-from hpcrl.jobs.give_way import give_way_interval_s, overdue, withdraw_after_s
+from hpcrl.jobs.give_way import give_way_interval_s, overdue
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
 from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work
-from hpcrl.jobs.rollout_slurm import SlurmBackend, size_rollout_jobs
+from hpcrl.jobs.rollout_slurm import SlurmBackend, size_rollout_jobs, withdraw_after_s
 from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, backfill_parameters, no_window_reason
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState

@@ -141,7 +141,8 @@ def find_window(
 
 def jobs_fitting(node: NodeState, need: Resources) -> int:
     """How many single-node jobs of `need` the node's idle GPUs, idle CPUs and free memory hold
-    at once (pure). Memory counts only where Slurm tracks it (AllocMem; CR_*_Memory)."""
+    at once (pure). Where memory is not a consumable resource AllocMem stays 0, so RealMemory
+    alone bounds it, as Slurm bounds a job's --mem."""
     counts = [node.cpus_idle // max(need.ntasks_per_node * need.cpus_per_task, 1)]
     if need.gpus_per_node:
         counts.append(node.gpus_idle // need.gpus_per_node)
@@ -172,11 +173,6 @@ def backfill_parameters(params: dict[str, str]) -> tuple[int, float]:
     except ValueError:
         interval = 30.0
     return resolution, interval
-
-
-def bf_resolution_s() -> int:
-    """The controller's bf_resolution (SchedulerParameters; Slurm's default is 60 s)."""
-    return backfill_parameters(queries.scheduler_parameters())[0]
 
 
 def live_window(

@@ -199,6 +199,34 @@ def gpus_in_tres(text: str) -> int:
     return sum(int(v) for k, v in tres.items() if k == "gres/gpu" and v.isdigit())
 
 
+_MEM_UNITS_MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def parse_mem_mb(text: str) -> float | None:
+    """A Slurm memory size in MB: `4G` 4096, `256M` 256, `388532K` 379.4, `2.50G` 2560, `1000`
+    (M where no unit is given); None when empty or unreadable."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", (text or "").strip())
+    return None if m is None else float(m.group(1)) * _MEM_UNITS_MB[m.group(2) or "M"]
+
+
+def mem_mb_in_tres(text: str) -> int:
+    """Memory of a TRES string in whole MB (`mem=4G` 4096); 0 without one."""
+    return round(parse_mem_mb(parse_tres(text or "").get("mem", "")) or 0)
+
+
+def peak_rss_by_job(text: str) -> dict[str, float]:
+    """`sacct -n -P -o JobID,MaxRSS` output to {job id: the largest MaxRSS of its steps, MB}
+    (pure); a job none of whose steps has one (never ran, or not sampled yet) is absent."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        jid, _, rss = line.partition("|")
+        mb = parse_mem_mb(rss)
+        if jid and mb is not None:
+            job = jid.split(".", 1)[0]
+            out[job] = max(out.get(job, 0.0), mb)
+    return out
+
+
 _TEST_ONLY_RE = re.compile(
     r"Job (?P<job>\d+) to start at (?P<start>\S+) using (?P<cpus>\d+) processors on nodes? (?P<nodes>\S+)"
     r"(?: in partition (?P<partition>\S+))?"

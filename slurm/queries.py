@@ -112,6 +112,7 @@ class JobRecord:
     submit: dt.datetime | None = None  # a requeued life's Submit is when it was requeued
     cpus: int = 0  # AllocCPUS: over all its nodes; 0 until it starts
     gpus: int = 0  # gres/gpu of AllocTRES, over all its nodes
+    mem_mb: int = 0  # mem of AllocTRES, over all its nodes; 0 until it starts
 
 
 def nodes() -> list[NodeState]:
@@ -251,6 +252,7 @@ def record_from_row(row: dict[str, str]) -> JobRecord:
         submit=parse.parse_timestamp(row["submit"]),
         cpus=int(row["alloc_cpus"] or 0),
         gpus=parse.gpus_in_tres(row["alloc_tres"]),
+        mem_mb=parse.mem_mb_in_tres(row["alloc_tres"]),
     )
 
 
@@ -268,6 +270,15 @@ def job_records(job_ids: list[str] | tuple[str, ...]) -> dict[str, JobRecord]:
     if not job_ids:
         return {}
     return {r.job_id: r for r in _sacct(job_ids)}
+
+
+def peak_rss_mb(job_ids: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """The largest resident memory any step of each job reached, MB, as accounting sampled it
+    (every JobAcctGatherFrequency seconds: a shorter peak can be missed). Jobs without are absent."""
+    if not job_ids:
+        return {}
+    out = run_slurm(["sacct", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,MaxRSS"])
+    return parse.peak_rss_by_job(out.stdout)
 
 
 def job_history(job_ids: list[str] | tuple[str, ...]) -> list[JobRecord]:

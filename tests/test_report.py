@@ -78,6 +78,8 @@ def test_array_rows_expand_to_the_asked_tasks_and_other_jobs_are_left_out():
         parse.expand_array_ids("6_[a-b]")
     ids = [r.job_id for r in records(ids=["104_1", "102"])]
     assert ids == ["102", "102", "104_1"]  # both lives of 102; the pending array row as task 1 only
+    mem = {r.job_id: r.mem_mb for r in records(ids=["107", "104_1"])}
+    assert mem == {"107": 256, "104_1": 0}  # AllocTRES memory; a pending task has none yet
 
 
 def test_run_members_lists_every_life_of_every_component_and_the_supervisor():

@@ -57,6 +57,24 @@ def test_scontrol_job_record():
     assert parse.parse_timestamp(job["StartTime"]) == dt.datetime(2026, 12, 2, 12, 35)
 
 
+def test_memory_of_a_tres_string_in_mb():
+    assert parse.mem_mb_in_tres("billing=1,cpu=1,gres/gpu=1,mem=4G,node=1") == 4096
+    assert parse.mem_mb_in_tres("cpu=1,mem=256M,node=1") == 256
+    assert parse.mem_mb_in_tres("mem=2.50G") == 2560 and parse.mem_mb_in_tres("mem=1T") == 1024 * 1024
+    assert parse.mem_mb_in_tres("mem=512K") == 0 and parse.mem_mb_in_tres("mem=1000") == 1000
+    assert parse.mem_mb_in_tres("cpu=1,node=1") == 0 and parse.mem_mb_in_tres("") == 0
+    assert parse.mem_mb_in_tres("mem=lots") == 0
+    assert parse.parse_mem_mb("388532K") == 388532 / 1024 and parse.parse_mem_mb(" 4G ") == 4096
+    assert parse.parse_mem_mb("") is None and parse.parse_mem_mb("0") == 0
+
+
+def test_peak_rss_of_each_job_is_the_largest_of_its_steps():
+    text = "1205||\n1205.batch|12096K|\n1205.0|498944K|\n1212||\n1203.batch|12228K|\n1203.0|90996K|\n"
+    text = text.replace("|\n", "\n")
+    peaks = parse.peak_rss_by_job(text)
+    assert peaks == {"1205": 498944 / 1024, "1203": 90996 / 1024}  # 1212 never ran: absent
+
+
 def test_delimited_rows_allow_separator_in_last_field():
     rows = parse.parse_delimited("1|cpu|RUNNING|my|name\n\n2|gpu|PENDING|x\n", ("id", "p", "state", "name"))
     assert rows[0] == {"id": "1", "p": "cpu", "state": "RUNNING", "name": "my|name"}

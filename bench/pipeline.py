@@ -91,7 +91,7 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 def pin_pipeline(run_dir, gen_cpus: set[int], rest_cpus: set[int]) -> None:
     """The generator on its own core(s), every other component (and this process) on the rest."""
-    from hpcrl.jobs.supervise import pids
+    from hpcrl.jobs.localrun import pids
 
     pin(os.getpid(), rest_cpus)
     for role in ("coordinator", "store", "learner", "gen"):
@@ -103,8 +103,8 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
     import psutil
 
     from hpcrl.jobs.launch import plan
+    from hpcrl.jobs.localrun import LocalRun, pids
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.jobs.supervise import LocalRun, pids
     from hpcrl.rl.coordinator import read_status
 
     run_dir = create_run_dir(cfg)

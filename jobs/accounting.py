@@ -397,7 +397,7 @@ def account_run(run_dir: str | os.PathLike, now: float | None = None) -> dict:
         metrics = ("cpu_h", "gpu_h")
     else:
         from hpcrl.core.liveness import read_heartbeats
-        from hpcrl.jobs.supervise import live_procs
+        from hpcrl.jobs.localrun import live_procs
 
         stems = sorted(p.stem for p in (run_dir / "heartbeats").glob("*.json"))
         beats = [b for stem in stems for b in read_heartbeats(run_dir, stem) if b.get("name") == stem]

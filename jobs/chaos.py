@@ -50,7 +50,7 @@ import psutil
 
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import read_heartbeats
-from hpcrl.jobs.supervise import live_procs
+from hpcrl.jobs.localrun import live_procs
 from hpcrl.rl.audit import account, step_rewards
 from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
 

@@ -125,7 +125,7 @@ def local_resume_check(run_dir: str | os.PathLike, cfg: Config, wait_s: float = 
     for every process of the run's jobs (`job_processes`): a job still starting when its launcher
     died has no procs/ record yet, and would otherwise run beside the resumed one (two store
     writers on one shard, an old endpoint file written over the new one)."""
-    from hpcrl.jobs.supervise import pids
+    from hpcrl.jobs.localrun import pids
 
     if cfg.executor != "local":
         return f"{run_dir} is a Slurm run (executor: {cfg.executor}); `hpcrl resume` submits its supervisor instead"

@@ -108,7 +108,7 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
     }
     urls = read_endpoints(run_dir)
     if jobs is None:
-        from hpcrl.jobs.supervise import pids
+        from hpcrl.jobs.localrun import pids
 
         for f in sorted((run_dir / "procs").glob("*.json")):
             name = f.stem

@@ -1,8 +1,5 @@
 """Supervising a run's jobs: restart what dies, finish when the learner is done, fail loudly.
 
-    run = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains))   # `hpcrl run`: jobs on this machine
-    run.start(); ok = run.wait(on_status=print_progress); run.shutdown()
-
     record = submit_run(cfg, run_dir, roles, search_path)         # on Slurm: every job, then the supervisor,
                                                                   # SupervisorComponent, a small job of its own
 
@@ -16,8 +13,9 @@ generator learns that the coordinator or store it cannot reach is on its way bac
 Components resume from the run directory: the learner from its checkpoint, the store writer
 by recovering its shard, the coordinator from its state file.
 
-`LocalRun` drives submitit's LocalExecutor from the launching process. On Slurm the
-supervisor job polls one `squeue` for all the run's job ids every few seconds. A job that is
+On this machine `LocalRun` (jobs/localrun.py) drives submitit's LocalExecutor from the
+launching process, deciding with this module's `verdict`. On Slurm the supervisor job polls
+one `squeue` for all the run's job ids every few seconds. A job that is
 still in the queue in any non-terminal state (PENDING, RUNNING, COMPLETING, REQUEUED, ...) is
 alive, unless it is RUNNING and hung (scancelled, then restarted): a requeue (`scontrol
 requeue`, a time limit's checkpoint-and-requeue, preemption) keeps its job id and is left to
@@ -35,42 +33,36 @@ is normal), and are cancelled by id when the run finishes, fails or is cancelled
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import signal
-import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import psutil
 import submitit
 
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import beat
 from hpcrl.core.metrics import provide
-from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.core.rpc import RequestClient
 from hpcrl.core.transport import Node
-from hpcrl.jobs.components import LAUNCHER_ENV, finish_job, start_component
-from hpcrl.jobs.launch import SUPERVISOR, Role, check_slurm, make_executor, plan, read_jobs, slurm_executor, write_jobs
+from hpcrl.jobs.components import finish_job, start_component
+from hpcrl.jobs.launch import SUPERVISOR, Role, check_slurm, plan, read_jobs, slurm_executor, write_jobs
 from hpcrl.jobs.restarts import Watch
-from hpcrl.rl.coordinator import read_status
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
 __all__ = [
-    "LocalRun",
     "RunFailed",
     "SupervisorComponent",
     "submit_run",
     "verdict",
     "queue_states",
     "queue_jobs",
-    "pids",
+    "why_ended",
+    "stop_coordinator",
     "CANCEL_NAME",
 ]
 
@@ -105,21 +97,7 @@ def verdict(name: str, result: Any, max_steps: int) -> Literal["finished", "ende
     return "died"
 
 
-def _no_result(job) -> BaseException | None:
-    """A local job whose process ended without writing its result (killed by a signal), or None.
-
-    submitit's result() waits up to 15 s for a result file that may still be crossing a network
-    filesystem; a local job's process writes it before exiting, so its absence is final, and
-    waiting held this loop (every other component unwatched) for 15 s per killed component."""
-    process = getattr(job, "_process", None)
-    if process is None or job.paths.result_pickle.exists():
-        return None
-    code = process.poll()
-    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    return RuntimeError(f"job {job.job_id} ended without a result ({how})")
-
-
-def _why(name: str, result: Any, max_steps: int) -> str:
+def why_ended(name: str, result: Any, max_steps: int) -> str:
     if isinstance(result, BaseException):
         return str(result)
     if name == "learner" and type(result) is int:
@@ -127,217 +105,12 @@ def _why(name: str, result: Any, max_steps: int) -> str:
     return f"exited before the run was over (returned {result!r})"
 
 
-def _stop_coordinator(run_dir: Path, client_name: str) -> None:
+def stop_coordinator(run_dir: Path, client_name: str) -> None:
     try:
         with Node(run_dir, client_name) as node:
             RequestClient(node, "coordinator", timeout_s=2.0, retries=1, discover_timeout_s=1.0).request("stop")
     except Exception as exc:  # cancelling afterwards still ends everything
         log.warning("could not ask the coordinator to stop: %s", exc)
-
-
-# -- on this machine ------------------------------------------------------------------------------
-
-
-class LocalRun:
-    """Start, watch, heal and finish one run's jobs through submitit (`hpcrl run` is a thin shell
-    over this). Every role is submitted with `make_executor` (executor: local)."""
-
-    def __init__(self, cfg: Config, run_dir: str | Path, roles: Sequence[Role]):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.roles = list(roles)
-        self.finished = False
-        self.watch = Watch(self.run_dir, cfg)
-        self._ended: set[str] = set()
-        self._due: dict[str, float] = {}  # component -> when its restart is due (backing off)
-        self.rollouts = None  # backfill rollout processes (jobs/rollout_plan.py), when configured
-
-    def role(self, name: str) -> Role:
-        return next(r for r in self.roles if r.name == name)
-
-    def _submit(self, role: Role) -> None:
-        ex = make_executor(
-            self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit", job_name=f"hpcrl-{role.name}"
-        )
-        role.started = time.time()
-        role.job = ex.submit(role.component)
-        role.history.append(role.job.job_id)
-        log.info("submitted %s as job %s", role.name, role.job.job_id)
-
-    def start(self) -> None:
-        # Jobs inherit this: they stop by themselves if this process is killed (components.py).
-        me = psutil.Process()
-        os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
-        serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
-        provide(self.metrics)
-        from hpcrl.jobs.rollout_plan import rollout_planner
-
-        self.rollouts = rollout_planner(self.cfg, self.run_dir, self.roles)
-        for role in self.roles:
-            self._submit(role)
-
-    def metrics(self) -> dict:
-        return {
-            "restarts_total:target": {r.name: r.restarts for r in self.roles},
-            "restarts_last_window:target": {r.name: self.watch.recent(r.restart_times) for r in self.roles},
-        }
-
-    def _check(self) -> None:
-        """Restart roles that ended (after their backoff) or hang while the run goes on; raise when
-        one has used its restarts; tell clients which peers are on their way (supervision.json)."""
-        states: dict[str, str] = {}
-        for role in self.roles:
-            states[role.name] = self._check_role(role, time.time())
-        self.watch.publish(states)
-        if self.rollouts is not None and not self.finished:
-            self.rollouts.tick()
-
-    def _check_role(self, role: Role, now: float) -> str:
-        name = role.name
-        if name in self._due:
-            if now >= self._due[name]:
-                del self._due[name]
-                role.restarts += 1
-                role.restart_times.append(now)
-                self._submit(role)
-            return "starting"
-        if not role.job.done():
-            why = self.watch.hung(name, role.slurm_role, role.job.job_id, role.started, now)
-            if why is None:
-                up = self.watch.running(name, role.job.job_id, role.started, role.slurm_role)
-                return "running" if up else "starting"
-            log.warning("%s is hung: %s; killing it", name, why)
-            self._kill(role)
-            self._ended_badly(role, f"hung: {why}", now)
-            return "starting"
-        if name != "learner" and (self.finished or name in self._ended):
-            return "ended"
-        result = _no_result(role.job)
-        if result is None:
-            try:
-                result = role.job.result()
-            except Exception as exc:  # the job's failure, judged below
-                result = exc
-        what = verdict(name, result, self.cfg.learner.max_steps)
-        if what == "finished":
-            self.finished = True
-            return "ended"
-        if what == "ended":
-            self._ended.add(name)
-            return "ended"
-        self._ended_badly(role, _why(name, result, self.cfg.learner.max_steps), now)
-        return "starting"
-
-    def _ended_badly(self, role: Role, why: str, now: float) -> None:
-        """Schedule the restart of a role that died or hung, within its budget, or fail the run."""
-        last = why.strip().splitlines()[-1] if why.strip() else "?"
-        when = self.watch.schedule(role.name, role.restart_times, last, now)
-        if when is None:
-            raise RunFailed(
-                f"{self.watch.spent(role.name, role.restart_times, why)} "
-                f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)"
-            )
-        if role.name == "learner" and self._ended:
-            # Generators that were told the run is over are needed again by a resumed learner.
-            for other in sorted(self._ended):
-                self._submit(self.role(other))
-            self._ended.clear()
-        self._due[role.name] = when
-
-    def _kill(self, role: Role) -> None:
-        """A hung job, whole: SIGKILL reaches a stopped or deadlocked process; SIGTERM may not."""
-        for proc in pids(self.run_dir, role.name):
-            try:
-                os.kill(proc, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        role.job.cancel()
-
-    def wait(
-        self,
-        on_status: Callable[[dict | None], None] = lambda s: None,
-        poll_s: float = 1.0,
-        timeout_s: float | None = None,
-    ) -> bool:
-        """Until the learner finished (True) or `timeout_s` passed (False); calls on_status each poll."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.finished:
-            self._check()
-            on_status(read_status(self.run_dir))
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(poll_s)
-        on_status(read_status(self.run_dir))
-        return True
-
-    def shutdown(self, grace_s: float = 60.0) -> None:
-        """Stop generators (the coordinator tells them; cancel if they linger), then the services."""
-        self.watch.publish({r.name: "ended" for r in self.roles})  # no client waits for a peer any more
-        coord = self.role("coordinator").job
-        if coord is not None and not coord.done():
-            _stop_coordinator(self.run_dir, "hpcrl-run")
-        if self.rollouts is not None:
-            self.rollouts.stop_all()  # SIGTERM: they hand back what they hold, as the generators do
-        order = [
-            [r for r in self.roles if r.slurm_role in ("generator", "learner")],
-            [r for r in self.roles if r.slurm_role == "sandbox"],
-            [self.role("coordinator"), self.role("store")],
-        ]
-        order = [[r for r in group if r.job is not None] for group in order]  # interrupted while submitting
-        for group in order:
-            for r in group:
-                self.stop_role(r)  # generators also hear it from the coordinator; the learner checkpoints
-            deadline = time.monotonic() + grace_s
-            while any(not r.job.done() for r in group) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            for r in group:
-                if not r.job.done():
-                    log.warning("%s did not stop within %.0f s; cancelling it", r.name, grace_s)
-                    r.job.cancel()
-
-    def stop_role(self, role: Role) -> None:
-        """Ask a role to finish cleanly: SIGTERM to its processes (local), scancel on Slurm
-        (which sends SIGTERM and waits KillWait). submitit's local cancel would SIGKILL after ~1 s."""
-        if role.job is None or role.job.done():
-            return
-        if self.cfg.executor != "local":
-            role.job.cancel()
-            return
-        for proc in pids(self.run_dir, role.name):
-            try:
-                os.kill(proc, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def cancel_all(self) -> None:
-        for r in self.roles:
-            if r.job is not None and not r.job.done():
-                r.job.cancel()
-
-
-def live_procs(run_dir: str | Path) -> list[dict]:
-    """The procs/<name>.json records (name, role, host, pid, started) of component processes
-    alive on this host. A pid file outlives its process: a recycled pid is never taken for it."""
-    out = []
-    for f in sorted((Path(run_dir) / "procs").glob("*.json")):
-        try:
-            rec = json.loads(f.read_text())
-            if rec.get("host") != socket.gethostname():
-                continue
-            proc = psutil.Process(int(rec["pid"]))
-            if proc.create_time() <= float(rec["started"]) + 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(rec)
-        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-            continue
-    return out
-
-
-def pids(run_dir: str | Path, role: str) -> list[int]:
-    """Process ids of a role's tasks on this host (`live_procs` of that role)."""
-    return [
-        int(r["pid"])
-        for r in live_procs(run_dir)
-        if r.get("name", "") == role or r.get("name", "").startswith(role + "-")
-    ]
 
 
 # -- on Slurm -------------------------------------------------------------------------------------
@@ -531,7 +304,8 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
                 states[name] = "ended"
                 write_jobs(self.run_dir, record)
                 continue
-            why = f"job {c['job_id']} {state or 'left the queue'}: {_why(name, result, self.cfg.learner.max_steps)}"
+            why = why_ended(name, result, self.cfg.learner.max_steps)
+            why = f"job {c['job_id']} {state or 'left the queue'}: {why}"
             self.ended_badly(record, name, why, now)
         self.watch.publish(states)
         if self.rollouts is not None:
@@ -586,7 +360,7 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         raise RunFailed(message)
 
     def finish(self, record: dict, grace_s: float = 30.0) -> None:
-        _stop_coordinator(self.run_dir, "hpcrl-supervisor")
+        stop_coordinator(self.run_dir, "hpcrl-supervisor")
         gens = [c["job_id"] for n, c in record["components"].items() if n.startswith("gen-")]
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(s not in TERMINAL for s in queue_states(gens).values()):

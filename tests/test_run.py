@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.jobs.supervise import pids
+from hpcrl.jobs.localrun import pids
 from hpcrl.rl.coordinator import read_status
 from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
 

@@ -35,7 +35,7 @@ import pytest
 import session_probe
 
 from hpcrl.core.metrics import read_endpoints
-from hpcrl.jobs.supervise import pids
+from hpcrl.jobs.localrun import pids
 from hpcrl.rl.coordinator import read_status
 from hpcrl.rl.events import LEASES_NAME, read_jsonl
 from hpcrl.rl.learner_service import AUDIT_NAME

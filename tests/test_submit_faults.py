@@ -13,7 +13,8 @@ import signal
 import pytest
 
 from hpcrl.jobs.launch import read_jobs
-from hpcrl.jobs.supervise import pids, queue_states
+from hpcrl.jobs.localrun import pids
+from hpcrl.jobs.supervise import queue_states
 from hpcrl.rl.learner_service import AUDIT_NAME
 from hpcrl.slurm.command import run_slurm
 

@@ -54,8 +54,9 @@ def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
     """Run (or resume) the run's jobs on this machine until the learner is done; the summary."""
     from hpcrl.jobs.diagnostics import write_diagnostics_png
     from hpcrl.jobs.launch import plan
+    from hpcrl.jobs.localrun import LocalRun
     from hpcrl.jobs.report import progress_line, read_metrics, write_reward_png
-    from hpcrl.jobs.supervise import LocalRun, RunFailed
+    from hpcrl.jobs.supervise import RunFailed
 
     jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains, search))
     print(f"run directory {run_dir}", flush=True)

@@ -71,8 +71,8 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
     if (run_dir / "jobs.json").exists():
         snap = snapshot(run_dir)
         return snapshot_text(snap), 0
+    from hpcrl.jobs.localrun import pids
     from hpcrl.jobs.report import status_text
-    from hpcrl.jobs.supervise import pids
 
     status = read_status(run_dir)
     alive = {role: pids(run_dir, role) for role in ("coordinator", "store", "learner", "gen", "sandbox", "rollout")}

@@ -1,0 +1,254 @@
+"""A run's jobs on this machine (`hpcrl run`): start them, restart what dies, finish when done.
+
+    run = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains))   # jobs through submitit's LocalExecutor
+    run.start(); ok = run.wait(on_status=print_progress); run.shutdown()
+    pids(run_dir, "gen-0")                                      # a component's processes on this host
+
+`LocalRun` decides as the Slurm supervisor does (jobs/supervise.py: `verdict`, jobs/restarts.py's
+budgets and backoff), from the launching process: it polls each job, restarts one that ended
+before the run is over or hangs (killed first), ticks the run's rollout planner, and writes
+supervision.json each poll. Component processes record themselves in procs/<name>.json;
+`live_procs` and `pids` read those back, for this loop, `hpcrl status`, `hpcrl chaos` and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import psutil
+
+from hpcrl.core.config import Config
+from hpcrl.core.metrics import provide
+from hpcrl.core.metrics import serve as serve_metrics
+from hpcrl.jobs.components import LAUNCHER_ENV
+from hpcrl.jobs.launch import SUPERVISOR, Role, make_executor
+from hpcrl.jobs.restarts import Watch
+from hpcrl.jobs.supervise import RunFailed, stop_coordinator, verdict, why_ended
+from hpcrl.rl.coordinator import read_status
+
+__all__ = ["LocalRun", "live_procs", "pids"]
+
+log = logging.getLogger("hpcrl.supervise")
+
+
+def _no_result(job) -> BaseException | None:
+    """A local job whose process ended without writing its result (killed by a signal), or None.
+
+    submitit's result() waits up to 15 s for a result file that may still be crossing a network
+    filesystem; a local job's process writes it before exiting, so its absence is final, and
+    waiting held this loop (every other component unwatched) for 15 s per killed component."""
+    process = getattr(job, "_process", None)
+    if process is None or job.paths.result_pickle.exists():
+        return None
+    code = process.poll()
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return RuntimeError(f"job {job.job_id} ended without a result ({how})")
+
+
+class LocalRun:
+    """Start, watch, heal and finish one run's jobs through submitit (`hpcrl run` is a thin shell
+    over this). Every role is submitted with `make_executor` (executor: local)."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, roles: Sequence[Role]):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.roles = list(roles)
+        self.finished = False
+        self.watch = Watch(self.run_dir, cfg)
+        self._ended: set[str] = set()
+        self._due: dict[str, float] = {}  # component -> when its restart is due (backing off)
+        self.rollouts = None  # backfill rollout processes (jobs/rollout_plan.py), when configured
+
+    def role(self, name: str) -> Role:
+        return next(r for r in self.roles if r.name == name)
+
+    def _submit(self, role: Role) -> None:
+        ex = make_executor(
+            self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit", job_name=f"hpcrl-{role.name}"
+        )
+        role.started = time.time()
+        role.job = ex.submit(role.component)
+        role.history.append(role.job.job_id)
+        log.info("submitted %s as job %s", role.name, role.job.job_id)
+
+    def start(self) -> None:
+        # Jobs inherit this: they stop by themselves if this process is killed (components.py).
+        me = psutil.Process()
+        os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
+        serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
+        provide(self.metrics)
+        from hpcrl.jobs.rollout_plan import rollout_planner
+
+        self.rollouts = rollout_planner(self.cfg, self.run_dir, self.roles)
+        for role in self.roles:
+            self._submit(role)
+
+    def metrics(self) -> dict:
+        return {
+            "restarts_total:target": {r.name: r.restarts for r in self.roles},
+            "restarts_last_window:target": {r.name: self.watch.recent(r.restart_times) for r in self.roles},
+        }
+
+    def _check(self) -> None:
+        """Restart roles that ended (after their backoff) or hang while the run goes on; raise when
+        one has used its restarts; tell clients which peers are on their way (supervision.json)."""
+        states: dict[str, str] = {}
+        for role in self.roles:
+            states[role.name] = self._check_role(role, time.time())
+        self.watch.publish(states)
+        if self.rollouts is not None and not self.finished:
+            self.rollouts.tick()
+
+    def _check_role(self, role: Role, now: float) -> str:
+        name = role.name
+        if name in self._due:
+            if now >= self._due[name]:
+                del self._due[name]
+                role.restarts += 1
+                role.restart_times.append(now)
+                self._submit(role)
+            return "starting"
+        if not role.job.done():
+            why = self.watch.hung(name, role.slurm_role, role.job.job_id, role.started, now)
+            if why is None:
+                up = self.watch.running(name, role.job.job_id, role.started, role.slurm_role)
+                return "running" if up else "starting"
+            log.warning("%s is hung: %s; killing it", name, why)
+            self._kill(role)
+            self._ended_badly(role, f"hung: {why}", now)
+            return "starting"
+        if name != "learner" and (self.finished or name in self._ended):
+            return "ended"
+        result = _no_result(role.job)
+        if result is None:
+            try:
+                result = role.job.result()
+            except Exception as exc:  # the job's failure, judged below
+                result = exc
+        what = verdict(name, result, self.cfg.learner.max_steps)
+        if what == "finished":
+            self.finished = True
+            return "ended"
+        if what == "ended":
+            self._ended.add(name)
+            return "ended"
+        self._ended_badly(role, why_ended(name, result, self.cfg.learner.max_steps), now)
+        return "starting"
+
+    def _ended_badly(self, role: Role, why: str, now: float) -> None:
+        """Schedule the restart of a role that died or hung, within its budget, or fail the run."""
+        last = why.strip().splitlines()[-1] if why.strip() else "?"
+        when = self.watch.schedule(role.name, role.restart_times, last, now)
+        if when is None:
+            raise RunFailed(
+                f"{self.watch.spent(role.name, role.restart_times, why)} "
+                f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)"
+            )
+        if role.name == "learner" and self._ended:
+            # Generators that were told the run is over are needed again by a resumed learner.
+            for other in sorted(self._ended):
+                self._submit(self.role(other))
+            self._ended.clear()
+        self._due[role.name] = when
+
+    def _kill(self, role: Role) -> None:
+        """A hung job, whole: SIGKILL reaches a stopped or deadlocked process; SIGTERM may not."""
+        for proc in pids(self.run_dir, role.name):
+            try:
+                os.kill(proc, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        role.job.cancel()
+
+    def wait(
+        self,
+        on_status: Callable[[dict | None], None] = lambda s: None,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Until the learner finished (True) or `timeout_s` passed (False); calls on_status each poll."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.finished:
+            self._check()
+            on_status(read_status(self.run_dir))
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+        on_status(read_status(self.run_dir))
+        return True
+
+    def shutdown(self, grace_s: float = 60.0) -> None:
+        """Stop generators (the coordinator tells them; cancel if they linger), then the services."""
+        self.watch.publish({r.name: "ended" for r in self.roles})  # no client waits for a peer any more
+        coord = self.role("coordinator").job
+        if coord is not None and not coord.done():
+            stop_coordinator(self.run_dir, "hpcrl-run")
+        if self.rollouts is not None:
+            self.rollouts.stop_all()  # SIGTERM: they hand back what they hold, as the generators do
+        order = [
+            [r for r in self.roles if r.slurm_role in ("generator", "learner")],
+            [r for r in self.roles if r.slurm_role == "sandbox"],
+            [self.role("coordinator"), self.role("store")],
+        ]
+        order = [[r for r in group if r.job is not None] for group in order]  # interrupted while submitting
+        for group in order:
+            for r in group:
+                self.stop_role(r)  # generators also hear it from the coordinator; the learner checkpoints
+            deadline = time.monotonic() + grace_s
+            while any(not r.job.done() for r in group) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for r in group:
+                if not r.job.done():
+                    log.warning("%s did not stop within %.0f s; cancelling it", r.name, grace_s)
+                    r.job.cancel()
+
+    def stop_role(self, role: Role) -> None:
+        """Ask a role to finish cleanly: SIGTERM to its processes (local), scancel on Slurm
+        (which sends SIGTERM and waits KillWait). submitit's local cancel would SIGKILL after ~1 s."""
+        if role.job is None or role.job.done():
+            return
+        if self.cfg.executor != "local":
+            role.job.cancel()
+            return
+        for proc in pids(self.run_dir, role.name):
+            try:
+                os.kill(proc, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def cancel_all(self) -> None:
+        for r in self.roles:
+            if r.job is not None and not r.job.done():
+                r.job.cancel()
+
+
+def live_procs(run_dir: str | Path) -> list[dict]:
+    """The procs/<name>.json records (name, role, host, pid, started) of component processes
+    alive on this host. A pid file outlives its process: a recycled pid is never taken for it."""
+    out = []
+    for f in sorted((Path(run_dir) / "procs").glob("*.json")):
+        try:
+            rec = json.loads(f.read_text())
+            if rec.get("host") != socket.gethostname():
+                continue
+            proc = psutil.Process(int(rec["pid"]))
+            if proc.create_time() <= float(rec["started"]) + 1.0 and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(rec)
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            continue
+    return out
+
+
+def pids(run_dir: str | Path, role: str) -> list[int]:
+    """Process ids of a role's tasks on this host (`live_procs` of that role)."""
+    return [
+        int(r["pid"])
+        for r in live_procs(run_dir)
+        if r.get("name", "") == role or r.get("name", "").startswith(role + "-")
+    ]

@@ -62,6 +62,7 @@ __all__ = [
     "coordinator_has_work",
     "rollout_planner",
     "check_rollout_partition",
+    "rollout_summary",
     "RolloutPlanner",
     "ROLLOUT_NAME",
 ]
@@ -266,6 +267,25 @@ def _signal(procs: list[int], sig: int) -> None:
 def rollout_jobs_on(cfg: Config) -> bool:
     s = cfg.scheduler
     return s.policy == "backfill" and s.max_rollout_jobs > 0 and s.max_rollout_gpus > 0
+
+
+def rollout_summary(cfg: Config) -> str:
+    """What a run will do about idle GPUs, one line for `hpcrl submit` to print (pure): rollout
+    jobs are off unless both caps are set, and a user who left them at 0 is told which to set."""
+    s = cfg.scheduler
+    if rollout_jobs_on(cfg):
+        part = s.rollout_partition or cfg.slurm.generator.partition
+        return (
+            f"rollout jobs: up to {s.max_rollout_jobs} ({s.max_rollout_gpus} GPUs) in backfill windows of "
+            f"{part}, sized and submitted by the supervisor"
+        )
+    if s.policy != "backfill":
+        return f"rollout jobs: none (scheduler.policy is {s.policy})"
+    zero = [k for k in ("max_rollout_jobs", "max_rollout_gpus") if getattr(s, k) == 0]
+    return (
+        f"rollout jobs: none (scheduler.{' and '.join(zero)} 0); set scheduler.max_rollout_jobs and "
+        "scheduler.max_rollout_gpus above 0 to run rollout jobs in the partition's idle GPUs"
+    )
 
 
 def check_rollout_partition(cfg: Config) -> None:

@@ -11,7 +11,7 @@ from hpcrl.core.config import SchedulerConfig, load_config
 from hpcrl.jobs.give_way import give_way_interval_s, overdue
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work
+from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, rollout_summary
 from hpcrl.jobs.rollout_slurm import SlurmBackend, size_rollout_jobs, withdraw_after_s
 from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, backfill_parameters, no_window_reason
 from hpcrl.slurm.preempt import preemption_problem
@@ -42,6 +42,20 @@ def test_rollout_jobs_only_when_flow_control_has_room_and_weights_exist():
     assert not coordinator_has_work({**running, "state": "stopping", "groups_issued": 0}, 64)
     assert not coordinator_has_work({"state": "running", "learner": {}, "groups_issued": 0}, 64)  # no weights yet
     assert not coordinator_has_work(None, 64)
+
+
+def test_submit_says_whether_rollout_jobs_will_run_and_which_caps_to_set():
+    cfg = load_config(None, ["executor=slurm"])
+    assert rollout_summary(cfg) == (
+        "rollout jobs: none (scheduler.max_rollout_jobs and max_rollout_gpus 0); set scheduler.max_rollout_jobs "
+        "and scheduler.max_rollout_gpus above 0 to run rollout jobs in the partition's idle GPUs"
+    )
+    one = load_config(None, ["executor=slurm", "scheduler.max_rollout_jobs=2"])
+    assert "(scheduler.max_rollout_gpus 0)" in rollout_summary(one)
+    on = load_config(None, ["executor=slurm", "scheduler.max_rollout_jobs=2", "scheduler.max_rollout_gpus=3"])
+    assert rollout_summary(on).startswith("rollout jobs: up to 2 (3 GPUs) in backfill windows of gpu,")
+    off = load_config(None, ["executor=slurm", "scheduler.policy=async", "scheduler.max_rollout_jobs=2"])
+    assert rollout_summary(off) == "rollout jobs: none (scheduler.policy is async)"
 
 
 def test_rollout_jobs_are_sized_to_the_backfill_window_and_the_caps():

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
-    from hpcrl.jobs.rollout_plan import check_rollout_partition
+    from hpcrl.jobs.rollout_plan import check_rollout_partition, rollout_summary
     from hpcrl.jobs.rundir import check_run_id, create_run_dir
     from hpcrl.jobs.supervise import submit_run
 
@@ -62,5 +62,6 @@ def run(args: argparse.Namespace) -> int:
     for name, c in record["components"].items():
         print(f"  {name:<12} job {c['job_id']:<10} partition {getattr(cfg.slurm, c['role']).partition}")
     print(f"  {'supervisor':<12} job {record['supervisor']['job_id']:<10} partition {cfg.slurm.coordinator.partition}")
+    print(f"  {rollout_summary(cfg)}")
     print(f"follow it with `hpcrl status {run_dir}`; stop it with `hpcrl cancel {run_dir}`")
     return 0

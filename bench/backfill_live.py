@@ -22,15 +22,20 @@ has published weights, so both runs see the same queue from the same moment.
 
 Each run is measured over [t0, the last background job's end] from sacct (1 s resolution), then
 cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (idle GPU-hours of
-the partition in the baseline), filled_gpu_h (GPU-hours rollout jobs held in the backfill run
-over the same span), rollout_jobs {submitted, started, ended_in_window: ended before the
+the partition in the baseline), fillable_gpu_h (the part of them where a rollout job of the
+generator role's GPUs, CPUs and memory fits beside the jobs there, the planner's own rule),
+filled_gpu_h (GPU-hours rollout jobs held in the backfill run over the same span),
+filled_fraction and filled_of_fillable, rollout_jobs {submitted, started, ended_in_window: ended before the
 window they were sized to closed, gave_way: cancelled by the planner, preempted: by Slurm,
 withdrawn: pending past scheduler.rollout_withdraw_s, cancelled before they ran},
 trained_from_rollout_jobs, lost and duplicated (rl/audit.py account: must be 0), max_delay_s
 (largest start delay of a background job, backfill vs baseline, each from its t0, read from the
 job's own clock as it starts: sacct's whole seconds cannot tell a delay from the 1-s
 bf_interval; max_delay_sacct_s beside) against bf_interval_s, and per run the partition's busy
-GPU-hours, trajectories trained, trained per hpcrl GPU-hour and the reward at the end.
+GPU-hours, trajectories trained, trained per hpcrl GPU-hour, the reward at the end, holes_by_node
+and memory_mb (each of the run's jobs: sacct's sampled peak against its request). The run's
+jobs ask for memory as they use it (SMALL below); `--set-both slurm.generator.mem_gb=4` and the
+like restore config.yaml's requests in both runs.
 Only this script's own jobs are cancelled, by id; it refuses to start while other jobs are queued.
 """
 
@@ -38,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import os
 import random
 import subprocess
@@ -55,6 +62,13 @@ SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
     "executor=slurm",
     *(f"slurm.{r}.time_min=10" for r in ("coordinator", "learner", "generator", "sandbox")),
     *(f"slurm.{r}.signal_delay_s=30" for r in ("coordinator", "learner", "generator", "sandbox")),
+    # Memory asked as used: sacct's MaxRSS of these jobs on the dev cluster (2026-12-06) was 53-89 MB
+    # (store, coordinator, supervisor), 487 MB (learner) and 379 MB (a generator), each given 2-6x.
+    # At config.yaml's 2/4/4 GB the run's own jobs held 14 of n1's 16 GB, and no rollout job fit
+    # beside them: a third of every hole was on n1 (printed per run as holes_by_node).
+    "slurm.coordinator.mem_gb=0.5",
+    "slurm.learner.mem_gb=2",
+    "slurm.generator.mem_gb=1",
     "learner.max_steps=1000000",
     "generators.episodes_in_flight=16",  # one small fixed generator: the coordinator has work to lend
     "scheduler.policy=backfill",
@@ -94,7 +108,8 @@ def submit_held(tmp: Path, name: str, gpus: int, limit_min: int, run_s: int) -> 
     # Its own clock at its start, to the microsecond: sacct's start times are whole seconds, too
     # coarse to tell a delay from Slurm's 1-s backfill interval.
     clock = f"date +%s.%N > {tmp / name}.started"
-    text = render_script([res], [clock, f"sleep {run_s}"], job_name=name, output=str(tmp / f"{name}-%j.out"))
+    done = f"date +%s.%N > {tmp / name}.ended"  # ... and at its end: when the GPUs it frees come free
+    text = render_script([res], [clock, f"sleep {run_s}", done], job_name=name, output=str(tmp / f"{name}-%j.out"))
     return submit_script(write_script(text, tmp / f"{name}.sh"), ["--hold"])
 
 
@@ -103,6 +118,72 @@ def overlap_s(start, end, t0: float, t1: float) -> float:
         return 0.0
     s, e = start.timestamp(), (end.timestamp() if end is not None else t1)
     return max(0.0, min(e, t1) - max(s, t0))
+
+
+def holes_by_node(recs, nodes, t0: float, t1: float, need) -> dict[str, dict[str, float]]:
+    """Idle GPU-seconds of each node over [t0, t1], and the part of them a rollout job of `need`
+    could have held: a GPU counts only while the node's idle CPUs and free memory hold whole
+    jobs of `need` beside it (the live planner's own rule, jobs_fitting). `recs` are the sacct
+    records of every job on the nodes in that time, CPU jobs too (they hold memory)."""
+    import dataclasses
+
+    from hpcrl.slurm.backfill.planner import jobs_fitting
+
+    spans = [  # (node, start, end, gpus, cpus, mem_mb) of each running stretch, per node
+        (n, max(r.start.timestamp(), t0), min(r.end.timestamp() if r.end else t1, t1), r.gpus, r.cpus, r.mem_mb)
+        for r in recs
+        if r.start is not None
+        for n in r.nodes[:1]  # every job here is single-node
+    ]
+    cuts = sorted({t0, t1, *(a for _, a, _, *_ in spans), *(b for _, _, b, *_ in spans)})
+    out = {}
+    for node in nodes:
+        idle = fillable = 0.0
+        for a, b in itertools.pairwise(cuts):
+            if b <= a or a < t0 or b > t1:
+                continue
+            on = [sp for sp in spans if sp[0] == node.name and sp[1] <= a and sp[2] >= b]
+            now = dataclasses.replace(
+                node,
+                state="MIXED",
+                gpus_alloc=sum(sp[3] for sp in on),
+                cpus_alloc=sum(sp[4] for sp in on),
+                alloc_memory_mb=sum(sp[5] for sp in on),
+            )
+            idle += now.gpus_idle * (b - a)
+            fillable += min(jobs_fitting(now, need) * max(need.gpus_per_node, 1), now.gpus_idle) * (b - a)
+        out[node.name] = {"idle_gpu_h": idle / 3600, "fillable_gpu_h": fillable / 3600}
+    return out
+
+
+def waits_after_free(spans, gpus_by_node: dict[str, int], t0: float) -> dict[str, float]:
+    """How long each background job waited after the node it started on had the GPUs it needed
+    free, counting every job there but rollout jobs (pure). In the baseline that is Slurm's own
+    latency (the next scheduling pass after the end that freed them); in the backfill run, more
+    than that means a rollout job held them. Unlike the delay from t0 it does not add up along a
+    chain of jobs each waiting for the one before. It does not see a job kept off another node
+    (the raw delay does). `spans`: (name, node, gpus, start, end, kind), kind "background", "own"
+    or "rollout", end None while it runs."""
+
+    def used(on, x):
+        return sum(g for a, b, g in on if a <= x < b)
+
+    out = {}
+    for name, node, need, start, _, kind in spans:
+        if kind != "background" or start is None:
+            continue
+        on = [
+            (a, math.inf if b is None else b, g)
+            for n, nd, g, a, b, k in spans
+            if nd == node and k != "rollout" and n != name and a is not None
+        ]
+        free_from = t0
+        for point in sorted({x for a, b, _ in on for x in (a, b) if x < start}, reverse=True):
+            if gpus_by_node[node] - used(on, point - 1e-6) < need:
+                free_from = point  # the moment the last of the GPUs it took came free
+                break
+        out[name] = start - max(free_from, t0)
+    return out
 
 
 def run_once(mode: str, tmp: Path, args) -> dict:
@@ -127,6 +208,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
             f"experiment.run_root={tmp}",
             f"scheduler.max_rollout_jobs={jobs_cap}",
             f"scheduler.max_rollout_gpus={jobs_cap}",
+            *args.set_both,
             *part,
             "sandbox.uid_base=64000",  # no domain here starts sandboxes; if one does, away from fixed test uids
             "--run-id",
@@ -155,7 +237,11 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         queries.cancel([j for j in others.values() if j in queue_states(list(others.values()))])
     rollout = json.loads((run_dir / "rollout.json").read_text())["jobs"] if (run_dir / "rollout.json").exists() else {}
     rids = [r["job_id"] for r in rollout.values()]
-    every = ids + gpu_jobs + rids
+    from hpcrl.jobs.accounting import run_members
+
+    members = run_members(read_jobs(run_dir))
+    own = list(members)  # CPU components too: on these nodes they hold memory
+    every = list(dict.fromkeys(ids + gpu_jobs + rids + own))
 
     def settled():
         recs = queries.job_records(every)
@@ -168,6 +254,36 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     busy_bg = sum(overlap_s(r.start, r.end, t0, t1) * r.gpus for r in bg.values())
     busy_fixed = sum(overlap_s(recs[j].start, recs[j].end, t0, t1) * max(recs[j].gpus, 1) for j in gpu_jobs)
     busy_rollout = sum(overlap_s(recs[j].start, recs[j].end, t0, t1) * max(recs[j].gpus, 1) for j in rids)
+    from hpcrl.core.config import load_config
+    from hpcrl.jobs.launch import role_resources
+    from hpcrl.slurm.backfill.planner import describe
+
+    need = role_resources(load_config(run_dir / "config.resolved.yaml").slurm, "generator")
+    gpu_nodes = [n for n in queries.nodes() if "gpu" in n.partitions]
+    by_node = holes_by_node(list(recs.values()), gpu_nodes, t0, t1, need)
+
+    def clock(name: str, what: str, fallback):
+        f = scripts / f"{name}.{what}"  # the job's own clock, sub-second; sacct's whole second if absent
+        return float(f.read_text()) if f.exists() else (fallback.timestamp() if fallback else None)
+
+    spans = [
+        (n, bg[j].nodes[0] if bg[j].nodes else "", bg[j].gpus, clock(n, "started", bg[j].start))
+        + (clock(n, "ended", bg[j].end), "background")
+        for n, j in others.items()
+    ]
+    spans += [
+        (j, r.nodes[0] if r.nodes else "", r.gpus, r.start.timestamp() if r.start else None)
+        + (r.end.timestamp() if r.end else None, "rollout" if j in rids else "own")
+        for j, r in recs.items()
+        if j not in ids
+    ]
+    waits = waits_after_free(spans, {n.name: n.gpus_total for n in gpu_nodes}, t0)
+    peaks = queries.peak_rss_mb(own + rids)
+    memory_mb = {  # what each of the run's jobs used (sampled peak) against what it asked for
+        name: [round(peaks.get(j, 0)), recs[j].mem_mb] for j, names in members.items() if j in recs for name, _ in names
+    }
+    if any(j in peaks for j in rids):
+        memory_mb["rollout"] = [round(max(peaks.get(j, 0) for j in rids)), max(recs[j].mem_mb for j in rids)]
     acct = account(run_dir)
     trained_ids = []
     from hpcrl.rl.audit import AUDIT_NAME, lineage
@@ -199,6 +315,13 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "capacity_gpu_h": GPUS_TOTAL * span / 3600,
         "idle_gpu_h": (GPUS_TOTAL * span - busy_bg - busy_fixed - busy_rollout) / 3600,
         "busy_gpu_h": (busy_bg + busy_fixed + busy_rollout) / 3600,
+        # per node: idle GPU-hours, and those a rollout job (the generator role's GPUs, CPUs and
+        # memory) fits beside what runs there; in the baseline, the holes rollout jobs could fill
+        "holes_by_node": {n: {k: round(v, 5) for k, v in h.items()} for n, h in by_node.items()},
+        "fillable_gpu_h": sum(h["fillable_gpu_h"] for h in by_node.values()),
+        "rollout_job_request": describe(need),
+        "wait_after_free_s": {n: round(w, 2) for n, w in waits.items()},
+        "memory_mb": memory_mb,
         "rollout_gpu_h": busy_rollout / 3600,
         "background_start_s": {n: (bg[j].start.timestamp() - t0) for n, j in others.items()},
         "background_clock_s": {n: float((scripts / f"{n}.started").read_text()) - t0 for n in others},
@@ -248,6 +371,13 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="a config override of the backfill run, e.g. scheduler.rollout_yield_after_s=0 (repeatable)",
     )
+    p.add_argument(
+        "--set-both",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override of both runs, e.g. slurm.generator.mem_gb=4 (repeatable)",
+    )
     args = p.parse_args()
     from hpcrl.slurm import queries
 
@@ -267,11 +397,17 @@ def main() -> int:
     # Delays from each job's own clock (what its user sees, sub-second); sacct's whole seconds beside.
     delays = {n: bf["background_clock_s"][n] - s for n, s in base["background_clock_s"].items()}
     sacct_delays = {n: bf["background_start_s"][n] - s for n, s in base["background_start_s"].items()}
+    added = {n: bf["wait_after_free_s"][n] - w for n, w in base["wait_after_free_s"].items()}
     hole = base["idle_gpu_h"]
     out = {
         "hole_gpu_h": round(hole, 5),
         "filled_gpu_h": round(bf["rollout_gpu_h"], 5),
         "filled_fraction": round(bf["rollout_gpu_h"] / hole, 3) if hole > 0 else None,
+        "fillable_gpu_h": round(base["fillable_gpu_h"], 5),  # the holes a rollout job's shape fits in
+        "filled_of_fillable": round(bf["rollout_gpu_h"] / base["fillable_gpu_h"], 3)
+        if base["fillable_gpu_h"] > 0
+        else None,
+        "rollout_job_request": bf["rollout_job_request"],
         "rollout_jobs": bf["rollout_jobs"],
         "trained_from_rollout_jobs": bf["trained_from_rollout_jobs"],
         "lost": base["lost"] + bf["lost"],
@@ -281,7 +417,12 @@ def main() -> int:
         "bf_interval_s": bf_interval_s,
         "rollout_partition": args.rollout_partition or None,
         "overrides": args.set,
+        "overrides_both": args.set_both,
         "delays_s": {n: round(v, 2) for n, v in delays.items()},
+        # each background job's wait after its node had its GPUs free (rollout jobs not counted),
+        # backfill minus baseline: what rollout jobs added, without the delays carried down a chain
+        "max_added_wait_s": round(max(added.values()), 2),
+        "added_wait_s": {n: round(v, 2) for n, v in added.items()},
         "runs": {
             r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "background_clock_s", "mode")}
             for r in (base, bf)
@@ -303,11 +444,21 @@ def main() -> int:
         a, b = base[key], bf[key]
         a, b = ("-" if v is None else format(v, fmt) for v in (a, b))
         print(f"{key:34s}{a:>14s}{b:>14s}")
-    for key in ("hole_gpu_h", "filled_gpu_h", "filled_fraction", "rollout_jobs", "trained_from_rollout_jobs"):
+    for key in (
+        "hole_gpu_h",
+        "fillable_gpu_h",
+        "filled_gpu_h",
+        "filled_fraction",
+        "filled_of_fillable",
+        "rollout_job_request",
+        "rollout_jobs",
+        "trained_from_rollout_jobs",
+    ):
         print(f"{key:34s}{out[key]}")
     print(f"{'lost / duplicated':34s}{out['lost']} / {out['duplicated']}")
     print(f"{'max_delay_s (bf_interval_s)':34s}{out['max_delay_s']} ({bf_interval_s})")
     print(f"{'max_delay_sacct_s':34s}{out['max_delay_sacct_s']}")
+    print(f"{'max_added_wait_s':34s}{out['max_added_wait_s']}")
     return 0
 
 

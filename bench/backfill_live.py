@@ -25,17 +25,20 @@ cancelled (`hpcrl cancel`: its rollout jobs too, by id). Printed: hole_gpu_h (id
 the partition in the baseline), fillable_gpu_h (the part of them where a rollout job of the
 generator role's GPUs, CPUs and memory fits beside the jobs there, the planner's own rule),
 filled_gpu_h (GPU-hours rollout jobs held in the backfill run over the same span),
-filled_fraction and filled_of_fillable, rollout_jobs {submitted, started, ended_in_window: ended before the
-window they were sized to closed, gave_way: cancelled by the planner, preempted: by Slurm,
-withdrawn: pending past scheduler.rollout_withdraw_s, cancelled before they ran},
+filled_fraction and filled_of_fillable, rollout_jobs {submitted, started, ended_in_window: ended
+before the window they were sized to closed, gave_way: cancelled by the planner, preempted: by
+Slurm, withdrawn: pending past scheduler.rollout_withdraw_s, cancelled before they ran},
 trained_from_rollout_jobs, lost and duplicated (rl/audit.py account: must be 0), max_delay_s
 (largest start delay of a background job, backfill vs baseline, each from its t0, read from the
 job's own clock as it starts: sacct's whole seconds cannot tell a delay from the 1-s
-bf_interval; max_delay_sacct_s beside) against bf_interval_s, and per run the partition's busy
-GPU-hours, trajectories trained, trained per hpcrl GPU-hour, the reward at the end, holes_by_node
-and memory_mb (each of the run's jobs: sacct's sampled peak against its request). The run's
-jobs ask for memory as they use it (SMALL below); `--set-both slurm.generator.mem_gb=4` and the
-like restore config.yaml's requests in both runs.
+bf_interval; max_delay_sacct_s beside) against bf_interval_s, max_added_wait_s (each background
+job's wait after the node it started on had its GPUs free, rollout jobs not counted, from its
+own clocks at its start and at its predecessors' ends, backfill minus baseline: a delay the
+rollout jobs added, apart from the delays a chain of jobs carries from one to the next), and
+per run the partition's busy GPU-hours, trajectories trained, trained per hpcrl GPU-hour, the
+reward at the end, holes_by_node and memory_mb (each of the run's jobs: sacct's sampled peak
+against its request). The run's jobs ask for memory as they use it (SMALL below);
+`--set-both slurm.generator.mem_gb=4` and the like restore config.yaml's requests in both runs.
 Only this script's own jobs are cancelled, by id; it refuses to start while other jobs are queued.
 """
 
@@ -63,9 +66,9 @@ SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
     *(f"slurm.{r}.time_min=10" for r in ("coordinator", "learner", "generator", "sandbox")),
     *(f"slurm.{r}.signal_delay_s=30" for r in ("coordinator", "learner", "generator", "sandbox")),
     # Memory asked as used: sacct's MaxRSS of these jobs on the dev cluster (2026-12-06) was 53-89 MB
-    # (store, coordinator, supervisor), 487 MB (learner) and 379 MB (a generator), each given 2-6x.
+    # (store, coordinator, supervisor), 487 MB (learner) and 379 MB (a generator): each gets 2.7-10x that.
     # At config.yaml's 2/4/4 GB the run's own jobs held 14 of n1's 16 GB, and no rollout job fit
-    # beside them: a third of every hole was on n1 (printed per run as holes_by_node).
+    # beside them: over a third of every hole was on n1 (printed per run as holes_by_node).
     "slurm.coordinator.mem_gb=0.5",
     "slurm.learner.mem_gb=2",
     "slurm.generator.mem_gb=1",

@@ -283,8 +283,9 @@ def rollout_summary(cfg: Config) -> str:
         return f"rollout jobs: none (scheduler.policy is {s.policy})"
     zero = [k for k in ("max_rollout_jobs", "max_rollout_gpus") if getattr(s, k) == 0]
     return (
-        f"rollout jobs: none (scheduler.{' and '.join(zero)} 0); set scheduler.max_rollout_jobs and "
-        "scheduler.max_rollout_gpus above 0 to run rollout jobs in the partition's idle GPUs"
+        f"rollout jobs: none (scheduler.{' and '.join(zero)} {'are' if len(zero) > 1 else 'is'} 0); set "
+        "scheduler.max_rollout_jobs and scheduler.max_rollout_gpus above 0 to run rollout jobs in the partition's "
+        "idle GPUs"
     )
 
 

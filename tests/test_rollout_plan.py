@@ -47,11 +47,11 @@ def test_rollout_jobs_only_when_flow_control_has_room_and_weights_exist():
 def test_submit_says_whether_rollout_jobs_will_run_and_which_caps_to_set():
     cfg = load_config(None, ["executor=slurm"])
     assert rollout_summary(cfg) == (
-        "rollout jobs: none (scheduler.max_rollout_jobs and max_rollout_gpus 0); set scheduler.max_rollout_jobs "
+        "rollout jobs: none (scheduler.max_rollout_jobs and max_rollout_gpus are 0); set scheduler.max_rollout_jobs "
         "and scheduler.max_rollout_gpus above 0 to run rollout jobs in the partition's idle GPUs"
     )
     one = load_config(None, ["executor=slurm", "scheduler.max_rollout_jobs=2"])
-    assert "(scheduler.max_rollout_gpus 0)" in rollout_summary(one)
+    assert "(scheduler.max_rollout_gpus is 0)" in rollout_summary(one)
     on = load_config(None, ["executor=slurm", "scheduler.max_rollout_jobs=2", "scheduler.max_rollout_gpus=3"])
     assert rollout_summary(on).startswith("rollout jobs: up to 2 (3 GPUs) in backfill windows of gpu,")
     off = load_config(None, ["executor=slurm", "scheduler.policy=async", "scheduler.max_rollout_jobs=2"])

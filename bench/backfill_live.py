@@ -190,11 +190,14 @@ def waits_after_free(spans, gpus_by_node: dict[str, int], t0: float) -> dict[str
 
 
 def run_once(mode: str, tmp: Path, args) -> dict:
-    from hpcrl.jobs.launch import read_jobs
+    from hpcrl.core.config import load_config
+    from hpcrl.jobs.accounting import run_members
+    from hpcrl.jobs.launch import read_jobs, role_resources
     from hpcrl.jobs.supervise import queue_states
-    from hpcrl.rl.audit import account
+    from hpcrl.rl.audit import AUDIT_NAME, account, lineage
     from hpcrl.rl.coordinator import read_status
     from hpcrl.slurm import queries
+    from hpcrl.slurm.backfill.planner import describe
 
     jobs_cap = args.rollout_jobs if mode == "backfill" else 0
     part = [f"scheduler.rollout_partition={args.rollout_partition}", *args.set] if mode == "backfill" else []
@@ -240,11 +243,9 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         queries.cancel([j for j in others.values() if j in queue_states(list(others.values()))])
     rollout = json.loads((run_dir / "rollout.json").read_text())["jobs"] if (run_dir / "rollout.json").exists() else {}
     rids = [r["job_id"] for r in rollout.values()]
-    from hpcrl.jobs.accounting import run_members
-
     members = run_members(read_jobs(run_dir))
-    own = list(members)  # CPU components too: on these nodes they hold memory
-    every = list(dict.fromkeys(ids + gpu_jobs + rids + own))
+    own = list(members)  # the GPU jobs and the CPU ones: on these nodes they hold memory too
+    every = ids + rids + own
 
     def settled():
         recs = queries.job_records(every)
@@ -257,10 +258,6 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     busy_bg = sum(overlap_s(r.start, r.end, t0, t1) * r.gpus for r in bg.values())
     busy_fixed = sum(overlap_s(recs[j].start, recs[j].end, t0, t1) * max(recs[j].gpus, 1) for j in gpu_jobs)
     busy_rollout = sum(overlap_s(recs[j].start, recs[j].end, t0, t1) * max(recs[j].gpus, 1) for j in rids)
-    from hpcrl.core.config import load_config
-    from hpcrl.jobs.launch import role_resources
-    from hpcrl.slurm.backfill.planner import describe
-
     need = role_resources(load_config(run_dir / "config.resolved.yaml").slurm, "generator")
     gpu_nodes = [n for n in queries.nodes() if "gpu" in n.partitions]
     by_node = holes_by_node(list(recs.values()), gpu_nodes, t0, t1, need)
@@ -269,14 +266,15 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         f = scripts / f"{name}.{what}"  # the job's own clock, sub-second; sacct's whole second if absent
         return float(f.read_text()) if f.exists() else (fallback.timestamp() if fallback else None)
 
+    def stretch(name, r, start, end, kind):
+        return (name, r.nodes[0] if r.nodes else "", r.gpus, start, end, kind)
+
     spans = [
-        (n, bg[j].nodes[0] if bg[j].nodes else "", bg[j].gpus, clock(n, "started", bg[j].start))
-        + (clock(n, "ended", bg[j].end), "background")
+        stretch(n, bg[j], clock(n, "started", bg[j].start), clock(n, "ended", bg[j].end), "background")
         for n, j in others.items()
     ]
     spans += [
-        (j, r.nodes[0] if r.nodes else "", r.gpus, r.start.timestamp() if r.start else None)
-        + (r.end.timestamp() if r.end else None, "rollout" if j in rids else "own")
+        stretch(j, r, r.start and r.start.timestamp(), r.end and r.end.timestamp(), "rollout" if j in rids else "own")
         for j, r in recs.items()
         if j not in ids
     ]
@@ -289,8 +287,6 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         memory_mb["rollout"] = [round(max(peaks.get(j, 0) for j in rids)), max(recs[j].mem_mb for j in rids)]
     acct = account(run_dir)
     trained_ids = []
-    from hpcrl.rl.audit import AUDIT_NAME, lineage
-
     for r in lineage(run_dir / AUDIT_NAME)[0]:
         trained_ids += r["trained"]
     hpcrl_gpu_s = busy_fixed + busy_rollout

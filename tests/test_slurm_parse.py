@@ -69,8 +69,7 @@ def test_memory_of_a_tres_string_in_mb():
 
 
 def test_peak_rss_of_each_job_is_the_largest_of_its_steps():
-    text = "1205||\n1205.batch|12096K|\n1205.0|498944K|\n1212||\n1203.batch|12228K|\n1203.0|90996K|\n"
-    text = text.replace("|\n", "\n")
+    text = "1205|\n1205.batch|12096K\n1205.0|498944K\n1212|\n1203.batch|12228K\n1203.0|90996K\n"  # sacct -P
     peaks = parse.peak_rss_by_job(text)
     assert peaks == {"1205": 498944 / 1024, "1203": 90996 / 1024}  # 1212 never ran: absent
 

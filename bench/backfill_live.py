@@ -34,11 +34,16 @@ job's own clock as it starts: sacct's whole seconds cannot tell a delay from the
 bf_interval; max_delay_sacct_s beside) against bf_interval_s, max_added_wait_s (each background
 job's wait after the node it started on had its GPUs free, rollout jobs not counted, from its
 own clocks at its start and at its predecessors' ends, backfill minus baseline: a delay the
-rollout jobs added, apart from the delays a chain of jobs carries from one to the next), and
-per run the partition's busy GPU-hours, trajectories trained, trained per hpcrl GPU-hour, the
-reward at the end, holes_by_node and memory_mb (each of the run's jobs: sacct's sampled peak
-against its request). The run's jobs ask for memory as they use it (SMALL below);
-`--set-both slurm.generator.mem_gb=4` and the like restore config.yaml's requests in both runs.
+rollout jobs added, apart from the delays a chain of jobs carries from one to the next),
+max_blocked_by_rollout_s (within the backfill run: the longest a background job pended while
+Slurm, as backfill_measure.startable_now reckons its plan from the jobs' limits, would have
+started it but for the rollout jobs; free of the pass timing two runs differ by) with
+max_startable_s beside it (the longest one pended while that reckoning said Slurm would start
+it anyway: about a pass where it plans as Slurm does), and per run the partition's busy
+GPU-hours, trajectories trained, trained per hpcrl GPU-hour, the reward at the end,
+holes_by_node and memory_mb (each of the run's jobs: sacct's sampled peak against its request).
+The run's jobs ask for memory as they use it (SMALL below); `--set-both slurm.generator.mem_gb=4`
+and the like restore config.yaml's requests in both runs.
 Only this script's own jobs are cancelled, by id; it refuses to start while other jobs are queued.
 """
 
@@ -46,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -58,6 +62,7 @@ import time
 from pathlib import Path
 
 from backfill_cluster import wait_until  # this folder is on sys.path when a bench script runs
+from backfill_measure import Stretch, holes_by_node, overlap_s, pending_time, waits_after_free
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS_TOTAL = 8
@@ -116,76 +121,51 @@ def submit_held(tmp: Path, name: str, gpus: int, limit_min: int, run_s: int) -> 
     return submit_script(write_script(text, tmp / f"{name}.sh"), ["--hold"])
 
 
-def overlap_s(start, end, t0: float, t1: float) -> float:
-    if start is None:
-        return 0.0
-    s, e = start.timestamp(), (end.timestamp() if end is not None else t1)
-    return max(0.0, min(e, t1) - max(s, t0))
+def stretches(others, recs, own, rollout, deadline, scripts: Path, limits_s) -> list[Stretch]:
+    """Every job on the partition in one run, as the wait and block measures read it. Background
+    jobs by their own clocks (sacct's whole second where one is missing), with their time limits,
+    and their job ids as the order Slurm takes them in; the run's fixed jobs by sacct. Rollout
+    jobs as long as they can have held their GPUs: from sacct's start (the second it fell in) to
+    the earlier of the end of sacct's last second and when the supervisor saw the job gone; Slurm
+    plans each to end at the EndTime it read at its start (`deadline`)."""
 
+    def clock(name: str, what: str, fallback):
+        f = scripts / f"{name}.{what}"
+        return float(f.read_text()) if f.exists() else (fallback.timestamp() if fallback else None)
 
-def holes_by_node(recs, nodes, t0: float, t1: float, need) -> dict[str, dict[str, float]]:
-    """Idle GPU-seconds of each node over [t0, t1], and the part of them a rollout job of `need`
-    could have held: a GPU counts only while the node's idle CPUs and free memory hold whole
-    jobs of `need` beside it (the live planner's own rule, jobs_fitting). `recs` are the sacct
-    records of every job on the nodes in that time, CPU jobs too (they hold memory)."""
-    import dataclasses
-
-    from hpcrl.slurm.backfill.planner import jobs_fitting
-
-    spans = [  # (node, start, end, gpus, cpus, mem_mb) of each running stretch, per node
-        (n, max(r.start.timestamp(), t0), min(r.end.timestamp() if r.end else t1, t1), r.gpus, r.cpus, r.mem_mb)
-        for r in recs
-        if r.start is not None
-        for n in r.nodes[:1]  # every job here is single-node
+    node = lambda r: r.nodes[0] if r.nodes else ""
+    out = [
+        Stretch(
+            n,
+            node(r),
+            r.gpus,
+            clock(n, "started", r.start),
+            clock(n, "ended", r.end),
+            "background",
+            limits_s[n],
+            int(j),
+        )
+        for n, j in others.items()
+        if (r := recs[j])
     ]
-    cuts = sorted({t0, t1, *(a for _, a, _, *_ in spans), *(b for _, _, b, *_ in spans)})
-    out = {}
-    for node in nodes:
-        idle = fillable = 0.0
-        for a, b in itertools.pairwise(cuts):
-            if b <= a or a < t0 or b > t1:
-                continue
-            on = [sp for sp in spans if sp[0] == node.name and sp[1] <= a and sp[2] >= b]
-            now = dataclasses.replace(
-                node,
-                state="MIXED",
-                gpus_alloc=sum(sp[3] for sp in on),
-                cpus_alloc=sum(sp[4] for sp in on),
-                alloc_memory_mb=sum(sp[5] for sp in on),
-            )
-            idle += now.gpus_idle * (b - a)
-            fillable += min(jobs_fitting(now, need) * max(need.gpus_per_node, 1), now.gpus_idle) * (b - a)
-        out[node.name] = {"idle_gpu_h": idle / 3600, "fillable_gpu_h": fillable / 3600}
-    return out
-
-
-def waits_after_free(spans, gpus_by_node: dict[str, int], t0: float) -> dict[str, float]:
-    """How long each background job waited after the node it started on had the GPUs it needed
-    free, counting every job there but rollout jobs (pure). In the baseline that is Slurm's own
-    latency (the next scheduling pass after the end that freed them); in the backfill run, more
-    than that means a rollout job held them. Unlike the delay from t0 it does not add up along a
-    chain of jobs each waiting for the one before. It does not see a job kept off another node
-    (the raw delay does). `spans`: (name, node, gpus, start, end, kind), kind "background", "own"
-    or "rollout", end None while it runs."""
-
-    def used(on, x):
-        return sum(g for a, b, g in on if a <= x < b)
-
-    out = {}
-    for name, node, need, start, _, kind in spans:
-        if kind != "background" or start is None:
+    out += [
+        Stretch(j, node(r), r.gpus, r.start and r.start.timestamp(), r.end and r.end.timestamp(), "own")
+        for j in own
+        if (r := recs.get(j))
+    ]
+    for name, rec in rollout.items():
+        r = recs.get(rec["job_id"])
+        if r is None or r.start is None:
             continue
-        on = [
-            (a, math.inf if b is None else b, g)
-            for n, nd, g, a, b, k in spans
-            if nd == node and k != "rollout" and n != name and a is not None
-        ]
-        free_from = t0
-        for point in sorted({x for a, b, _ in on for x in (a, b) if x < start}, reverse=True):
-            if gpus_by_node[node] - used(on, point - 1e-6) < need:
-                free_from = point  # the moment the last of the GPUs it took came free
-                break
-        out[name] = start - max(free_from, t0)
+        # "ended" is when the supervisor saw it gone, except where it set it as it cancelled the job
+        seen = (
+            rec.get("ended")
+            if rec.get("slurm_state") != "cancelled at the run's end" and not rec.get("withdrawn")
+            else None
+        )
+        end = r.end and min(r.end.timestamp() + 1, seen or math.inf)
+        start = r.start.timestamp()
+        out.append(Stretch(rec["job_id"], node(r), r.gpus, start, end, "rollout", deadline.get(name, math.inf) - start))
     return out
 
 
@@ -262,23 +242,16 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     gpu_nodes = [n for n in queries.nodes() if "gpu" in n.partitions]
     by_node = holes_by_node(list(recs.values()), gpu_nodes, t0, t1, need)
 
-    def clock(name: str, what: str, fallback):
-        f = scripts / f"{name}.{what}"  # the job's own clock, sub-second; sacct's whole second if absent
-        return float(f.read_text()) if f.exists() else (fallback.timestamp() if fallback else None)
-
-    def stretch(name, r, start, end, kind):
-        return (name, r.nodes[0] if r.nodes else "", r.gpus, start, end, kind)
-
-    spans = [
-        stretch(n, bg[j], clock(n, "started", bg[j].start), clock(n, "ended", bg[j].end), "background")
-        for n, j in others.items()
-    ]
-    spans += [
-        stretch(j, r, r.start and r.start.timestamp(), r.end and r.end.timestamp(), "rollout" if j in rids else "own")
-        for j, r in recs.items()
-        if j not in ids
-    ]
-    waits = waits_after_free(spans, {n.name: n.gpus_total for n in gpu_nodes}, t0)
+    deadline = {  # the EndTime each rollout job read at its start: the limit Slurm granted
+        name: json.loads(f.read_text())["deadline"]
+        for name in rollout
+        if (f := run_dir / "rollout" / f"{name}.json").exists()
+    }
+    limits_s = {name: lim * 60 for name, _, lim, _ in workload(args.seed)}
+    spans = stretches(others, recs, own, rollout, deadline, scripts, limits_s)
+    gpus_by_node = {n.name: n.gpus_total for n in gpu_nodes}
+    waits = waits_after_free(spans, gpus_by_node, t0)
+    pended = pending_time(spans, gpus_by_node, t0)
     peaks = queries.peak_rss_mb(own + rids)
     memory_mb = {  # what each of the run's jobs used (sampled peak) against what it asked for
         name: [round(peaks.get(j, 0)), recs[j].mem_mb] for j, names in members.items() if j in recs for name, _ in names
@@ -305,9 +278,8 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         if name in first_lease:
             startup_s.append(round(first_lease[name] - rec.start.timestamp(), 1))
         in_window += r.get("window_end") is None or rec.end.timestamp() <= r["window_end"]
-        own = run_dir / "rollout" / f"{name}.json"  # the EndTime it read at start: the limit Slurm granted
-        if own.exists():
-            granted_s.append(round(json.loads(own.read_text())["deadline"] - rec.start.timestamp()))
+        if name in deadline:
+            granted_s.append(round(deadline[name] - rec.start.timestamp()))
     return {
         "mode": mode,
         "span_s": round(span, 1),
@@ -320,6 +292,8 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "fillable_gpu_h": sum(h["fillable_gpu_h"] for h in by_node.values()),
         "rollout_job_request": describe(need),
         "wait_after_free_s": {n: round(w, 2) for n, w in waits.items()},
+        "blocked_by_rollout_s": {n: round(w, 2) for n, w in pended.blocked_by_rollout_s.items()},
+        "startable_s": {n: round(w, 2) for n, w in pended.startable_s.items()},
         "memory_mb": memory_mb,
         "rollout_gpu_h": busy_rollout / 3600,
         "background_start_s": {n: (bg[j].start.timestamp() - t0) for n, j in others.items()},
@@ -422,6 +396,12 @@ def main() -> int:
         # backfill minus baseline: what rollout jobs added, without the delays carried down a chain
         "max_added_wait_s": round(max(added.values()), 2),
         "added_wait_s": {n: round(v, 2) for n, v in added.items()},
+        # within the backfill run: how long rollout jobs held GPUs a pending background job needed
+        # (an upper bound on the delay they caused, free of the pass timing two runs differ by)
+        "max_blocked_by_rollout_s": round(max(bf["blocked_by_rollout_s"].values(), default=0.0), 2),
+        # the check on that reckoning: the longest a job pended while it said Slurm would start it
+        # with every job there (about a backfill pass where it plans as Slurm does), both runs
+        "max_startable_s": round(max(v for r in (base, bf) for v in r["startable_s"].values()), 2),
         "runs": {
             r["mode"]: {k: v for k, v in r.items() if k not in ("background_start_s", "background_clock_s", "mode")}
             for r in (base, bf)
@@ -458,6 +438,8 @@ def main() -> int:
     print(f"{'max_delay_s (bf_interval_s)':34s}{out['max_delay_s']} ({bf_interval_s})")
     print(f"{'max_delay_sacct_s':34s}{out['max_delay_sacct_s']}")
     print(f"{'max_added_wait_s':34s}{out['max_added_wait_s']}")
+    print(f"{'max_blocked_by_rollout_s':34s}{out['max_blocked_by_rollout_s']}")
+    print(f"{'max_startable_s':34s}{out['max_startable_s']}")
     return 0
 
 

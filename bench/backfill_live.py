@@ -134,20 +134,11 @@ def stretches(others, recs, own, rollout, deadline, scripts: Path, limits_s) -> 
         return float(f.read_text()) if f.exists() else (fallback.timestamp() if fallback else None)
 
     node = lambda r: r.nodes[0] if r.nodes else ""
-    out = [
-        Stretch(
-            n,
-            node(r),
-            r.gpus,
-            clock(n, "started", r.start),
-            clock(n, "ended", r.end),
-            "background",
-            limits_s[n],
-            int(j),
-        )
-        for n, j in others.items()
-        if (r := recs[j])
-    ]
+    out = []
+    for n, j in others.items():
+        r = recs[j]
+        started, ended = clock(n, "started", r.start), clock(n, "ended", r.end)
+        out.append(Stretch(n, node(r), r.gpus, started, ended, "background", limits_s[n], int(j)))
     out += [
         Stretch(j, node(r), r.gpus, r.start and r.start.timestamp(), r.end and r.end.timestamp(), "own")
         for j in own

@@ -423,6 +423,13 @@ class SchedulerConfig:
         "(scancel) and sized again to the window as it is then, seconds; 0: twice Slurm's bf_interval + 4",
         ge=0,
     )
+    rollout_nice: int = spec(
+        2147483645,
+        help="Slurm --nice of rollout jobs, so they sort below every other pending job and one still pending "
+        "never holds a backfill reservation ahead of another user's job; 2147483645: Slurm's largest; 0: none",
+        ge=0,
+        le=2147483645,
+    )
     give_way_interval_s: float = spec(
         0.0,
         help="how often a Slurm run checks whether its rollout jobs keep another job from starting "

@@ -19,7 +19,8 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   of the generator role's shape (GPUs, CPUs, memory), sized by `size_rollout_jobs`: --time the
   longest limit that backfill accepts before the next pending GPU job (`minutes_that_fit`),
   --time-min one minute less (at least one episode + job_overhead_s + rollout_drain_s: see
-  size_rollout_jobs), as many jobs as idle GPUs hold. Jobs that end early pull pending jobs'
+  size_rollout_jobs), as many jobs as idle GPUs hold, with `--nice scheduler.rollout_nice` (last
+  in priority: one left pending holds no reservation ahead of anyone). Jobs that end early pull pending jobs'
   starts into GPUs a rollout job holds. In `scheduler.rollout_partition` (preemptible by the GPU
   partition: checked at submit and here, slurm/preempt.py) Slurm preempts such a rollout job in
   its next pass (SIGTERM: it hands back and exits). Otherwise the planner cancels it at once
@@ -61,6 +62,7 @@ from hpcrl.jobs.rollout_slurm import RolloutJobSize, SlurmBackend, withdraw_afte
 __all__ = [
     "coordinator_has_work",
     "rollout_planner",
+    "rollout_job_parameters",
     "check_rollout_partition",
     "rollout_summary",
     "RolloutPlanner",
@@ -298,6 +300,29 @@ def check_rollout_partition(cfg: Config) -> None:
         check_preemptible(cfg.scheduler.rollout_partition, cfg.slurm.generator.partition)
 
 
+def rollout_job_parameters(cfg: Config, job_name: str, size: RolloutJobSize) -> dict:
+    """submitit.SlurmExecutor keywords of one rollout job (pure): the generator role's, with the
+    window's --time and --time-min, in scheduler.rollout_partition when set."""
+    from hpcrl.jobs.launch import slurm_parameters
+
+    s = cfg.scheduler
+    params = slurm_parameters(
+        cfg.slurm, "generator", job_name, size.time_limit_min, size.time_min_min, partition=s.rollout_partition or None
+    )
+    extra = params.setdefault("additional_parameters", {})
+    # Never requeued (its window is gone by then): under PreemptMode=REQUEUE Slurm then cancels
+    # it instead, and the planner sizes a new job to a new window.
+    extra["no_requeue"] = True
+    if s.rollout_nice:
+        # Last in priority: backfill still starts it where it fits now without delaying anyone,
+        # but one left pending (its window gone) never gets a reservation ahead of another job.
+        extra["nice"] = s.rollout_nice
+    # Its own deadline ends it (jobs/rollout.py); USR2 is only a late backstop and must not come
+    # at the start of a job shorter than the fixed generators' signal delay.
+    params["signal_delay_s"] = max(int(s.rollout_drain_s), 1)
+    return params
+
+
 def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=None) -> RolloutPlanner | None:
     """The run's planner, or None when backfill rollout jobs are off (the default)."""
     s = cfg.scheduler
@@ -307,7 +332,7 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
     template = next((r.component for r in roles if r.slurm_role == "generator"), None)
     if template is None:
         raise ValueError("scheduler.max_rollout_jobs > 0 needs generators.count >= 1: rollout jobs run what gen-0 runs")
-    from hpcrl.jobs.launch import BOOT_PYTHON, make_executor, role_resources, slurm_parameters
+    from hpcrl.jobs.launch import BOOT_PYTHON, make_executor, role_resources
 
     check_rollout_partition(cfg)
     if cfg.executor == "local":
@@ -319,21 +344,7 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
 
         def slurm_executor(name: str, size: RolloutJobSize):
             ex = submitit.SlurmExecutor(folder=run_dir / "submitit", max_num_timeout=0, python=BOOT_PYTHON)
-            params = slurm_parameters(
-                cfg.slurm,
-                "generator",
-                f"hpcrl-{run_dir.name}-{name}",
-                size.time_limit_min,
-                size.time_min_min,
-                partition=s.rollout_partition or None,
-            )
-            # Never requeued (its window is gone by then): under PreemptMode=REQUEUE Slurm then
-            # cancels it instead, and the planner sizes a new job to a new window.
-            params.setdefault("additional_parameters", {})["no_requeue"] = True
-            # Its own deadline ends it (jobs/rollout.py); USR2 is only a late backstop and must not
-            # come at the start of a job shorter than the fixed generators' signal delay.
-            params["signal_delay_s"] = max(int(s.rollout_drain_s), 1)
-            ex.update_parameters(**params)
+            ex.update_parameters(**rollout_job_parameters(cfg, f"hpcrl-{run_dir.name}-{name}", size))
             return ex
 
         from hpcrl.slurm import queries

@@ -11,8 +11,8 @@ from hpcrl.core.config import SchedulerConfig, load_config
 from hpcrl.jobs.give_way import give_way_interval_s, overdue
 from hpcrl.jobs.launch import slurm_parameters
 from hpcrl.jobs.rollout import may_lease, must_end
-from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, rollout_summary
-from hpcrl.jobs.rollout_slurm import SlurmBackend, size_rollout_jobs, withdraw_after_s
+from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, rollout_job_parameters, rollout_summary
+from hpcrl.jobs.rollout_slurm import RolloutJobSize, SlurmBackend, size_rollout_jobs, withdraw_after_s
 from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, backfill_parameters, no_window_reason
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState
@@ -86,6 +86,21 @@ def test_rollout_jobs_go_through_the_generator_roles_slurm_options_with_time_min
     assert p["time"] == 9 and p["additional_parameters"]["time_min"] == "2"
     assert p["partition"] == "gpu" and p["gpus_per_node"] == 1
     assert slurm_parameters(cfg.slurm, "generator", "r", 9, 8, partition="scavenger")["partition"] == "scavenger"
+
+
+def test_a_rollout_job_is_submitted_never_requeued_and_last_in_priority(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    size = RolloutJobSize(jobs=1, gpus_per_job=1, time_limit_min=9, time_min_min=8, window_s=560.0)
+    cfg = load_config(None, ["slurm.generator.partition=gpu", "scheduler.rollout_drain_s=5"])
+    p = rollout_job_parameters(cfg, "hpcrl-run-rollout-0", size)
+    assert (p["time"], p["partition"], p["signal_delay_s"]) == (9, "gpu", 5)
+    sbatch = _make_sbatch_string(command="true", folder=tmp_path, **p).splitlines()
+    for line in ("--time=9", "--time-min=8", "--no-requeue", "--nice=2147483645", "--job-name=hpcrl-run-rollout-0"):
+        assert f"#SBATCH {line}" in sbatch, (line, sbatch)
+    off = load_config(None, ["scheduler.rollout_nice=0", "scheduler.rollout_partition=scavenger"])
+    p = rollout_job_parameters(off, "r", size)
+    assert "nice" not in p["additional_parameters"] and p["partition"] == "scavenger"
 
 
 def _part(name: str, tier: int, mode: str, nodes=("n1", "n2")) -> PartitionState:

@@ -17,6 +17,7 @@ A gpu job that needs the GPUs two rollout jobs hold, each holding episodes at a 
 their episodes back, those are issued again at once, the gpu job starts; the run then reaches
 max_steps, ends finished, and no rollout job is left queued.
 A rollout partition that Slurm would not preempt is refused at submit.
+Slurm takes a rollout job's --nice (scheduler.rollout_nice) as last in priority, not as held.
 The pure parts (which rollout jobs give way to a pending job, SchedulerParameters) and a rollout
 job's indifference to Slurm's early time-limit warning are tested without the cluster.
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.core.config import SchedulerConfig
 from hpcrl.jobs.give_way import rollout_jobs_to_yield
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.rollout_plan import ROLLOUT_NAME
@@ -46,6 +48,7 @@ from conftest import wait_for
 from test_submit import SMALL, all_ids, hpcrl, status_json
 
 LEASE_S = 60.0  # far above the re-lease time of a handed-back episode, so the two are told apart
+ROLLOUT_NICE = SchedulerConfig().rollout_nice
 
 
 def other_job(tmp_path: Path, name: str, gpus: int, time_min: int, seconds: int, *sbatch_args: str) -> str:
@@ -227,6 +230,7 @@ def test_rollout_jobs_backfill_a_window_train_and_lose_nothing(slurm_cluster, tm
             assert rec["blocked_by"] == big and rec["time_min_min"] <= rec["time_limit_min"], rec
             assert limit_s <= rec["time_limit_min"] * 60 and end <= before, (name, info["TimeLimit"], end, before)
             assert info["TimeMin"] not in ("", "N/A", None), info
+            assert int(info["Nice"]) == ROLLOUT_NICE, info  # last in priority, started by backfill all the same
         snap = status_json(run_dir)
         rows = {c["name"]: c for c in snap["components"] if c.get("role") == "rollout"}
         assert set(rows) == set(jobs), rows
@@ -320,6 +324,28 @@ stop = start_component(pathlib.Path(sys.argv[1]), "rollout-0", "rollout")
 os.kill(os.getpid(), signal.SIGUSR2)  # and once it runs
 print(f"set={stop.is_set()} requeue={stop.requeue}", flush=True)
 """
+
+
+def test_slurm_puts_a_job_with_the_rollout_nice_last_and_does_not_hold_it(slurm_cluster, tmp_path):
+    """scheduler.rollout_nice as this Slurm takes it: a job submitted with it sorts below a job
+    submitted after it (first come would rank it first), and it is not held (priority 0 is
+    Slurm's mark of a held job). The dev cluster ranks by priority/basic; under multifactor Slurm
+    takes the nice off the computed priority in the same way."""
+    later = "--begin=now+3600"  # pending, with a priority, and never started
+    ids = [
+        other_job(tmp_path, "niced", 1, 2, 1, later, f"--nice={ROLLOUT_NICE}"),
+        other_job(tmp_path, "plain", 1, 2, 1, later),
+    ]
+    try:
+
+        def both_pending():
+            got = {j.job_id: j.priority for j in queries.pending_jobs() if j.job_id in ids}
+            return got if len(got) == 2 else None
+
+        prio = wait_for(both_pending, 30, what="the two jobs pending")
+        assert 0 < prio[ids[0]] < prio[ids[1]], prio
+    finally:
+        queries.cancel(ids)
 
 
 def test_a_rollout_job_ignores_slurms_early_time_limit_warning(tmp_path):

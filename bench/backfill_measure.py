@@ -4,6 +4,7 @@
     holes_by_node(records, nodes, t0, t1, need)         # idle and fillable GPU-hours per node
     waits_after_free(spans, gpus_by_node, t0)           # each background job's wait once its GPUs were free
     pending_time(spans, gpus_by_node, t0)               # ... and why it pended: rollout jobs, or Slurm's latency
+    startable_now(x, running, pending, gpus_by_node)    # the pending jobs Slurm's backfill would start at x
 
 Jobs are given to the last two as `Stretch`es: times in epoch seconds from the jobs' own clocks
 where they have them, sacct's whole seconds where not.

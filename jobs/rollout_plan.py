@@ -15,19 +15,19 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   queued for re-issue). When flow control is full the learner is the bottleneck: another
   generator would only hold a GPU idle, so none is started.
 - **Which window?** On Slurm (jobs/rollout_slurm.py) `live_window(slurm.generator.partition,
-  exclude=<the run's jobs>)` (squeue --start; slurm/backfill/planner.py), in whole rollout jobs
-  of the generator role's shape (GPUs, CPUs, memory), sized by `size_rollout_jobs`: --time the
+  exclude=<the run's jobs>)` (squeue --start; slurm/backfill/planner.py), in whole rollout jobs of
+  the generator role's shape (GPUs, CPUs, memory), sized by `size_rollout_jobs`: --time the
   longest limit that backfill accepts before the next pending GPU job (`minutes_that_fit`),
   --time-min one minute less (at least one episode + job_overhead_s + rollout_drain_s: see
   size_rollout_jobs), as many jobs as idle GPUs hold, with `--nice scheduler.rollout_nice` (last
-  in priority: one left pending holds no reservation ahead of anyone). Jobs that end early pull pending jobs'
-  starts into GPUs a rollout job holds. In `scheduler.rollout_partition` (preemptible by the GPU
-  partition: checked at submit and here, slurm/preempt.py) Slurm preempts such a rollout job in
-  its next pass (SIGTERM: it hands back and exits). Otherwise the planner cancels it at once
-  (jobs/give_way.py) within `scheduler.give_way_interval_s` (by default a quarter of Slurm's
-  bf_interval: between its polls the supervisor runs `watch()`, one squeue of the partitions, and
-  the full check once a job there started or ended); with a rollout partition only after
-  `rollout_yield_after_s` of Slurm not preempting it.
+  in priority: one left pending holds no reservation ahead of anyone). Jobs that end early pull
+  pending jobs' starts into GPUs a rollout job holds. In `scheduler.rollout_partition`
+  (preemptible by the GPU partition: checked at submit and here, slurm/preempt.py) Slurm preempts
+  such a rollout job in its next pass (SIGTERM: it hands back and exits). Otherwise the planner
+  cancels it at once (jobs/give_way.py) within `scheduler.give_way_interval_s` (by default a
+  quarter of Slurm's bf_interval: between its polls the supervisor runs `watch()`, one squeue of
+  the partitions, and the full check once a job there started or ended); with a rollout partition
+  only after `rollout_yield_after_s` of Slurm not preempting it.
   Locally the windows are `scheduler.local_windows` (seconds from the run start); each is
   filled once, its processes get its end as their deadline and are signalled (SIGTERM) there,
   killed rollout_drain_s + 30 s later if still alive, as Slurm's time limit would.

@@ -175,7 +175,8 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     run_dir = tmp / mode
     scripts = tmp / f"{mode}-others"
     scripts.mkdir(parents=True)
-    others = {name: submit_held(scripts, name, g, lim, s) for name, g, lim, s in workload(args.seed)}
+    load = workload(args.seed)
+    others = {name: submit_held(scripts, name, g, lim, s) for name, g, lim, s in load}
     log(f"{mode}: {len(others)} background jobs held; submitting the run")
     try:
         out = hpcrl(
@@ -238,7 +239,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         for name in rollout
         if (f := run_dir / "rollout" / f"{name}.json").exists()
     }
-    limits_s = {name: lim * 60 for name, _, lim, _ in workload(args.seed)}
+    limits_s = {name: lim * 60 for name, _, lim, _ in load}
     spans = stretches(others, recs, own, rollout, deadline, scripts, limits_s)
     gpus_by_node = {n.name: n.gpus_total for n in gpu_nodes}
     waits = waits_after_free(spans, gpus_by_node, t0)
@@ -288,7 +289,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "memory_mb": memory_mb,
         "rollout_gpu_h": busy_rollout / 3600,
         "background_start_s": {n: (bg[j].start.timestamp() - t0) for n, j in others.items()},
-        "background_clock_s": {n: float((scripts / f"{n}.started").read_text()) - t0 for n in others},
+        "background_clock_s": {j.name: j.start - t0 for j in spans if j.kind == "background"},
         # Slurm plans in bf_resolution steps (60 s): a hole's end is floored to the minute, so how
         # much of a 1-2 minute hole a one-minute job can use depends on where in its minute t0 fell.
         "t0_second_of_minute": round(t0 % 60, 1),

@@ -64,6 +64,7 @@ __all__ = [
     "start_harness",
     "start_checker",
     "HARNESS_LIMITS",
+    "task_data_exposed",
 ]
 
 _HARNESS_SOURCE = (Path(__file__).resolve().parent / "pyharness.py").read_bytes()
@@ -72,6 +73,30 @@ _CHECKER_SOURCE = (Path(__file__).resolve().parent / "pycheck.py").read_text()
 
 class JudgeError(RuntimeError):
     """The test itself is broken (does not compile, has no check()): not the candidate's fault."""
+
+
+# What the bwrap backend shows every candidate of the host (bwrap._host_layout): read-only, but readable.
+_HOST_BOUND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/alternatives")
+_exposure: list[str | None] = []
+
+
+def task_data_exposed(backend: Backend) -> str | None:
+    """Why candidates of `backend` could read hpcrl's own files (its built-in tasks' hidden tests
+    and expected outputs), or None. The bwrap backend binds the host's /usr and /lib: an hpcrl
+    installed there (a system-wide pip install) is readable from inside every sandbox."""
+    if getattr(backend, "name", "") != "bwrap":
+        return None  # apptainer runs candidates in the sandbox image, never this installation
+    if not _exposure:
+        here = str(Path(__file__).resolve().parents[1])
+        bound = next((d for d in _HOST_BOUND if here == d or here.startswith(d + "/")), None)
+        _exposure.append(
+            None
+            if bound is None
+            else f"hpcrl is installed at {here}, under {bound}, which the bwrap sandbox shows every candidate: "
+            "its tasks' hidden tests are readable; install hpcrl outside the host's /usr and /lib (a virtual "
+            "environment in a home or project directory)"
+        )
+    return _exposure[0]
 
 
 @dataclass(frozen=True)
@@ -146,6 +171,7 @@ def judge_io(
 ) -> Verdict:
     """Run the program once per case with the case's stdin; pass when every case's stdout matches."""
     t0 = time.monotonic()
+    _refuse_exposed(backend)
     lang = get_language(language)
     files = tuple(source) if isinstance(source, (list, tuple)) else (SourceFile(lang.main_file, source),)
     spec = ExecSpec(language=language, files=files, limits=limits or Limits())
@@ -282,6 +308,12 @@ def start_checker(limits: Limits | None = None) -> Session:
     return ProcessSession(argv, limits, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"})
 
 
+def _refuse_exposed(backend: Backend) -> None:
+    why = task_data_exposed(backend)
+    if why is not None:
+        raise JudgeError(why)
+
+
 def _send(session: Session, verb: str, value: Any) -> None:
     session.send(verb.encode() + b" " + marshal.dumps(value).hex().encode() + b"\n")
 
@@ -310,6 +342,7 @@ def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None =
     harness sandbox and a checker started ahead, so the judgement does not wait for them to start.
     """
     t0 = time.monotonic()
+    _refuse_exposed(backend)
     limits = limits or HARNESS_LIMITS
     use_warm = warm is not None and warm.backend is backend and warm.limits == limits
     checker = warm.take_checker() if use_warm else start_checker(limits)

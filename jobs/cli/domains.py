@@ -213,6 +213,12 @@ def run_check(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--task: {exc}") from None
     files = _read_dir(args.files)
+    from hpcrl.rl.domains.session_env import SessionDomain
+
+    if not isinstance(domain, SessionDomain):  # a single-file workspace: that file must be there
+        (only,) = domain.workspace(task)
+        if only not in files:
+            raise UsageError(f"--files {args.files}: no {only} there; {domain.name}'s workspace is that one file")
     try:
         with _sandbox_client(args.config) as client:
             result = domain.submit(task, files, _executor(domain, client))

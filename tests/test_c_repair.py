@@ -70,7 +70,7 @@ def test_every_seeded_bug_fails_the_hidden_tests_and_every_fix_passes(run_dir):
             assert r == 0.0 and fb.message == "hidden tests failed", p.name
             r, fb = _submit(domain, i, ex, [f'<write path="src/lib.c">{p.reference}</write>'])
             assert r == 1.0, (p.name, fb)
-        # A library that exits 0 (printing "ok") before main runs does not pass: no nonce.
+        # A library that exits 0 (printing "ok") before main runs does not pass: no answer reaches the checker.
         cheat = (
             "#include <stdio.h>\n#include <stdlib.h>\n__attribute__((constructor)) static void c(void) "
             '{ puts("ok"); exit(0); }\nint gcd(int a, int b) { return a; }\n'

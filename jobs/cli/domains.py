@@ -101,7 +101,7 @@ def _count(d) -> int | None:
     if d.size is not None:
         return d.size + (d.heldout_size or 0)
     problems = getattr(d, "problems", None)  # the code domains keep `size` None but list their problems
-    return len(problems) if problems is not None else None
+    return len(problems) + (d.heldout_size or 0) if problems is not None else None
 
 
 def run_list(args: argparse.Namespace) -> int:

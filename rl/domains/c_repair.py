@@ -185,7 +185,7 @@ class CRepairEnv(SessionEnv):
         d = self.task.data
         got = self._read(["src/lib.c"])
         if isinstance(got, str):
-            return self._verdict(False, "error", -1, 0.0, got)
+            return self._verdict(False, "error", -1, 0.0, "hidden tests failed", got)
         files = (("lib.c", got["src/lib.c"]), ("lib.h", d["header"]))  # the task's header, not the model's
         name = f"{self.task.domain}/{self.task.id}"
         task = FunctionTask(

@@ -33,9 +33,11 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import functools
 import re
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 __all__ = ["confine"]
 
@@ -135,50 +137,76 @@ def _identifiers(node: ast.AST) -> Iterator[tuple[str, str]]:
             yield "text", text
 
 
+@dataclass(frozen=True)
+class _Original:
+    vocab: frozenset[str]  # every name and attribute it uses
+    sensitive_names: frozenset[str]  # unsafe builtins and the modules it imports by name
+    imports: frozenset[str]  # its import statements (ast.dump)
+    allowed: Counter  # (scope, ast.dump) of its statements that reach into the interpreter -> count
+
+
+def _hit(ids: list[tuple[str, str]], sensitive_names: frozenset[str]) -> str | None:
+    """The first of a statement's identifiers that reaches into the interpreter or the process, if any."""
+    for kind, x in ids:
+        if kind == "text":
+            if _sensitive_attr(x) or x in _REFLECTION or _SENSITIVE_TEXT.search(x):
+                return x
+        elif _sensitive_attr(x) or (kind == "name" and x in sensitive_names):
+            return x
+    return None
+
+
+def _inert(head: ast.AST) -> bool:
+    return isinstance(head, ast.Expr) and isinstance(head.value, ast.Constant)  # a docstring
+
+
+@functools.lru_cache(maxsize=64)
+def _original(source: str) -> _Original:
+    """What confine needs of an original, once per source (a task's module is checked at every submit)."""
+    tree = ast.parse(source)
+    imported = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names = _UNSAFE_BUILTINS | frozenset(imported)
+    allowed: Counter = Counter(
+        (scope, ast.dump(head))
+        for scope, head in _units(tree)
+        if not _inert(head) and _hit(list(_identifiers(head)), names)
+    )
+    return _Original(
+        frozenset(x for kind, x in _identifiers(tree) if kind != "text"),
+        names,
+        frozenset(ast.dump(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))),
+        allowed,
+    )
+
+
 def confine(original: str, candidate: str) -> str | None:
     """None when `candidate` keeps within what `original` does (see the module docstring), else
     a one-line reason naming the first thing outside it. A candidate that does not parse is
     left to the tests (it fails them)."""
-    orig_tree = ast.parse(original)
+    orig = _original(original)
     try:
-        cand_tree = ast.parse(candidate)
+        tree = ast.parse(candidate)
     except (SyntaxError, ValueError):
         return None
-    imported = {
-        a.asname or a.name.split(".")[0] for n in ast.walk(orig_tree) if isinstance(n, ast.Import) for a in n.names
-    }
-    sensitive_names = _UNSAFE_BUILTINS | imported
-    vocab: set[str] = {x for kind, x in _identifiers(orig_tree) if kind != "text"}
-    orig_imports = {ast.dump(n) for n in ast.walk(orig_tree) if isinstance(n, (ast.Import, ast.ImportFrom))}
-    for n in ast.walk(cand_tree):
-        if isinstance(n, (ast.Import, ast.ImportFrom)) and ast.dump(n) not in orig_imports:
-            return f"line {n.lineno}: an import the original does not have ({ast.unparse(n)[:80]})"
-
-    def sensitive(kind: str, x: str) -> bool:
-        if kind == "text":
-            return x in _SENSITIVE_ATTRS or x in _REFLECTION or bool(_SENSITIVE_TEXT.search(x))
-        if kind == "attr":
-            return _sensitive_attr(x)
-        return x in sensitive_names or _sensitive_attr(x)
-
-    allowed = Counter((scope, ast.dump(h)) for scope, h in _units(orig_tree))
     used: Counter = Counter()
-    for scope, head in _units(cand_tree):
-        if isinstance(head, ast.Expr) and isinstance(head.value, ast.Constant):
-            continue  # a docstring or a bare constant: inert
-        hit = None
-        for kind, x in _identifiers(head):
-            if kind != "text" and x not in vocab:
-                new_ok = x in _SAFE_ATTRS if kind == "attr" else (x in _SAFE_BUILTINS or bool(_PLAIN.match(x)))
-                if not new_ok or sensitive(kind, x):
-                    return f"line {getattr(head, 'lineno', '?')}: {kind} {x!r} is neither the original's nor plain"
-            if hit is None and sensitive(kind, x):
-                hit = x
+    for scope, head in _units(tree):
+        if _inert(head):
+            continue
+        if isinstance(head, (ast.Import, ast.ImportFrom)) and ast.dump(head) not in orig.imports:
+            return f"line {head.lineno}: an import the original does not have ({ast.unparse(head)[:80]})"
+        ids = list(_identifiers(head))
+        for kind, x in ids:
+            if kind == "text" or x in orig.vocab:
+                continue
+            plain = x in _SAFE_ATTRS if kind == "attr" else (x in _SAFE_BUILTINS or bool(_PLAIN.match(x)))
+            if not plain or _sensitive_attr(x) or (kind == "name" and x in orig.sensitive_names):
+                return f"line {getattr(head, 'lineno', '?')}: {kind} {x!r} is neither the original's nor plain"
+        hit = _hit(ids, orig.sensitive_names)
         if hit is None:
             continue
         key = (scope, ast.dump(head))
         used[key] += 1
-        if used[key] > allowed[key]:
+        if used[key] > orig.allowed[key]:
             where = ".".join(scope) or "module level"
             return (
                 f"line {getattr(head, 'lineno', '?')} ({where}): a statement using {hit!r} that is not one of the "

@@ -269,7 +269,7 @@ class SessionEnv(Environment):
         d = self.task.data
         files = self._package_files(d["packages"])
         if isinstance(files, str):
-            return self._verdict(False, "error", -1, 0.0, files)
+            return self._verdict(False, "error", -1, 0.0, "hidden tests failed", files)
         task = FunctionTask("", d["entry_point"], d["hidden"], name=f"{self.task.domain}/{self.task.id}", files=files)
         return self._judged(task)
 

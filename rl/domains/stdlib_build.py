@@ -8,8 +8,7 @@ For each allow-listed module (stdlib_repair.MODULES): find its source where the 
 unittest file (that stdlib's `test/`, else the `test` package of the interpreter running hpcrl
 when it is the same minor version: Debian's python3 ships only test.support); run the original
 through the submit check (stdlib_repair.RUNNER, with its runtime confinement) in the real
-sandbox — a module whose original fails is left out, with the reason in the manifest (a module
-that executes code or starts processes itself trips the confinement: timeit, pipes...) — then
+sandbox — a module whose original fails is left out, with the reason in the manifest — then
 `per_module` mutants picked with the seed (mutate.sample_sites), each run the same way. A
 mutant is kept when its tests fail within ten times the original's time, at least 5 s
 (`timeout_s` in the manifest; the submit check uses it too): a mutant that hangs is dropped,

@@ -210,19 +210,64 @@ MEMORY_SCAN = """
 """
 
 
-@pytest.mark.parametrize("attempt", [*RUNTIME, "memory-scan"])
+# A frame fetched by code the standard library evaluates (typing resolving a string annotation),
+# so that the caller of sys._getframe is not the module's file, then walked to the runner's locals.
+EVAL_GADGET = """
+    _stash = []
+
+    def _forge():
+        import os, typing
+        expr = "(_stash.append(" + "_" + "_import_" + "_('sys')._getframe(0)), int)[1]"
+
+        def probe(x: expr):
+            pass
+
+        typing.get_type_hints(probe)
+        f = _stash[0] if _stash else None
+        while f is not None:
+            for v in list(f.f_locals.values()):
+                if isinstance(v, bytes) and len(v) == 32:
+                    for fd in range(1, 16):  # the runner's verdict channel is one of them
+                        try:
+                            os.write(fd, v + b"\\n")
+                        except OSError:
+                            pass
+                    os._exit(0)
+            f = f.f_back
+        return False
+"""
+SNIPPETS = {"memory-scan": MEMORY_SCAN, "eval-gadget": EVAL_GADGET}
+
+
+@pytest.mark.parametrize("attempt", [*RUNTIME, *SNIPPETS])
 def test_the_stdlib_runner_alone_stops_what_the_static_check_would_miss(env, attempt):
     domain, name = env["domains"]["stdlib-repair"]
     task = domain.named_task(name)
     d = task.data
     module = f"{d['module']}.py"
-    code = MEMORY_SCAN if attempt == "memory-scan" else PY[attempt]
+    code = SNIPPETS.get(attempt) or PY[attempt]
     source = py_module_patch(domain.workspace(task)[module], code, domain.reference(task)[module])
     assert confine(domain.reference(task)[module], source) is not None  # the static check refuses it too
     nonce = secrets.token_hex(16)
     res = env["client"].run(check_spec(d["module"], d["test"], source, d["test_text"], nonce, d["timeout_s"]))
     verdict, detail = check_verdict(res, nonce)
     assert verdict != "pass", f"{attempt}: the runner passed it: {detail}"
+
+
+def test_the_eval_gadget_forges_a_runner_that_only_checks_the_immediate_caller(env, monkeypatch):
+    from hpcrl.rl.domains import stdlib_repair
+
+    weaker = stdlib_repair.RUNNER.replace('caller.startswith((stdlib, "<frozen "))', "True")
+    assert weaker != stdlib_repair.RUNNER
+    monkeypatch.setattr(stdlib_repair, "RUNNER", weaker)
+    domain, name = env["domains"]["stdlib-repair"]
+    task = domain.named_task(name)
+    d = task.data
+    module = f"{d['module']}.py"
+    source = py_module_patch(domain.workspace(task)[module], EVAL_GADGET, domain.reference(task)[module])
+    nonce = secrets.token_hex(16)
+    res = env["client"].run(check_spec(d["module"], d["test"], source, d["test_text"], nonce, d["timeout_s"]))
+    assert check_verdict(res, nonce)[0] == "pass"
 
 
 def test_the_static_check_allows_a_fix_written_afresh_and_refuses_reach():

@@ -23,8 +23,9 @@ docs/judging.md):
    installs first (it cannot be removed) ends the process, failing, when code of the module is
    on the stack while frames, code objects or the garbage collector's objects are reached,
    hooks or tracers set, processes started or signalled, or /proc and the standard streams
-   opened, and when the module itself runs code with exec or eval, calls sys._getframe or sets a
-   function's code; the runner refuses a result when unittest's classes changed while it ran.
+   opened, or code other than the standard library's (the module's, or code evaluated for it)
+   runs exec or eval, calls sys._getframe or sets a function's code; and the runner refuses a
+   result when unittest's classes changed while it ran.
 3. Pass: the runner's process exits 0 and the nonce is the last thing it printed; the runner
    prints it only after every test of the suite ran and passed. An exit from inside the module
    (os._exit, a killed process) comes before the nonce; printing "OK" does nothing.
@@ -122,6 +123,7 @@ def _main(_exit=os._exit, _write=os.write, _getframe=sys._getframe):
     from test import support  # noqa: F401
     where = os.getcwd()
     candidate = os.path.join(where, {module!r} + ".py")
+    stdlib = os.path.dirname(os.__file__) + os.sep
     watched = (unittest.TestCase, unittest.TestResult, unittest.TextTestResult, unittest.TextTestRunner,
                unittest.TestSuite, unittest.TestLoader, unittest.case._Outcome)
     def state():  # what the suite's verdict rests on: unittest's classes and their functions' code
@@ -146,13 +148,15 @@ def _main(_exit=os._exit, _write=os.write, _getframe=sys._getframe):
         busy.append(1)
         try:
             f = _getframe(1)
-            # exec/eval, sys._getframe and setting a function's code or defaults: refused when the
-            # module itself does them (namedtuple's eval, its _getframe for __module__ and its
-            # __defaults__, an import running a module's code, are the stdlib's own); everything
-            # else when the module's code is anywhere on the stack.
-            depth = 1 if event in _SELF else -1
-            while f is not None and depth != 0:
-                depth -= 1
+            # exec/eval, sys._getframe and setting a function's code or defaults are the standard
+            # library's own business when its code does them (namedtuple's eval, its _getframe
+            # for __module__ and its __defaults__, an import running a module's code); done by
+            # any other code (the module's, code it had evaluated), and everything else, they
+            # are refused while the module's code is anywhere on the stack.
+            caller = f.f_code.co_filename if f is not None else ""
+            if event in _SELF and caller != candidate and caller.startswith((stdlib, "<frozen ")):
+                return
+            while f is not None:
                 if f.f_code.co_filename == candidate:
                     _write(2, ("\\nrefused: the module under test did %s\\n" % event).encode())
                     _exit(4)

@@ -236,7 +236,22 @@ EVAL_GADGET = """
             f = f.f_back
         return False
 """
-SNIPPETS = {"memory-scan": MEMORY_SCAN, "eval-gadget": EVAL_GADGET}
+# Frames handed out by a standard-library helper (its own call of sys._getframe).
+FRAME_HELPER = """
+    def _forge():
+        import os, traceback
+        for f, _ in traceback.walk_stack(None):
+            for v in list(f.f_locals.values()):
+                if isinstance(v, bytes) and len(v) == 32:
+                    for fd in range(1, 16):
+                        try:
+                            os.write(fd, v + b"\\n")
+                        except OSError:
+                            pass
+                    os._exit(0)
+        return False
+"""
+SNIPPETS = {"memory-scan": MEMORY_SCAN, "eval-gadget": EVAL_GADGET, "frame-helper": FRAME_HELPER}
 
 
 @pytest.mark.parametrize("attempt", [*RUNTIME, *SNIPPETS])

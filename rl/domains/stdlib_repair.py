@@ -110,6 +110,8 @@ _DENY = frozenset((
     "signal.pthread_kill", "pty.spawn", "cpython.run_command", "cpython.run_file", "cpython.run_module",
 ))
 _SELF = frozenset(("exec", "sys._getframe", "object.__setattr__", "object.__delattr__"))
+# Standard-library code that hands the frames it fetches to its caller: never exempt.
+_LEAKY = ("inspect.py", "traceback.py", "logging/__init__.py", "bdb.py", "pdb.py", "cgitb.py", "trace.py")
 
 
 def _main(_exit=os._exit, _write=os.write, _getframe=sys._getframe):
@@ -150,11 +152,12 @@ def _main(_exit=os._exit, _write=os.write, _getframe=sys._getframe):
             f = _getframe(1)
             # exec/eval, sys._getframe and setting a function's code or defaults are the standard
             # library's own business when its code does them (namedtuple's eval, its _getframe
-            # for __module__ and its __defaults__, an import running a module's code); done by
-            # any other code (the module's, code it had evaluated), and everything else, they
-            # are refused while the module's code is anywhere on the stack.
+            # for __module__ and its __defaults__, an import running a module's code), unless it
+            # hands frames on (inspect, traceback...); done by any other code (the module's, code
+            # it had evaluated), and everything else, they are refused while the module's code
+            # is anywhere on the stack.
             caller = f.f_code.co_filename if f is not None else ""
-            if event in _SELF and caller != candidate and caller.startswith((stdlib, "<frozen ")):
+            if event in _SELF and caller.startswith((stdlib, "<frozen ")) and not caller.endswith(_LEAKY):
                 return
             while f is not None:
                 if f.f_code.co_filename == candidate:

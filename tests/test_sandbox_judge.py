@@ -141,6 +141,7 @@ def test_a_candidate_that_steals_the_channel_fails_within_its_wall_limit(backend
                     pass
         threading.Thread(target=steal, daemon=True).start()
         def add(a, b):
+            steal()  # and in the calling thread too: which reader a request wakes is the kernel's choice
             return a + b
     """)
     t0 = time.monotonic()

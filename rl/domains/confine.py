@@ -21,9 +21,10 @@ refused unless it keeps to what the original already does:
   `system`...), and string constants that are such a name, hold a dunder or a `/proc` or
   `/dev/` path (docstrings aside).
 
-So a repair that restores the original passes, and so does one written afresh with plain code;
-one that adds reflection, imports or exits does not, even where the original has the same
-construct elsewhere. A statement of the original with the same text may still be fed other
+So a repair that restores the original passes, and so does one written afresh in plain code
+(its own local names, the original's names and attributes, methods of builtin types); one that
+adds reflection, imports or exits does not, even where the original has the same construct
+elsewhere. A statement of the original with the same text may still be fed other
 values by changed statements around it; the runner's runtime checks (stdlib_repair.RUNNER)
 are the second line. See docs/judging.md.
 """

@@ -204,7 +204,7 @@ def test_synth_shows_feedback_cases_and_rewards_hidden_ones(judge):
     env = d.make_env(d.task(0), judge)
     env.reset()
     obs, reward, done, info = env.step(lookup)
-    assert not done and reward == 0.0 and "The shown tests pass" in obs, obs
+    assert not done and reward == 0.0 and "The shown tests pass; a hidden test fails" in obs, obs
     assert not any(i.strip() in obs or o.strip() in obs for i, o in p.hidden), obs
     _, reward, done, info = env.step(lookup)  # the last turn: partial credit on the hidden cases
     assert done and reward == pytest.approx(1 / len(p.hidden)) and info["feedback"].total == len(p.hidden)

@@ -5,9 +5,9 @@ and the model tries again, up to `turns` attempts.
 
 `synth` keeps what it shows apart from what it rewards: a failed turn's observation shows a
 failing *feedback* case (input, expected, got), and the reward is the share of *hidden* cases
-passed, cases no observation ever shows. A turn runs the feedback cases first (to the first
-failure); only a program that passes them all runs the hidden ones, which end the episode when
-they all pass (the last turn runs the hidden ones alone). Both domains keep held-out problems
+passed, cases no observation ever shows. A turn before the last runs the hidden cases to their
+first failure (all passing ends the episode), then the feedback cases to theirs, for the
+observation; the last turn runs every hidden case (partial credit). Both domains keep held-out problems
 for evaluation (`task(EVAL_BASE + j)`, problems.SYNTH_HELDOUT and REPAIR_HELDOUT) that
 training never samples.
 
@@ -204,19 +204,25 @@ class SynthEnv(_CodeEnv):
             raise RuntimeError(f"{self.task.domain}/{self.task.id}: step() after the episode ended; call reset()")
         self.turn += 1
         code = extract_code(action)
-        if self.turn < self.turns:
-            shown = [tuple(c) for c in self.task.data["cases"]]
-            fb = self.judge.judge_io("python", code, shown, stop_on_fail=True)
-            if not fb.all_passed:  # the observation may show this case: it is not a reward case
-                obs = f"\n# A test failed: {fb.message}\n# Try again. End with {END_MARK}\n"
-                return StepResult(obs, 0.0, False, {"feedback": fb, "turn": self.turn})
-        fb = self._judge(code)
-        info = {"feedback": fb, "turn": self.turn}
-        if fb.all_passed or self.turn >= self.turns:
+        if self.turn >= self.turns:  # the last turn: every hidden case, for partial credit
+            fb = self._judge(code)
             self.done = True
-            return StepResult("", self.reward(action, self.task, fb), True, info)
-        obs = f"\n# The shown tests pass; {fb.message}.\n# Try again. End with {END_MARK}\n"
-        return StepResult(obs, 0.0, False, info)
+            return StepResult("", self.reward(action, self.task, fb), True, {"feedback": fb, "turn": self.turn})
+        # Before it, to their first failure: the hidden cases decide whether the episode ends
+        # here; if not, the feedback cases give the observation a failing case to show.
+        hidden = self.judge.judge_io("python", code, [tuple(c) for c in self.task.data["hidden"]], stop_on_fail=True)
+        if hidden.all_passed:
+            self.done = True
+            fb = ExecFeedback(hidden.passed, hidden.total, hidden.status, hidden.exit_code, hidden.duration_s,
+                              "all hidden tests passed")  # fmt: skip
+            return StepResult("", self.reward(action, self.task, fb), True, {"feedback": fb, "turn": self.turn})
+        shown = self.judge.judge_io("python", code, [tuple(c) for c in self.task.data["cases"]], stop_on_fail=True)
+        if not shown.all_passed:  # the observation may show this case: it is not a reward case
+            obs = f"\n# A test failed: {shown.message}\n# Try again. End with {END_MARK}\n"
+            return StepResult(obs, 0.0, False, {"feedback": shown, "turn": self.turn})
+        fb = ExecFeedback(0, hidden.total, hidden.status, hidden.exit_code, hidden.duration_s, "a hidden test failed")
+        obs = f"\n# The shown tests pass; a hidden test fails.\n# Try again. End with {END_MARK}\n"
+        return StepResult(obs, 0.0, False, {"feedback": fb, "turn": self.turn})
 
 
 class RepairEnv(_CodeEnv):

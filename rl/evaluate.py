@@ -8,6 +8,9 @@
 
 Tasks are the domain's `eval_indices()` (rl/domains/base.py: a held-out split, or indices the
 training sampler never reaches), played as `domain.for_eval()` says (HumanEval: one attempt).
+A domain without held-out tasks (session-repair's five projects, a one-problem variant) would
+be evaluated on what it trains on: `evaluate` refuses it unless asked (`allow_train`, `hpcrl
+eval --train-tasks`), and a periodic evaluation refuses it when the run starts.
 Samples come from the project's own Generator and DecodeEngine, judged by the same environments
 and sandbox as training: `n` samples per task, a sample is correct when its episode's reward
 reaches 1 (a sample whose prompt does not fit the model's context counts as wrong: `unfit`), and
@@ -146,12 +149,16 @@ def evaluate(
     version: int = 0,
     gen_cfg: GeneratorConfig | None = None,
     seed: int = 0,
+    allow_train: bool = False,
 ) -> EvalResult:
     """pass@k for each k in `ks` from `samples` (default max k) samples of each of up to `tasks`
-    held-out tasks of `domain`, sampled by `policy` as it is (its weights are not changed)."""
+    held-out tasks of `domain`, sampled by `policy` as it is (its weights are not changed).
+    A domain with no held-out tasks is refused (EvalError) unless `allow_train`: its training tasks."""
     samples = samples or max(ks)
     if max(ks) > samples:
         raise EvalError(f"k={max(ks)} needs at least that many samples per task; got {samples} (raise --n)")
+    if not domain.has_heldout and not allow_train:
+        raise EvalError(_no_heldout(domain.name))
     dom = domain.for_eval()
     indices = dom.eval_indices(tasks)
     if not indices:
@@ -175,6 +182,13 @@ def evaluate(
     return EvalResult(dom.name, version, samples, len(indices), pass_at, dom.has_heldout, wall_s, source.unfit)
 
 
+def _no_heldout(name: str) -> str:
+    return (
+        f"domain {name!r} keeps no held-out tasks: evaluating it would reuse its training tasks; "
+        "evaluate a domain with a held-out split (hpcrl eval --train-tasks evaluates the training tasks, labelled)"
+    )
+
+
 class PeriodicEvaluator:
     """Evaluates published versions on a thread: `submit` returns at once (a submit while one is
     running replaces the waiting one), `results` hands over what finished since the last call."""
@@ -182,6 +196,9 @@ class PeriodicEvaluator:
     def __init__(self, run_dir: str | Path, cfg: EvalConfig, policy_cfg: PolicyConfig, make_judge: Callable[[], Any]):
         self.run_dir, self.cfg, self.policy_cfg, self.make_judge = Path(run_dir), cfg, policy_cfg, make_judge
         self.domains = [get_domain(name) for name in cfg.domains]  # fails at start, not at the first evaluation
+        for d in self.domains:
+            if not d.has_heldout:
+                raise EvalError(f"learner.eval.domains: {_no_heldout(d.name)}")
         self._judge = None
         self._want: tuple[int, int] | None = None
         self._done: dict = {}

@@ -223,8 +223,8 @@ class ThreadLocalJudge:
             j = self._local.judge = SandboxJudge(SandboxClient(self.node, service), self.limits)
         return j
 
-    def judge_io(self, language, source, cases):
-        return self._judge().judge_io(language, source, cases)
+    def judge_io(self, language, source, cases, stop_on_fail=False):
+        return self._judge().judge_io(language, source, cases, stop_on_fail)
 
     def judge_function(self, program, entry_point, test, prelude=""):
         return self._judge().judge_function(program, entry_point, test, prelude)

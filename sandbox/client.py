@@ -99,6 +99,8 @@ class SandboxClient:
             "trusted_prelude": task.trusted_prelude,
             "name": task.name,
             "limits": _limits_wire(limits),
+            "files": [list(f) for f in task.files],
+            "language": task.language,
         }
         budget = (limits.wall_s if limits else 10.0) + self.slack_s
         return Verdict.from_wire(self._call("judge_function", body, budget, timeout_s).body)

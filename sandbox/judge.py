@@ -2,6 +2,8 @@
 
     verdict = judge_io(backend, "cpp", source, [IOCase(b"1 2\\n", b"3\\n")])
     verdict = judge_function(backend, FunctionTask.humaneval(problem, completion))
+    verdict = judge_function(backend, FunctionTask("", "stats.median", test, files=(("stats/__init__.py", src),)))
+    verdict = judge_function(backend, FunctionTask(c_driver(sigs), "gcd", test, files=(("lib.c", src),), language="c"))
 
 Two kinds of tests:
 
@@ -17,6 +19,10 @@ Two kinds of tests:
   driver (`pyharness.py`) that answers call requests. The judge relays: each call of the
   checker's `candidate` proxy comes here, goes to the sandbox, and its answer is checked here
   (`harness_wire`: plain data only) and rebuilt as a fresh plain value for the checker.
+  The candidate is one Python source, a Python package of several files (the test calls its
+  functions by dotted name), or C sources compiled in the sandbox with a driver for the
+  functions' signatures (`harness_wire.c_driver`); the test code and its expected values
+  never enter the sandbox.
 
 Pass/fail is decided here: for functions, by the checker reporting that `check` returned
 normally, while every call got an answer; nothing the candidate prints, no exit code and no "passed" marker counts. The
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import marshal
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -41,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.sandbox.backend import Backend, ProcessSession, Session
-from hpcrl.sandbox.harness_wire import CodecError, decode, load_request, loads, request
+from hpcrl.sandbox.harness_wire import CodecError, decode, load_request, loads, request, valid_name
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
@@ -57,6 +64,7 @@ __all__ = [
     "start_harness",
     "start_checker",
     "HARNESS_LIMITS",
+    "task_data_exposed",
 ]
 
 _HARNESS_SOURCE = (Path(__file__).resolve().parent / "pyharness.py").read_bytes()
@@ -65,6 +73,30 @@ _CHECKER_SOURCE = (Path(__file__).resolve().parent / "pycheck.py").read_text()
 
 class JudgeError(RuntimeError):
     """The test itself is broken (does not compile, has no check()): not the candidate's fault."""
+
+
+# What the bwrap backend shows every candidate of the host (bwrap._host_layout): read-only, but readable.
+_HOST_BOUND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/alternatives")
+_exposure: list[str | None] = []
+
+
+def task_data_exposed(backend: Backend) -> str | None:
+    """Why candidates of `backend` could read hpcrl's own files (its built-in tasks' hidden tests
+    and expected outputs), or None. The bwrap backend binds the host's /usr and /lib: an hpcrl
+    installed there (a system-wide pip install) is readable from inside every sandbox."""
+    if getattr(backend, "name", "") != "bwrap":
+        return None  # apptainer runs candidates in the sandbox image, never this installation
+    if not _exposure:
+        here = str(Path(__file__).resolve().parents[1])
+        bound = next((d for d in _HOST_BOUND if here == d or here.startswith(d + "/")), None)
+        _exposure.append(
+            None
+            if bound is None
+            else f"hpcrl is installed at {here}, under {bound}, which the bwrap sandbox shows every candidate: "
+            "its tasks' hidden tests are readable; install hpcrl outside the host's /usr and /lib (a virtual "
+            "environment in a home or project directory)"
+        )
+    return _exposure[0]
 
 
 @dataclass(frozen=True)
@@ -139,6 +171,7 @@ def judge_io(
 ) -> Verdict:
     """Run the program once per case with the case's stdin; pass when every case's stdout matches."""
     t0 = time.monotonic()
+    _refuse_exposed(backend)
     lang = get_language(language)
     files = tuple(source) if isinstance(source, (list, tuple)) else (SourceFile(lang.main_file, source),)
     spec = ExecSpec(language=language, files=files, limits=limits or Limits())
@@ -171,10 +204,17 @@ def judge_io(
 
 @dataclass(frozen=True)
 class FunctionTask:
-    """A Python function to test. `program` runs in the sandbox; `trusted_prelude` + `test` in the checker.
+    """Functions to test. The candidate runs in the sandbox; `trusted_prelude` + `test` in the checker.
 
-    `test` must define `check(candidate)`; `trusted_prelude` holds helpers the test uses (for
-    HumanEval, the prompt, so `poly` or `encode_cyclic` are the task's, not the candidate's).
+    `test` must define `check(candidate)`, called with the function `entry_point`; it may call
+    `function("name")` for others. `trusted_prelude` holds helpers the test uses (for HumanEval,
+    the prompt, so `poly` or `encode_cyclic` are the task's, not the candidate's).
+
+    language "python": the candidate is `program` (one source; may be empty) and `files` (a
+    package written under the sandbox's work dir: `entry_point` and the names the test asks for
+    are dotted, `pkg.mod.func`). language "c": `program` is the driver (`harness_wire.c_driver`,
+    trusted text that only marshals) and `files` the candidate's C sources and headers; they
+    are compiled together in the sandbox (`C_BUILD`), so a candidate that does not compile fails.
     """
 
     program: str
@@ -182,6 +222,17 @@ class FunctionTask:
     test: str
     trusted_prelude: str = ""
     name: str = field(default="task")
+    files: tuple[tuple[str, str], ...] = ()
+    language: str = "python"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "files", tuple((str(p), str(t)) for p, t in self.files))
+        if self.language not in ("python", "c"):
+            raise ValueError(f"FunctionTask.language: python or c (got {self.language!r})")
+        for path, _ in self.files:
+            parts = path.split("/")
+            if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or path == C_DRIVER_FILE:
+                raise ValueError(f"FunctionTask.files: bad path {path!r} (relative, no '..', not {C_DRIVER_FILE})")
 
     @classmethod
     def humaneval(cls, problem: dict, completion: str) -> FunctionTask:
@@ -193,6 +244,26 @@ class FunctionTask:
             name=problem["task_id"],
         )
 
+    def load_payload(self) -> str | dict:
+        """What the harness's `load` line carries (pyharness.py)."""
+        if self.language == "c":
+            sources = " ".join(shlex.quote(p) for p, _ in self.files if p.endswith(".c"))
+            build = C_BUILD.format(driver=C_DRIVER_FILE, sources=sources)
+            return {"files": [[C_DRIVER_FILE, self.program], *map(list, self.files)], "exec": ["sh", "-c", build]}
+        if not self.files:
+            return self.program
+        module = self.entry_point.rpartition(".")[0]
+        return {
+            "files": [list(f) for f in self.files],
+            "main": self.program or None,
+            "imports": [module] if module else [],
+        }
+
+
+#: where a C task's driver is written, and how it is built with the candidate's sources and run
+#: (diagnostics to stderr; the program to /tmp, which the candidate's files cannot shadow)
+C_DRIVER_FILE = "judge_driver.c"
+C_BUILD = "gcc -std=gnu11 -O1 -w -o /tmp/judge_prog {driver} {sources} -lm 1>&2 && exec /tmp/judge_prog"
 
 # -S: no site module, ~4 ms less per judged program; the harness puts dist-packages on sys.path itself.
 _HARNESS_COMMAND = ("python3", "-S", "-B")
@@ -237,6 +308,12 @@ def start_checker(limits: Limits | None = None) -> Session:
     return ProcessSession(argv, limits, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"})
 
 
+def _refuse_exposed(backend: Backend) -> None:
+    why = task_data_exposed(backend)
+    if why is not None:
+        raise JudgeError(why)
+
+
 def _send(session: Session, verb: str, value: Any) -> None:
     session.send(verb.encode() + b" " + marshal.dumps(value).hex().encode() + b"\n")
 
@@ -265,6 +342,7 @@ def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None =
     harness sandbox and a checker started ahead, so the judgement does not wait for them to start.
     """
     t0 = time.monotonic()
+    _refuse_exposed(backend)
     limits = limits or HARNESS_LIMITS
     use_warm = warm is not None and warm.backend is backend and warm.limits == limits
     checker = warm.take_checker() if use_warm else start_checker(limits)
@@ -287,7 +365,7 @@ def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None =
         s = warm.take() if use_warm else start_harness(backend, limits)
         try:
             s.restart_clock(max(0.0, deadline - time.monotonic()))
-            s.send(load_request(task.program))
+            s.send(load_request(task.load_payload()))
             reason = _drive(s, checker, task, deadline, limits)
             # Done with the candidate: the driver exits at once (no interpreter shutdown); one that
             # does not (the candidate took over the channel) is killed within _EXIT_GRACE_S.
@@ -302,6 +380,9 @@ def judge_function(backend: Backend, task: FunctionTask, limits: Limits | None =
     finally:
         checker.kill()
         checker.finish()
+    if reason == _NO_START and task.language == "c":
+        tail = result.stderr.decode("utf-8", "replace").strip()[-300:]
+        reason = f"candidate does not build or start ({result.status})" + (f": {tail}" if tail else "")
     return Verdict(reason == "passed", reason, result=result, wall_s=time.monotonic() - t0)
 
 
@@ -317,6 +398,9 @@ def _checker_end(checker: Session) -> str:
     return f"the test's process ended ({res.status})" + (f": {tail}" if tail else "")
 
 
+_NO_START = "candidate did not start the harness"
+
+
 def _drive(session: Session, checker: Session, task: FunctionTask, deadline: float, limits: Limits) -> str:
     """Relay the checker's calls to the candidate and the candidate's checked answers back."""
     hello = session.read_line(timeout_s=max(0.0, deadline - time.monotonic()))
@@ -327,7 +411,7 @@ def _drive(session: Session, checker: Session, task: FunctionTask, deadline: flo
     if not isinstance(msg, dict) or msg.get("ready") is not True:
         if isinstance(msg, dict) and "load_error" in msg:
             return f"candidate does not load: {str(msg['load_error'])[:200]}"
-        return "candidate did not start the harness"
+        return _NO_START
     broken: str | None = None
     rid = 0
     while True:
@@ -341,11 +425,14 @@ def _drive(session: Session, checker: Session, task: FunctionTask, deadline: flo
             return f"failed: {broken}" if broken and value == "passed" else str(value)
         if verb == "judge_error":
             raise JudgeError(str(value))
-        if verb != "call" or not isinstance(value, list):
+        if verb != "call" or not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)):
             raise JudgeError(f"the checker sent {verb} where a call or its verdict belongs")
+        fn, args = value
+        if not valid_name(fn, task.language):
+            raise JudgeError(f"{task.name}: the test calls {fn!r}, which is no function name")
         if broken is None:
             try:
-                line = request(rid, task.entry_point, value)
+                line = request(rid, fn, args, task.language)
             except CodecError as exc:
                 raise JudgeError(f"{task.name}: test passes a non-plain argument: {exc}") from None
             session.send(line)

@@ -15,14 +15,17 @@ test loads (the test's prints go to stderr). Lines both ways are `<verb> <hex of
                        abort REASON     no usable answer (timeout, exit, garbage): the test fails
     checker -> judge:  ready            the test loaded and defines check()
                        judge_error MSG  the test itself is broken (not the candidate's fault)
-                       call ARGS        call the candidate with these positional arguments
+                       call [NAME, ARGS] call the candidate's function NAME with these positional arguments
                        done REASON      "passed", or "failed: ..."
 
-Values arrive here as plain data the judge decoded from the candidate's answer and rebuilt, never
-the candidate's objects. An exception of the candidate's becomes a `CandidateError` (also an
-instance of the builtin type it names, so `except ValueError` in a test works), except the
-iteration protocol's StopIteration and StopAsyncIteration, which become a plain CandidateError:
-a candidate raising StopIteration must not end `all(map(candidate, cases))` early as a pass.
+The test's `check(candidate)` gets the task's entry point as `candidate`; it may also call
+`function("name")` (in its namespace) for another function of the candidate's: `pkg.mod.func`
+of a Python package, `func` of a C library. Values arrive here as plain data the judge decoded
+from the candidate's answer and rebuilt, never the candidate's objects. An exception of the
+candidate's becomes a `CandidateError` (also an instance of the builtin type it names, so
+`except ValueError` in a test works), except the iteration protocol's StopIteration and
+StopAsyncIteration, which become a plain CandidateError: a candidate raising StopIteration
+must not end `all(map(candidate, cases))` early as a pass.
 The judge decides the verdict (a test that swallows an abort still fails); this only reports.
 Imports nothing but built-in modules: it starts in a few milliseconds, and `warm` starts it ahead.
 """
@@ -86,27 +89,39 @@ def _parse(line: bytes):
     return verb.decode(), marshal.loads(bytes.fromhex(payload.decode()))
 
 
-class _Proxy:
+class _Channel:
+    """The calls of every proxy go one at a time over the judge's channel; one abort ends them all."""
+
     def __init__(self, send, recv):
-        self._send, self._recv = send, recv
+        self.send, self.recv = send, recv
         self.aborted = None
 
+
+class _Proxy:
+    def __init__(self, channel: _Channel, name: str):
+        self._channel, self._name = channel, name
+
+    @property
+    def aborted(self):
+        return self._channel.aborted
+
     def __call__(self, *args, **kwargs):
-        if self.aborted is not None:
-            raise _Abort(self.aborted)
+        ch = self._channel
+        if ch.aborted is not None:
+            raise _Abort(ch.aborted)
         if kwargs:
             raise _Broken("keyword arguments are not supported by the function harness")
         try:
-            self._send(_line("call", list(args)))
+            ch.send(_line("call", [self._name, list(args)]))
         except ValueError as exc:  # marshal refuses what is not plain data
             raise _Broken(f"test passes a non-plain argument: {exc}") from None
-        verb, payload = _parse(self._recv())
+        verb, payload = _parse(ch.recv())
         if verb == "value":
             return payload
         if verb == "raise":
             raise candidate_error(str(payload[0]), str(payload[1]))
-        self.aborted = str(payload)
-        raise _Abort(self.aborted)
+        ch.aborted = str(payload)
+        raise _Abort(ch.aborted)
 
 
 def _verdict(check, proxy) -> str:
@@ -163,9 +178,12 @@ def main() -> None:
     if not callable(check):
         chan_out.write(_line("judge_error", f"{name}: the test code defines no check(candidate)"))
         _exit(0)
+    channel = _Channel(chan_out.write, recv)
+    proxy = _Proxy(channel, task["entry_point"])
+    if task["entry_point"].isidentifier():
+        namespace[task["entry_point"]] = proxy
+    namespace.setdefault("function", lambda name: _Proxy(channel, str(name)))
     chan_out.write(_line("ready", True))
-    proxy = _Proxy(chan_out.write, recv)
-    namespace[task["entry_point"]] = proxy
     try:
         reason = _verdict(check, proxy)
     except _Broken as exc:

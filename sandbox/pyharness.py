@@ -1,4 +1,4 @@
-"""Function-call harness for judging Python candidates: a value codec and the in-sandbox driver.
+"""Function-call harness for judging candidates: a value codec and the in-sandbox driver.
 
 This file is copied into the sandbox and run there as
 
@@ -7,13 +7,22 @@ This file is copied into the sandbox and run there as
 so it stays small and imports only built-in modules (json alone would add ~5 ms to every
 judged program, and so would `site`). The judge (hpcrl.sandbox.judge) imports `encode`.
 
-The judge first sends `load <hex of marshal(source)>`: the candidate arrives on the channel,
-so a harness sandbox can be started before the candidate is known (see `warm.py`); the
-driver answers `ready` or `load_error`. Then requests (judge -> sandbox, trusted) are
-`<id> <function> <hex of marshal(args)>` lines, and `exit` ends the program at once (status 0).
-Answers (sandbox -> judge, untrusted) are JSON lines written by a small encoder here and
-parsed in the judge by `json` plus `judge.decode`, which accepts tagged plain types only (None,
-bool, int, float, str, bytes, complex, list, tuple, dict, set, frozenset): whatever the
+The judge first sends `load <hex of marshal(payload)>`: the candidate arrives on the channel,
+so a harness sandbox can be started before the candidate is known (see `warm.py`). The payload
+is the candidate's source (one Python file, run as a module of its own), or a mapping:
+
+    {"files": [[path, text], ...],   written under /work (the driver's directory, on sys.path)
+     "main": source or None,         run as the single-file candidate is
+     "imports": [module, ...],       imported now, so a package that does not load says so
+     "exec": argv or None}           instead of serving calls here: run argv (a compiled
+                                     driver, harness_wire.c_driver) on the channel
+
+The driver answers `ready` or `load_error`. Then requests (judge -> sandbox, trusted) are
+`<id> <function> <hex of marshal(args)>` lines, the function a name the candidate's source
+defines or a dotted `package.module.function` of its files, and `exit` ends the program at once
+(status 0). Answers (sandbox -> judge, untrusted) are JSON lines written by a small encoder here
+and parsed in the judge by `json` plus `judge.decode`, which accepts tagged plain types only
+(None, bool, int, float, str, bytes, complex, list, tuple, dict, set, frozenset): whatever the
 candidate returns, the judge gets a freshly built plain value, never the candidate's object,
 so an overridden `__eq__` or `__repr__` cannot reach the comparison.
 
@@ -104,6 +113,27 @@ def _add_packages() -> None:
             sys.path.append(d)
 
 
+def _write_files(files) -> None:
+    for path, text in files:
+        parts = path.split("/")
+        if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"bad path {path!r}")
+        if len(parts) > 1:
+            os.makedirs("/".join(parts[:-1]), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
+    sys.path_importer_cache.clear()  # the directory's listing changed since start-up
+
+
+def _function(namespace: dict, name: str):
+    """The candidate's function `name`: a top-level name of its source, or `pkg.mod.func`."""
+    if "." not in name:
+        return namespace.get(name)
+    module, _, attr = name.rpartition(".")
+    __import__(module)
+    return getattr(sys.modules[module], attr, None)
+
+
 def _serve() -> None:
     _exit = os._exit
     chan_in = os.fdopen(os.dup(0), "rb")
@@ -120,18 +150,29 @@ def _serve() -> None:
     # The candidate arrives on the channel, so this sandbox can be started before it is known.
     first = chan_in.readline().split()
     if len(first) != 2 or first[0] != b"load":
-        send({"fatal": "expected: load <hex of marshal(source)>"})
+        send({"fatal": "expected: load <hex of marshal(payload)>"})
         return
-    source = marshal.loads(bytes.fromhex(first[1].decode()))
-    path = "/work/candidate.py"
-    try:
-        with open(path, "w") as fh:  # for tracebacks with source lines; the work dir is the sandbox's
-            fh.write(source)
-    except OSError:
-        pass
+    payload = marshal.loads(bytes.fromhex(first[1].decode()))
+    if type(payload) is str:
+        payload = {"main": payload}
     namespace = {"__name__": "__candidate__", "__builtins__": __builtins__}
     try:
-        exec(compile(source, path, "exec"), namespace)  # inside the sandbox
+        _write_files(payload.get("files") or ())
+        if payload.get("exec"):
+            os.dup2(chan_in.fileno(), 0)  # nothing is buffered past the load line: the judge waits
+            os.dup2(chan_out.fileno(), 1)
+            os.execvp(payload["exec"][0], payload["exec"])
+        source = payload.get("main")
+        if source is not None:
+            path = "/work/candidate.py"
+            try:
+                with open(path, "w") as fh:  # for tracebacks with source lines; the work dir is the sandbox's
+                    fh.write(source)
+            except OSError:
+                pass
+            exec(compile(source, path, "exec"), namespace)  # inside the sandbox
+        for module in payload.get("imports") or ():
+            __import__(module)
     except BaseException as exc:  # a failing candidate is a result, reported as such
         send({"load_error": f"{type(exc).__name__}: {exc}"[:2000]})
         return
@@ -147,8 +188,8 @@ def _serve() -> None:
         except (ValueError, EOFError, TypeError) as exc:
             send({"fatal": f"bad request: {exc}"})
             return
-        func = namespace.get(fn)
         try:
+            func = _function(namespace, fn)
             if not callable(func):
                 raise NameError(f"name {fn!r} is not defined by the candidate")
             value = func(*args)

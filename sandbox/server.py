@@ -10,7 +10,7 @@ Requests (envelopes with an id; body -> reply kind and body):
 
     exec            ExecSpec.to_wire()                            -> result   ExecResult.to_wire()
     judge_io        {language, files, cases, limits, stop_on_fail} -> verdict  Verdict.to_wire()
-    judge_function  {program, entry_point, test, trusted_prelude, name, limits} -> verdict
+    judge_function  {program, entry_point, test, trusted_prelude, name, limits, files?, language?} -> verdict
     info            {}                                            -> info {backend, languages, slots, queue, ...}
     session         {op, session?, ...} (hpcrl.sandbox.session)  -> session {ok, error?, ...}
 
@@ -137,9 +137,13 @@ def _job(
                 test=str(body["test"]),
                 trusted_prelude=str(body.get("trusted_prelude", "")),
                 name=str(body.get("name", "task")),
+                files=tuple((str(p), str(t)) for p, t in body.get("files") or ()),
+                language=str(body.get("language", "python")),
             )
         except KeyError as exc:
             raise ValueError(f"judge_function: missing {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"judge_function: {exc}") from None
         limits = _limits(body.get("limits"))
         within(limits or judge.HARNESS_LIMITS, "limits")
         return lambda backend: (

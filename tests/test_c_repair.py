@@ -1,7 +1,8 @@
 """`c-repair` (issue 14 part 4c): small C projects with a build step on a real sandbox session.
 
 Compile errors reach the model as observations; every project's seeded bug fails the hidden
-tests and its fix passes them; a library that exits 0 from a constructor does not pass.
+tests and its fix passes them; a library that exits 0 from a constructor does not pass (the
+adversarial corpus, tests/test_reward_forgery.py, holds the other attempts).
 Needs bubblewrap, root and gcc (skips without, fails with HPCRL_REQUIRE_SANDBOX=1).
 """
 
@@ -17,43 +18,12 @@ from conftest import require_bwrap, sandbox_client, session_server
 UID = 61460  # apart from the other sandbox tests' slot uids
 SESSION_DIR = "/var/tmp/hpcrl-sessions-ctest"
 
-FIXES = {
-    "sum-array": (
-        '#include "lib.h"\n\nint sum_array(const int *xs, int n) {\n    int s = 0;\n'
-        "    for (int i = 0; i < n; i++)\n        s += xs[i];\n    return s;\n}\n"
-    ),
-    "strrev": (
-        '#include <string.h>\n#include "lib.h"\n\nvoid str_reverse(char *s) {\n    size_t n = strlen(s);\n'
-        "    for (size_t i = 0; i < n / 2; i++) {\n        char t = s[i];\n        s[i] = s[n - 1 - i];\n"
-        "        s[n - 1 - i] = t;\n    }\n}\n"
-    ),
-    "max-index": (
-        '#include "lib.h"\n\nint max_index(const int *xs, int n) {\n    int best = 0;\n'
-        "    for (int i = 1; i < n; i++)\n        if (xs[i] > xs[best])\n            best = i;\n    return best;\n}\n"
-    ),
-    "count-words": (
-        '#include <ctype.h>\n#include "lib.h"\n\nint count_words(const char *s) {\n    int n = 0, in = 0;\n'
-        "    for (; *s; s++) {\n        if (isspace((unsigned char)*s))\n            in = 0;\n"
-        "        else if (!in) {\n            in = 1;\n            n++;\n        }\n    }\n    return n;\n}\n"
-    ),
-    "gcd": (
-        '#include "lib.h"\n\nint gcd(int a, int b) {\n    while (b != 0) {\n        int t = a % b;\n'
-        "        a = b;\n        b = t;\n    }\n    return a;\n}\n"
-    ),
-    "binsearch": (
-        '#include "lib.h"\n\nint bsearch_int(const int *xs, int n, int key) {\n    int lo = 0, hi = n - 1;\n'
-        "    while (lo <= hi) {\n        int mid = lo + (hi - lo) / 2;\n        if (xs[mid] == key)\n"
-        "            return mid;\n        if (xs[mid] < key)\n            lo = mid + 1;\n        else\n"
-        "            hi = mid - 1;\n    }\n    return -1;\n}\n"
-    ),
-}
-
 
 def test_the_family_is_registered_with_its_metadata():
     d = get_domain("c-repair")
-    assert d.size == len(C_PROBLEMS) == len(FIXES) and d.multi_step and d.languages == ("c",)
+    assert d.size == len(C_PROBLEMS) and d.multi_step and d.languages == ("c",)
     t = get_domain("c-repair/gcd").task(0)
-    assert "make test" in t.prompt and "CHECK(gcd(100, 75) == 25)" not in t.prompt
+    assert "make test" in t.prompt and "100, 75" not in t.prompt and t.data["hidden"] not in t.prompt
     with pytest.raises(DomainError, match="unknown problem 'nope'"):
         get_domain("c-repair/nope")
 
@@ -84,7 +54,7 @@ def test_a_compile_error_is_an_observation_and_the_fix_earns_1(run_dir):
         env.reset()
         obs, r, done, info = env.step("<run>make test</run>")
         assert not done and r == 0 and "error: expected ';'" in obs and info["feedback"].exit_code != 0, obs
-        fixed = FIXES["count-words"]
+        fixed = domain.problems[0].reference
         obs, r, done, info = env.step(f'<write path="src/lib.c">{fixed}</write><run>make test</run>')
         assert "all visible tests passed" in obs and info["feedback"].exit_code == 0, obs
         obs, r, done, info = env.step("<submit/>")
@@ -98,9 +68,9 @@ def test_every_seeded_bug_fails_the_hidden_tests_and_every_fix_passes(run_dir):
         for i, p in enumerate(domain.problems):
             r, fb = _submit(domain, i, ex)
             assert r == 0.0 and fb.message == "hidden tests failed", p.name
-            r, fb = _submit(domain, i, ex, [f'<write path="src/lib.c">{FIXES[p.name]}</write>'])
+            r, fb = _submit(domain, i, ex, [f'<write path="src/lib.c">{p.reference}</write>'])
             assert r == 1.0, (p.name, fb)
-        # A library that exits 0 (printing "ok") before main runs does not pass: no nonce.
+        # A library that exits 0 (printing "ok") before main runs does not pass: no answer reaches the checker.
         cheat = (
             "#include <stdio.h>\n#include <stdlib.h>\n__attribute__((constructor)) static void c(void) "
             '{ puts("ok"); exit(0); }\nint gcd(int a, int b) { return a; }\n'

@@ -18,8 +18,9 @@ from hpcrl.rl.domains import (
     load_domains,
     load_site_domain,
 )
+from hpcrl.rl.domains.base import EVAL_BASE
 from hpcrl.rl.domains.code import END_MARK, extract_code
-from hpcrl.rl.domains.problems import REPAIR_PROBLEMS, SYNTH_PROBLEMS
+from hpcrl.rl.domains.problems import REPAIR_HELDOUT, REPAIR_PROBLEMS, SYNTH_HELDOUT, SYNTH_PROBLEMS
 from hpcrl.rl.registry import DuplicateName, Registry, UnknownName
 
 
@@ -183,21 +184,51 @@ def test_synth_judges_by_stdin_stdout_and_gives_feedback(judge):
         assert not done and reward == 0.0
         fb = info["feedback"]
         assert fb.passed == 0 and fb.total == len(p.cases) and "expected" in fb.message and fb.status == "ok"
-        assert "tests passed" in obs and "Try again" in obs
+        assert "A test failed" in obs and "Try again" in obs
         obs, reward, done, info = env.step(f"```python\n{p.reference}```")
         assert done and reward == 1.0 and info["feedback"].all_passed, info["feedback"]
+        assert info["feedback"].total == len(p.hidden)  # the reward counts the hidden cases
 
 
-def test_synth_partial_credit_and_crash_status(judge):
+def test_synth_shows_feedback_cases_and_rewards_hidden_ones(judge):
     d = get_domain("synth/sum-two")
+    p = SYNTH_PROBLEMS[0]
     env = d.make_env(d.task(0), judge)
     env.reset()
-    # Right for "1 2" only: one of three cases.
-    _, _, _, info = env.step("print(3)\n")
-    assert (info["feedback"].passed, info["feedback"].total) == (1, 3)
+    # Right for "1 2" only: the first feedback case passes, the second fails and is shown.
+    obs, _, _, info = env.step("print(3)\n")
+    assert (info["feedback"].passed, info["feedback"].total) == (1, len(p.cases))
+    assert repr(p.cases[1][0]) in obs and repr(p.cases[1][1]) in obs
+    # A program written for the shown cases passes them; the hidden ones decide, never shown.
+    lookup = "print({'1 2': 3, '-5 5': 0, '100 23': 123}.get(input().strip(), 15))\n"
+    env = d.make_env(d.task(0), judge)
+    env.reset()
+    obs, reward, done, info = env.step(lookup)
+    assert not done and reward == 0.0 and "The shown tests pass; a hidden test fails" in obs, obs
+    assert not any(i.strip() in obs or o.strip() in obs for i, o in p.hidden), obs
+    _, reward, done, info = env.step(lookup)  # the last turn: partial credit on the hidden cases
+    assert done and reward == pytest.approx(1 / len(p.hidden)) and info["feedback"].total == len(p.hidden)
+    env = d.make_env(d.task(0), judge)
+    env.reset()
+    env.step("print(3)\n")
     _, reward, done, info = env.step("raise SystemExit(3)\n")
     assert done and reward == 0.0  # two turns, both wrong
     assert info["feedback"].status == "error" and info["feedback"].exit_code == 3
+
+
+def test_code_domains_keep_held_out_problems_for_evaluation():
+    for family, train, held in (
+        ("synth", SYNTH_PROBLEMS, SYNTH_HELDOUT),
+        ("code-repair", REPAIR_PROBLEMS, REPAIR_HELDOUT),
+    ):
+        d = get_domain(family)
+        assert d.has_heldout and d.heldout_size == len(held) and not {p.name for p in train} & {p.name for p in held}
+        seen = {d.task(i).data["problem"] for i in range(5 * len(train))}
+        assert seen == {p.name for p in train}  # training indices never reach a held-out problem
+        assert [d.task(i).data["problem"] for i in d.eval_indices()] == [p.name for p in held]
+        assert d.eval_indices()[0] == EVAL_BASE
+        one = get_domain(f"{family}/{held[0].name}")  # a held-out problem by name: a domain of its own
+        assert one.task(0).data["problem"] == held[0].name and not one.has_heldout
 
 
 def test_code_repair_shows_the_real_failure_then_accepts_a_fix(judge):

@@ -53,8 +53,10 @@ def test_every_domain_has_eval_indices_training_does_not_reach():
     arith = get_domain("arith/max2")  # every index its own task: fresh instances from EVAL_BASE on
     assert arith.has_heldout and arith.eval_indices(3) == [EVAL_BASE, EVAL_BASE + 1, EVAL_BASE + 2]
     assert len(arith.eval_indices()) == 100
-    repair = get_domain("code-repair")  # a short list and no split: its training tasks, and it says so
-    assert not repair.has_heldout and len(repair.eval_indices()) == len(repair.problems)
+    repair = get_domain("code-repair")  # held-out problems of its own
+    assert repair.has_heldout and len(repair.eval_indices()) == repair.heldout_size
+    session = get_domain("session-repair")  # a short list and no split: its training tasks, and it says so
+    assert not session.has_heldout and len(session.eval_indices()) == session.size
     he = get_domain("humaneval")
     assert he.has_heldout and len(he.eval_indices()) == he.heldout_size and len(he.eval_indices(5)) == 5
     assert he.for_eval().turns == 1 and he.turns == 2  # pass@k is one attempt per sample
@@ -72,16 +74,18 @@ def test_evaluate_counts_a_sample_correct_when_its_reward_reaches_1(policy):
         return 1.0 if int(task.id) % 2 == 0 else 0.5
 
     dom = PromptDomain("parity", prompts, reward=by_task, max_tokens=2)
-    r = evaluate(policy, dom, None, ks=(1, 2), samples=3, version=7)
+    with pytest.raises(EvalError, match="keeps no held-out tasks: evaluating it would reuse its training tasks"):
+        evaluate(policy, dom, None, ks=(1, 2), samples=3, version=7)
+    r = evaluate(policy, dom, None, ks=(1, 2), samples=3, version=7, allow_train=True)
     assert (r.tasks, r.samples, r.version, r.heldout) == (6, 3, 7, False)
     assert r.pass_at == {1: pytest.approx(0.5), 2: pytest.approx(0.5)}
     assert r.to_json() == {"domain": "parity", "version": 7, "n": 3, "pass@1": 0.5, "pass@2": 0.5}
     assert r.metrics() == {"eval/parity/pass@1": 0.5, "eval/parity/pass@2": 0.5, "eval/parity/version": 7}
     with pytest.raises(EvalError, match="k=4 needs at least that many samples"):
-        evaluate(policy, dom, None, ks=(4,), samples=3)
+        evaluate(policy, dom, None, ks=(4,), samples=3, allow_train=True)
     # a prompt longer than the model's context (1024) cannot be answered: wrong samples, counted
     long = PromptDomain("long", [("q" * 1100, "x"), ("q", "x")], reward=lambda a, t, f: 1.0, max_tokens=2)
-    r = evaluate(policy, long, None, ks=(1,), samples=2)
+    r = evaluate(policy, long, None, ks=(1,), samples=2, allow_train=True)
     assert r.unfit == 2 and r.pass_at == {1: pytest.approx(0.5)}
 
 
@@ -113,6 +117,7 @@ def test_hpcrl_eval_text_and_errors(run_dir, capsys):
         (["--domain", "arith/max2", "--version", "9"], "no published weights of version 9; kept: [3]"),
         (["--domain", "arith/max2", "--k", "1,5", "--n", "2"], "--k 5 is more than --n 2"),
         (["--domain", "arith/max2", "--k", "0"], "--k '0': give positive integers"),
+        (["--domain", "session-repair"], "keeps no held-out tasks: evaluating it would reuse its training tasks"),
     ]
     for args, message in bad:
         assert main(["eval", str(run_dir), *args]) == 2, args
@@ -137,6 +142,12 @@ def test_periodic_evaluator_waits_for_the_version_and_reports(run_dir, policy):
         assert ev.results() == {}  # handed over once
     finally:
         ev.close()
+
+
+def test_periodic_evaluation_refuses_a_domain_without_held_out_tasks(run_dir):
+    cfg = load_config(None, [*TINY, "learner.eval.every_steps=2", "learner.eval.domains=[session-repair]"])
+    with pytest.raises(EvalError, match="learner.eval.domains: domain 'session-repair' keeps no held-out tasks"):
+        PeriodicEvaluator(run_dir, cfg.learner.eval, cfg.policy, lambda: None)
 
 
 @pytest.mark.slow

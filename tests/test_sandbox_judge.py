@@ -141,6 +141,7 @@ def test_a_candidate_that_steals_the_channel_fails_within_its_wall_limit(backend
                     pass
         threading.Thread(target=steal, daemon=True).start()
         def add(a, b):
+            steal()  # and in the calling thread too: which reader a request wakes is the kernel's choice
             return a + b
     """)
     t0 = time.monotonic()
@@ -303,3 +304,24 @@ def test_the_wall_limit_counts_from_when_a_spare_is_taken(backend):
         t0 = time.monotonic()
         v = judge_function(backend, add_task("def add(a, b):\n    while True: pass\n"), limits, warm=warm)
         assert not v.passed and time.monotonic() - t0 < 4
+
+
+# -- the task data must not be in the sandbox's view ----------------------------------------------
+
+
+def test_the_judge_refuses_when_hpcrl_lies_where_the_bwrap_sandbox_can_read_it(monkeypatch):
+    from hpcrl.sandbox import judge
+
+    class Bwrap:
+        name = "bwrap"
+
+    monkeypatch.setattr(judge, "_exposure", [])
+    assert judge.task_data_exposed(Bwrap()) is None  # this checkout: outside /usr and /lib
+    monkeypatch.setattr(judge, "_exposure", [])
+    monkeypatch.setattr(judge, "__file__", "/usr/local/lib/python3.11/dist-packages/hpcrl/sandbox/judge.py")
+    why = judge.task_data_exposed(Bwrap())
+    assert why and "under /usr" in why and "hidden tests are readable" in why
+    with pytest.raises(JudgeError, match="under /usr"):
+        judge_function(Bwrap(), add_task("def add(a, b):\n    return a + b\n"))
+    monkeypatch.setattr(judge, "_exposure", [])
+    assert judge.task_data_exposed(type("Apptainer", (), {"name": "apptainer"})()) is None

@@ -15,6 +15,7 @@ import pytest
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig, load_config
 from hpcrl.rl.domains import DomainError, get_domain
 from hpcrl.rl.domains.session_env import SessionEnv, SessionRepairDomain
+from hpcrl.rl.domains.session_tasks import SESSION_PROBLEMS
 from hpcrl.rl.domains.toolcalls import MAX_CALLS, ListFiles, Read, Run, Submit, Write, parse_action
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.policy import Policy
@@ -117,31 +118,7 @@ def executor(run_dir: Path):
     return sandbox_client(run_dir)
 
 
-FIXES = {
-    "median": (
-        "stats/core.py",
-        "def mean(xs):\n    return sum(xs) / len(xs)\n\n\ndef median(xs):\n    xs = sorted(xs)\n    n = len(xs)\n"
-        "    mid = n // 2\n    if n % 2:\n        return xs[mid]\n    return (xs[mid - 1] + xs[mid]) / 2\n",
-    ),
-    "slugify": ("textkit/slug.py", 'def slugify(s):\n    return "-".join(s.lower().split())\n'),
-    "cart-total": (
-        "shop/cart.py",
-        "from shop.prices import PRICES\n\n\ndef total(items):\n"
-        "    return sum(PRICES[name] * qty for name, qty in items)\n",
-    ),
-    "merge-intervals": (
-        "geom/intervals.py",
-        "def merge(intervals):\n    out = []\n    for lo, hi in sorted(intervals):\n"
-        "        if out and lo <= out[-1][1]:\n            out[-1] = (out[-1][0], max(out[-1][1], hi))\n"
-        "        else:\n            out.append((lo, hi))\n    return out\n",
-    ),
-    "rle": (
-        "codec/rle.py",
-        "import re\n\n\ndef encode(s):\n"
-        "    return ''.join(f'{len(m.group(0))}{m.group(1)}' for m in re.finditer(r'(.)\\1*', s))\n"
-        "\n\ndef decode(s):\n    return ''.join(c * int(n) for n, c in re.findall(r'(\\d+)(\\D)', s))\n",
-    ),
-}
+FIXES = {p.name: p.reference[0] for p in SESSION_PROBLEMS}
 VISIBLE = "<run>python3 -m unittest -q</run>"
 
 
@@ -175,7 +152,7 @@ def test_the_buggy_code_or_a_cheat_gets_reward_0_and_never_sees_hidden_values(bw
         assert (obs, r, done) == ("", 0.0, True) and info["feedback"].passed == 0
         assert info["feedback"].message == "hidden tests failed"
         assert not any(v in info["feedback"].message for v in hidden_values)
-        # Exiting 0 at import, before the checks run, does not pass: the nonce is missing.
+        # Exiting 0 at import, before the checks run, does not pass: no answer reaches the checker.
         env = domain.make_env(domain.task(0), ex)
         env.reset()
         cheat = "import os\nprint('ok')\nos._exit(0)\n"

@@ -9,7 +9,9 @@ The policy is the run's own (config.resolved.yaml) with the weights it published
 project's generation engine on this machine's CPU, and code domains are judged in a local
 sandbox (the run's sandbox config, on slot uids after its servers', so a live run is not
 disturbed). `n` is the number of samples per task; pass@k is the unbiased estimator over them
-(rl/evaluate.py). Tasks are the domain's held-out split (rl/domains/base.py `eval_indices`).
+(rl/evaluate.py). Tasks are the domain's held-out split (rl/domains/base.py `eval_indices`);
+a domain without one is refused, unless --train-tasks asks for its training tasks (the output
+then says so).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, help="samples per task (default: the largest k)")
     p.add_argument("--tasks", type=int, help="evaluate at most this many held-out tasks (default: all, or 100)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--train-tasks",
+        action="store_true",
+        help="evaluate a domain that keeps no held-out tasks on its training tasks (labelled as such)",
+    )
     p.add_argument("--json", action="store_true", help='print {"domain", "version", "n", "pass@K"...} as JSON')
     p.set_defaults(func=run)
 
@@ -84,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         policy, version = load_run_policy(run_dir, cfg.policy, args.version, seed=cfg.experiment.seed)
         result = evaluate(
             policy, domain, judge, ks, samples=samples, tasks=args.tasks, version=version, seed=args.seed,
-            gen_cfg=cfg.generators,
+            gen_cfg=cfg.generators, allow_train=args.train_tasks,
         )  # fmt: skip
     except EvalError as exc:
         raise UsageError(str(exc)) from None
@@ -100,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
         return 0
     scores = "  ".join(f"pass@{k} {v:.3f}" for k, v in sorted(result.pass_at.items()))
+    which = "" if result.heldout else " TRAINING"
     print(
-        f"{result.domain} version {result.version}: {result.tasks} tasks x {result.samples} samples: {scores} "
+        f"{result.domain} version {result.version}: {result.tasks}{which} tasks x {result.samples} samples: {scores} "
         f"({result.wall_s:.1f} s)"
     )
     return 0

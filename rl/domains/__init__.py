@@ -23,7 +23,9 @@ family; `code` the single-shot code domains (synth, code-repair) and their sandb
 held-out split); `toolcalls` the tool-call syntax of session episodes, `session_env`
 the environment that runs those calls on a sandbox session (session-repair), `session_tasks`
 its projects with seeded bugs and hidden checks; `stdlib_repair` (+ `mutate`, `stdlib_build`) seeded bugs
-in standard-library modules judged by their own tests, `c_repair` small C projects with a build step.
+in standard-library modules judged by their own tests, with `confine` the static check of what a repaired
+module may contain; `c_repair` small C projects with a build step. How each code domain decides a pass,
+and what model-written code cannot do to it: docs/judging.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@
     obs, reward, done, info = env.step("8")   # StepResult, a NamedTuple
 
 Text in, text out: environments never see token ids, so one environment serves any tokenizer.
+
+The code domains also describe their tasks as tools see them (`hpcrl domains tasks|check`):
+`task_names()`, `named_task(name)`, the task's initial `workspace(task)` and a known-good fix
+`reference(task)` (both {path: text}), and `submit(task, files, executor)`, the check an
+episode's submission gets, on those files laid over the workspace.
 An episode may run many steps (write code, run the tests, read the errors, fix); the generator
 feeds each observation back to the model until `done`. `info` may carry `feedback`
 (`ExecFeedback`, what a sandbox run gave) and `truncation` (why the episode stopped early).
@@ -103,6 +108,35 @@ class Domain(abc.ABC):
 
     @abc.abstractmethod
     def make_env(self, task: Task, executor: Any = None) -> Environment: ...
+
+    # -- tasks as tools see them (the code domains; others have no workspace) --------------------
+    def task_names(self) -> list[str]:
+        """Every task by name, training and held-out ([]: tasks have no names of their own)."""
+        return []
+
+    def named_task(self, name: str) -> Task:
+        names = self.task_names()
+        if name not in names:
+            shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+            raise ValueError(f"{self.name}: no task {name!r}; tasks: {shown or 'none with names'}")
+        return self._named_task(names.index(name))
+
+    def _named_task(self, k: int) -> Task:
+        raise ValueError(f"{self.name}: tasks have no names")
+
+    def workspace(self, task: Task) -> dict[str, str]:
+        """The files the model starts from ({path: text}); for a domain where the model writes one
+        file, that file (empty, or the code to fix)."""
+        raise ValueError(f"{self.name}: no workspace (the model answers in text)")
+
+    def reference(self, task: Task) -> dict[str, str]:
+        """The workspace of a known-good fix: the files it changes, {path: text}."""
+        raise ValueError(f"{self.name}: no reference fix")
+
+    def submit(self, task: Task, files: dict[str, str], executor: Any) -> StepResult:
+        """The check a submission of `files` (laid over the workspace) gets, as an episode's last
+        step: (observation, reward, done, info with `feedback`, and `reason`, the judge's words)."""
+        raise ValueError(f"{self.name}: no submit check")
 
 
 class SingleTurnEnv(Environment):

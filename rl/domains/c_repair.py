@@ -9,21 +9,23 @@
 Each project is a library (`src/lib.c`, `src/lib.h`) with one seeded bug, a visible test driver
 (`tests/visible.c`) and a Makefile whose `test` target builds and runs it; gcc's diagnostics
 and the driver's failures are ordinary run output, so compile errors are part of the loop.
-Submit compiles the model's `src/lib.c` with a hidden driver written under a fresh name (the
-model's own drivers, Makefile and headers play no part: the hidden driver declares the
-functions itself) and runs it; it passes only with exit 0 and a nonce read from stdin that
-the driver prints after its last check (so a library that calls exit(0) from a constructor or
-prints "ok" does not pass). Only the verdict reaches the model.
+Submit judges the model's `src/lib.c` outside the workspace, as code-repair judges a function
+(`judge_function`, docs/judging.md): the file is compiled in a fresh sandbox with the task's
+original header and a driver for the library's signatures (`harness_wire.c_driver`; the
+model's Makefile, headers and test drivers play no part), the hidden check runs in a checker
+process outside the sandbox, and each call it makes goes to the driver over a pipe and comes
+back as plain data. The expected values never enter the sandbox, so nothing the library does
+in its process (constructors, exit calls, prints, reading stdin or memory) can pass the check;
+only right answers can. Only the verdict reaches the model.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, StepResult, Task
-from hpcrl.rl.domains.session_env import SessionEnv
+from hpcrl.rl.domains.base import ActionSpec, Environment, StepResult, Task
+from hpcrl.rl.domains.session_env import SessionDomain, SessionEnv
 from hpcrl.rl.domains.toolcalls import SYNTAX
 
 __all__ = ["C_PROBLEMS", "CProblem", "CRepairDomain", "make_c_repair"]
@@ -38,24 +40,6 @@ test: tests/visible.c src/lib.c src/lib.h
 \t./visible
 """
 
-# The hidden driver's frame: CHECK counts failures without printing expected values; the nonce
-# comes on stdin, read before any check runs.
-HIDDEN_MAIN = """\
-#include <stdio.h>
-#include <string.h>
-{decls}
-static int failed = 0;
-#define CHECK(cond) do {{ if (!(cond)) failed++; }} while (0)
-int main(void) {{
-    char nonce[64] = {{0}};
-    if (!fgets(nonce, sizeof nonce, stdin)) return 3;
-{body}
-    if (failed) {{ printf("%d hidden checks failed\\n", failed); return 1; }}
-    fputs(nonce, stdout);
-    return 0;
-}}
-"""
-
 
 @dataclass(frozen=True)
 class CProblem:
@@ -64,8 +48,15 @@ class CProblem:
     header: str  # src/lib.h
     source: str  # src/lib.c, with the bug
     visible: str  # tests/visible.c
-    decls: str  # the hidden driver's own declarations of the library's functions
-    hidden: str  # the hidden driver's CHECK lines
+    signatures: tuple[str, ...]  # the library's functions for the judge's driver (harness_wire.parse_signature)
+    hidden: str  # def check(candidate): ..., the hidden tests, run by the judge (candidate: the first signature)
+    reference: str  # src/lib.c fixed
+
+    @property
+    def entry_point(self) -> str:
+        from hpcrl.sandbox.harness_wire import parse_signature
+
+        return parse_signature(self.signatures[0])[1]
 
 
 def _visible(include: str, body: str) -> str:
@@ -87,9 +78,11 @@ C_PROBLEMS: tuple[CProblem, ...] = (
         '#include "lib.h"\n\nint sum_array(const int *xs, int n) {\n    int s = 0;\n'
         "    for (int i = 1; i < n; i++)\n        s += xs[i];\n    return s;\n}\n",
         _visible("", "    int a[] = {4, 5, 6};\n    EXPECT(sum_array(a, 3) == 15);\n"),
-        "int sum_array(const int *xs, int n);",
-        "    int a[] = {7, -2, 9, 1}; CHECK(sum_array(a, 4) == 15);\n    CHECK(sum_array(a, 0) == 0);\n"
-        "    CHECK(sum_array(a, 1) == 7);\n",
+        ("int sum_array(int[] xs, int n)",),
+        "def check(candidate):\n    a = [7, -2, 9, 1]\n    assert candidate(a, 4) == 15\n"
+        "    assert candidate(a, 0) == 0\n    assert candidate(a, 1) == 7\n",
+        '#include "lib.h"\n\nint sum_array(const int *xs, int n) {\n    int s = 0;\n'
+        "    for (int i = 0; i < n; i++)\n        s += xs[i];\n    return s;\n}\n",
     ),
     CProblem(
         "strrev",
@@ -99,10 +92,12 @@ C_PROBLEMS: tuple[CProblem, ...] = (
         "    for (size_t i = 0; i < n; i++) {\n        char t = s[i];\n        s[i] = s[n - 1 - i];\n"
         "        s[n - 1 - i] = t;\n    }\n}\n",
         _visible("", '    char s[] = "abc";\n    str_reverse(s);\n    EXPECT(strcmp(s, "cba") == 0);\n'),
-        "void str_reverse(char *s);",
-        '    char a[] = "hello"; str_reverse(a); CHECK(strcmp(a, "olleh") == 0);\n'
-        '    char b[] = ""; str_reverse(b); CHECK(strcmp(b, "") == 0);\n'
-        '    char c[] = "ab"; str_reverse(c); CHECK(strcmp(c, "ba") == 0);\n',
+        ("void str_reverse(str s)",),
+        "def check(candidate):\n    assert candidate('hello') == ('olleh',)\n    assert candidate('') == ('',)\n"
+        "    assert candidate('ab') == ('ba',)\n",
+        '#include <string.h>\n#include "lib.h"\n\nvoid str_reverse(char *s) {\n    size_t n = strlen(s);\n'
+        "    for (size_t i = 0; i < n / 2; i++) {\n        char t = s[i];\n        s[i] = s[n - 1 - i];\n"
+        "        s[n - 1 - i] = t;\n    }\n}\n",
     ),
     CProblem(
         "max-index",
@@ -116,9 +111,12 @@ C_PROBLEMS: tuple[CProblem, ...] = (
             "    int a[] = {1, 9, 3};\n    EXPECT(max_index(a, 3) == 1);\n    int b[] = {5, 5};\n"
             "    EXPECT(max_index(b, 2) == 0);\n",
         ),
-        "int max_index(const int *xs, int n);",
-        "    int a[] = {-3, -1, -2}; CHECK(max_index(a, 3) == 1);\n"
-        "    int b[] = {2, 7, 7, 1}; CHECK(max_index(b, 4) == 1);\n    CHECK(max_index(a, 1) == 0);\n",
+        ("int max_index(int[] xs, int n)",),
+        "def check(candidate):\n    assert candidate([-3, -1, -2], 3) == 1\n"
+        "    assert candidate([2, 7, 7, 1], 4) == 1\n    assert candidate([-3, -1, -2], 1) == 0\n",
+        '#include "lib.h"\n\nint max_index(const int *xs, int n) {\n    int best = 0;\n'
+        "    for (int i = 1; i < n; i++)\n        if (xs[i] > xs[best])\n            best = i;\n"
+        "    return best;\n}\n",
     ),
     CProblem(
         "count-words",
@@ -128,9 +126,13 @@ C_PROBLEMS: tuple[CProblem, ...] = (
         "    for (; *s; s++) {\n        if (isspace((unsigned char)*s))\n            in = 0;\n"
         "        else if (!in)\n            in = 1;\n    }\n    return n\n}\n",
         _visible("", '    EXPECT(count_words("two words") == 2);\n'),
-        "int count_words(const char *s);",
-        '    CHECK(count_words("") == 0);\n    CHECK(count_words("  a  bc d ") == 3);\n'
-        '    CHECK(count_words("one") == 1);\n',
+        ("int count_words(str s)",),
+        "def check(candidate):\n    assert candidate('') == 0\n    assert candidate('  a  bc d ') == 3\n"
+        "    assert candidate('one') == 1\n",
+        '#include <ctype.h>\n#include "lib.h"\n\nint count_words(const char *s) {\n    int n = 0, in = 0;\n'
+        "    for (; *s; s++) {\n        if (isspace((unsigned char)*s))\n            in = 0;\n"
+        "        else if (!in) {\n            in = 1;\n            n++;\n        }\n    }\n    return n;\n"
+        "}\n",
     ),
     CProblem(
         "gcd",
@@ -139,9 +141,11 @@ C_PROBLEMS: tuple[CProblem, ...] = (
         '#include "lib.h"\n\nint gcd(int a, int b) {\n    while (b != 0) {\n        int t = a / b;\n'
         "        a = b;\n        b = t;\n    }\n    return a;\n}\n",
         _visible("", "    EXPECT(gcd(12, 18) == 6);\n"),
-        "int gcd(int a, int b);",
-        "    CHECK(gcd(17, 5) == 1);\n    CHECK(gcd(0, 9) == 9);\n    CHECK(gcd(0, 0) == 0);\n"
-        "    CHECK(gcd(100, 75) == 25);\n",
+        ("int gcd(int a, int b)",),
+        "def check(candidate):\n    assert candidate(17, 5) == 1\n    assert candidate(0, 9) == 9\n"
+        "    assert candidate(0, 0) == 0\n    assert candidate(100, 75) == 25\n",
+        '#include "lib.h"\n\nint gcd(int a, int b) {\n    while (b != 0) {\n        int t = a % b;\n'
+        "        a = b;\n        b = t;\n    }\n    return a;\n}\n",
     ),
     CProblem(
         "binsearch",
@@ -156,28 +160,41 @@ C_PROBLEMS: tuple[CProblem, ...] = (
             "    int a[] = {1, 3, 5, 7};\n    EXPECT(bsearch_int(a, 4, 5) == 2);\n"
             "    EXPECT(bsearch_int(a, 4, 4) == -1);\n",
         ),
-        "int bsearch_int(const int *xs, int n, int key);",
-        "    int a[] = {2, 4, 6, 8, 10}; CHECK(bsearch_int(a, 5, 10) == 4);\n    CHECK(bsearch_int(a, 5, 2) == 0);\n"
-        "    CHECK(bsearch_int(a, 1, 2) == 0);\n    CHECK(bsearch_int(a, 0, 2) == -1);\n"
-        "    CHECK(bsearch_int(a, 5, 7) == -1);\n",
+        ("int bsearch_int(int[] xs, int n, int key)",),
+        "def check(candidate):\n    a = [2, 4, 6, 8, 10]\n    assert candidate(a, 5, 10) == 4\n"
+        "    assert candidate(a, 5, 2) == 0\n    assert candidate(a, 1, 2) == 0\n"
+        "    assert candidate(a, 0, 2) == -1\n    assert candidate(a, 5, 7) == -1\n",
+        '#include "lib.h"\n\nint bsearch_int(const int *xs, int n, int key) {\n'
+        "    int lo = 0, hi = n - 1;\n    while (lo <= hi) {\n        int mid = lo + (hi - lo) / 2;\n"
+        "        if (xs[mid] == key)\n            return mid;\n        if (xs[mid] < key)\n"
+        "            lo = mid + 1;\n        else\n            hi = mid - 1;\n    }\n    return -1;\n}\n",
     ),
 )
 
 
 class CRepairEnv(SessionEnv):
-    """A session episode whose submit compiles src/lib.c with the hidden driver and runs it."""
+    """A session episode whose submit has the judge compile src/lib.c with its driver and call it."""
 
     language = "c"
 
     def _submit(self) -> StepResult:
-        d, tag = self.task.data, secrets.token_hex(8)
-        driver, prog = f".hidden_{tag}.c", f".hidden_{tag}"  # names the model cannot have taken
-        files = [(driver, HIDDEN_MAIN.format(decls=d["decls"], body=d["hidden"]))]
-        build = f"gcc -std=c11 -O1 -o {prog} {driver} src/lib.c -lm 2>/dev/null && exec ./{prog}"
-        return self._hidden_check(files, ["sh", "-c", build], self.run_timeout_s)
+        from hpcrl.sandbox.harness_wire import c_driver
+        from hpcrl.sandbox.judge import FunctionTask
+
+        self._step_calls.append("submit")
+        d = self.task.data
+        got = self._read(["src/lib.c"])
+        if isinstance(got, str):
+            return self._verdict(False, "error", -1, 0.0, "hidden tests failed", got)
+        files = (("lib.c", got["src/lib.c"]), ("lib.h", d["header"]))  # the task's header, not the model's
+        name = f"{self.task.domain}/{self.task.id}"
+        task = FunctionTask(
+            c_driver(d["signatures"]), d["entry_point"], d["hidden"], name=name, files=files, language="c"
+        )
+        return self._judged(task)
 
 
-class CRepairDomain(Domain):
+class CRepairDomain(SessionDomain):
     """`c-repair[/problem]`: fix a seeded bug in a small C library, build with make, hidden tests."""
 
     needs_executor = True
@@ -220,11 +237,28 @@ class CRepairDomain(Domain):
             "the submission.\n"
             f"Act with tool calls (up to 8 per message, {self.max_ops} in all): {SYNTAX}\n"
         )
-        data = {"files": [list(f) for f in files], "decls": p.decls, "hidden": p.hidden, "problem": p.name}
+        data = {
+            "files": [list(f) for f in files],
+            "header": p.header,
+            "signatures": list(p.signatures),
+            "entry_point": p.entry_point,
+            "hidden": p.hidden,
+            "problem": p.name,
+        }
         return Task(self.name, f"{p.name}-{index}", prompt, data)
 
     def make_env(self, task: Task, executor: Any = None) -> Environment:
         return CRepairEnv(task, executor, self.max_ops, self.run_timeout_s, self.client_timeout_s)
+
+    def task_names(self) -> list[str]:
+        return [p.name for p in self.problems]
+
+    def _named_task(self, k: int) -> Task:
+        return self.task(k)
+
+    def reference(self, task: Task) -> dict[str, str]:
+        p = next(p for p in self.problems if p.name == task.data["problem"])
+        return self.workspace(task) | {"src/lib.c": p.reference}
 
 
 def make_c_repair(variant: str | None) -> CRepairDomain:

@@ -3,10 +3,21 @@ buggy function until its unit tests pass). Both are multi-step: a failed attempt
 an observation carrying the sandbox's verdict (wrong output, the error, the failed assertion),
 and the model tries again, up to `turns` attempts.
 
+`synth` keeps what it shows apart from what it rewards: a failed turn's observation shows a
+failing *feedback* case (input, expected, got), and the reward is the share of *hidden* cases
+passed, cases no observation ever shows. A turn before the last runs the hidden cases to their
+first failure (all passing ends the episode), then the feedback cases to theirs, for the
+observation; the last turn runs every hidden case (partial credit). Both domains keep held-out problems
+for evaluation (`task(EVAL_BASE + j)`, problems.SYNTH_HELDOUT and REPAIR_HELDOUT) that
+training never samples.
+
     domain = get_domain("code-repair")            # every problem; or code-repair/wrong-compare
     env = domain.make_env(domain.task(3), executor=SandboxJudge(make_backend(cfg.sandbox)))
 
 The environments talk to a `CodeJudge`: two calls, each returning an `ExecFeedback`.
+For tools (`hpcrl domains check`) a task's workspace is the one file the model writes:
+`main.py` for synth (empty at first), `solution.py` for code-repair (the buggy function);
+`submit` judges it as the episode's last turn does.
 `SandboxJudge` adapts a local sandbox backend (hpcrl.sandbox.judge); a remote sandbox client
 fits the same protocol. The test code of a repair task runs in the judge, never next to the
 candidate, so a candidate cannot pass by printing "ok" or patching the test.
@@ -18,8 +29,15 @@ import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
-from hpcrl.rl.domains.problems import REPAIR_PROBLEMS, SYNTH_PROBLEMS, RepairProblem, SynthProblem
+from hpcrl.rl.domains.base import EVAL_BASE, ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
+from hpcrl.rl.domains.problems import (
+    REPAIR_HELDOUT,
+    REPAIR_PROBLEMS,
+    SYNTH_HELDOUT,
+    SYNTH_PROBLEMS,
+    RepairProblem,
+    SynthProblem,
+)
 from hpcrl.rl.domains.rewards import REWARDS
 
 __all__ = ["CodeJudge", "SandboxJudge", "SynthDomain", "RepairDomain", "extract_code", "make_synth", "make_repair"]
@@ -32,8 +50,11 @@ _MESSAGE_CHARS = 400
 class CodeJudge(Protocol):
     """What the code domains need from a sandbox."""
 
-    def judge_io(self, language: str, source: str, cases: Sequence[tuple[str, str]]) -> ExecFeedback:
-        """Run `source` once per (stdin, expected stdout) case; count the cases that match."""
+    def judge_io(
+        self, language: str, source: str, cases: Sequence[tuple[str, str]], stop_on_fail: bool = False
+    ) -> ExecFeedback:
+        """Run `source` once per (stdin, expected stdout) case; count the cases that match
+        (`stop_on_fail`: stop at the first that does not)."""
 
     def judge_function(self, program: str, entry_point: str, test: str, prelude: str = "") -> ExecFeedback:
         """Run `test`'s check(candidate) against `entry_point` defined by `program`; 1 of 1 when it
@@ -85,11 +106,13 @@ class SandboxJudge:
             self._io = lambda *a, **kw: judge.judge_io(sandbox, *a, **kw)
             self._fn = lambda *a, **kw: judge.judge_function(sandbox, *a, **kw)
 
-    def judge_io(self, language: str, source: str, cases: Sequence[tuple[str, str]]) -> ExecFeedback:
+    def judge_io(
+        self, language: str, source: str, cases: Sequence[tuple[str, str]], stop_on_fail: bool = False
+    ) -> ExecFeedback:
         from hpcrl.sandbox.judge import IOCase
 
         v = self._io(
-            language, source, [IOCase(i.encode(), o.encode()) for i, o in cases], self.limits, stop_on_fail=False
+            language, source, [IOCase(i.encode(), o.encode()) for i, o in cases], self.limits, stop_on_fail=stop_on_fail
         )
         passed = sum(c.passed for c in v.cases)
         failed = next((c for c in v.cases if not c.passed), None)
@@ -146,6 +169,11 @@ class _CodeEnv(Environment):
     def _judge(self, code: str) -> ExecFeedback:
         raise NotImplementedError
 
+    def final(self, code: str) -> tuple[float, ExecFeedback]:
+        """The reward and verdict of `code` as the episode's last turn scores it."""
+        fb = self._judge(code)
+        return self.reward(code, self.task, fb), fb
+
     def step(self, action: str) -> StepResult:
         if self.done:
             raise RuntimeError(f"{self.task.domain}/{self.task.id}: step() after the episode ended; call reset()")
@@ -165,8 +193,36 @@ class SynthEnv(_CodeEnv):
         return self.task.prompt
 
     def _judge(self, code: str) -> ExecFeedback:
-        cases = [tuple(c) for c in self.task.data["cases"]]
-        return self.judge.judge_io("python", code, cases)
+        """The hidden (reward) cases: their verdict names no case."""
+        hidden = [tuple(c) for c in self.task.data["hidden"]]
+        fb = self.judge.judge_io("python", code, hidden)
+        msg = "all hidden tests passed" if fb.all_passed else f"{fb.passed}/{fb.total} hidden tests passed"
+        return ExecFeedback(fb.passed, fb.total, fb.status, fb.exit_code, fb.duration_s, msg)
+
+    def step(self, action: str) -> StepResult:
+        if self.done:
+            raise RuntimeError(f"{self.task.domain}/{self.task.id}: step() after the episode ended; call reset()")
+        self.turn += 1
+        code = extract_code(action)
+        if self.turn >= self.turns:  # the last turn: every hidden case, for partial credit
+            fb = self._judge(code)
+            self.done = True
+            return StepResult("", self.reward(action, self.task, fb), True, {"feedback": fb, "turn": self.turn})
+        # Before it, to their first failure: the hidden cases decide whether the episode ends
+        # here; if not, the feedback cases give the observation a failing case to show.
+        hidden = self.judge.judge_io("python", code, [tuple(c) for c in self.task.data["hidden"]], stop_on_fail=True)
+        if hidden.all_passed:
+            self.done = True
+            fb = ExecFeedback(hidden.passed, hidden.total, hidden.status, hidden.exit_code, hidden.duration_s,
+                              "all hidden tests passed")  # fmt: skip
+            return StepResult("", self.reward(action, self.task, fb), True, {"feedback": fb, "turn": self.turn})
+        shown = self.judge.judge_io("python", code, [tuple(c) for c in self.task.data["cases"]], stop_on_fail=True)
+        if not shown.all_passed:  # the observation may show this case: it is not a reward case
+            obs = f"\n# A test failed: {shown.message}\n# Try again. End with {END_MARK}\n"
+            return StepResult(obs, 0.0, False, {"feedback": shown, "turn": self.turn})
+        fb = ExecFeedback(0, hidden.total, hidden.status, hidden.exit_code, hidden.duration_s, "a hidden test failed")
+        obs = f"\n# The shown tests pass; a hidden test fails.\n# Try again. End with {END_MARK}\n"
+        return StepResult(obs, 0.0, False, {"feedback": fb, "turn": self.turn})
 
 
 class RepairEnv(_CodeEnv):
@@ -186,50 +242,86 @@ class _ProblemDomain(Domain):
     languages = ("python",)
     action = ActionSpec(max_tokens=256, stop=(END_MARK,))
 
-    def __init__(self, family: str, problems: Sequence, variant: str | None, turns: int, reward: str):
-        names = [p.name for p in problems]
+    def __init__(
+        self, family: str, problems: Sequence, heldout: Sequence, variant: str | None, turns: int, reward: str
+    ):
+        names = [p.name for p in (*problems, *heldout)]
         if variant:
             if variant not in names:
                 raise ValueError(
                     f"{family}: unknown problem {variant!r}; problems: {', '.join(names)} (or no variant for all)"
                 )
-            problems = [p for p in problems if p.name == variant]
+            problems, heldout = [p for p in (*problems, *heldout) if p.name == variant], ()
         self.name = f"{family}/{variant}" if variant else family
-        self.problems = tuple(problems)
+        self.problems = tuple(problems)  # task(0, 1, ...) cycles through these
+        self.heldout = tuple(heldout)  # task(EVAL_BASE + j): evaluation only
+        # `size` stays None (the sampler's order for these predates it); the held-out problems
+        # are what evaluation sees (Domain.eval_indices), never the training ones.
+        self.heldout_size = len(self.heldout) or None
         self.turns, self.reward = turns, reward
         self.multi_step = turns > 1  # a failed program gets its feedback and another turn
 
-    # `size` stays None (the sampler's order for these predates it), but the list is short and
-    # all of it is trained on: evaluation sees the training problems, and says so.
     @property
     def has_heldout(self) -> bool:
-        return False
+        return bool(self.heldout)
 
     def eval_indices(self, n: int | None = None) -> list[int]:
-        return list(range(min(n, len(self.problems)) if n else len(self.problems)))
+        if self.heldout:
+            return super().eval_indices(n)
+        return list(range(min(n, len(self.problems)) if n else len(self.problems)))  # a one-problem variant
 
     def _problem(self, index: int):
         if index < 0:
             raise ValueError(f"{self.name}: task index must be >= 0 (got {index})")
+        if index >= EVAL_BASE and self.heldout:
+            return self.heldout[(index - EVAL_BASE) % len(self.heldout)]
         return self.problems[index % len(self.problems)]
+
+    # -- tasks as tools see them: one file ---------------------------------------------------------
+    #: the file the model writes, the whole workspace
+    workspace_file = "main.py"
+
+    def task_names(self) -> list[str]:
+        return [p.name for p in (*self.problems, *self.heldout)]
+
+    def _named_task(self, k: int) -> Task:
+        n = len(self.problems)
+        return self.task(k if k < n else EVAL_BASE + k - n)
+
+    def _task_problem(self, task: Task):
+        return next(p for p in (*self.problems, *self.heldout) if p.name == task.data["problem"])
+
+    def submit(self, task: Task, files: dict[str, str], executor: Any) -> StepResult:
+        if self.workspace_file not in files:
+            raise ValueError(f"{self.name}: the submission has no {self.workspace_file} (the file the model writes)")
+        env = self.make_env(task, executor)
+        reward, fb = env.final(files[self.workspace_file])
+        return StepResult("", float(reward), True, {"feedback": fb, "reason": fb.message})
 
 
 class SynthDomain(_ProblemDomain):
     def __init__(self, variant: str | None = None, turns: int = 2, reward: str = "tests_passed"):
-        super().__init__("synth", SYNTH_PROBLEMS, variant, turns, reward)
+        super().__init__("synth", SYNTH_PROBLEMS, SYNTH_HELDOUT, variant, turns, reward)
 
     def task(self, index: int) -> Task:
         p: SynthProblem = self._problem(index)
         prompt = f"# {p.statement}\n# Write a Python 3 program. End with {END_MARK}\n"
-        return Task(self.name, f"{p.name}-{index}", prompt, {"cases": [list(c) for c in p.cases], "problem": p.name})
+        data = {"cases": [list(c) for c in p.cases], "hidden": [list(c) for c in p.hidden], "problem": p.name}
+        return Task(self.name, f"{p.name}-{index}", prompt, data)
 
     def make_env(self, task: Task, executor: Any = None) -> Environment:
         return SynthEnv(task, executor, self.turns, self.reward)
 
+    def workspace(self, task: Task) -> dict[str, str]:
+        return {self.workspace_file: ""}
+
+    def reference(self, task: Task) -> dict[str, str]:
+        return {self.workspace_file: self._task_problem(task).reference}
+
 
 class RepairDomain(_ProblemDomain):
     def __init__(self, variant: str | None = None, turns: int = 3, reward: str = "all_tests"):
-        super().__init__("code-repair", REPAIR_PROBLEMS, variant, turns, reward)
+        super().__init__("code-repair", REPAIR_PROBLEMS, REPAIR_HELDOUT, variant, turns, reward)
 
     def task(self, index: int) -> Task:
         p: RepairProblem = self._problem(index)
@@ -237,8 +329,16 @@ class RepairDomain(_ProblemDomain):
         data = {"entry_point": p.entry_point, "buggy": p.buggy, "test": p.test, "problem": p.name}
         return Task(self.name, f"{p.name}-{index}", prompt, data)
 
+    workspace_file = "solution.py"
+
     def make_env(self, task: Task, executor: Any = None) -> Environment:
         return RepairEnv(task, executor, self.turns, self.reward)
+
+    def workspace(self, task: Task) -> dict[str, str]:
+        return {self.workspace_file: task.data["buggy"]}
+
+    def reference(self, task: Task) -> dict[str, str]:
+        return {self.workspace_file: self._task_problem(task).reference}
 
 
 def make_synth(variant: str | None) -> SynthDomain:

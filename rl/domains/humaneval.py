@@ -18,6 +18,11 @@ pass/fail and the kind of failure (wrong answer, an exception's type name, a tim
 value, never a hidden assert's message. Problems whose check has no such assert (loops over
 generated cases, helpers) get that verdict alone; `VISIBLE_STATS` counts them.
 
+For tools (`hpcrl domains check`) a task is named by its number ("12") and its workspace is
+the one file `solution.py`: the prompt, to be completed; a submitted file is judged as the
+episode's last attempt judges prompt + completion (`program_for`: a file that defines the
+entry point again replaces the stub).
+
 Held-out split: a fixed ~20% of the problems (by a hash of the task id) is never trained on;
 `task(i)` for i below `EVAL_BASE` gives training problems only, `eval_indices()` the held-out
 ones (see base.Domain). A single-problem variant has no split.
@@ -184,18 +189,24 @@ class HumanEvalEnv(Environment):
         self.turn, self.done = 0, False
         return self.task.prompt
 
+    def final(self, program: str) -> tuple[float, ExecFeedback, ExecFeedback]:
+        """The reward of `program` (prompt + completion), the verdict the model may see, and the
+        judge's own feedback (with the hidden test's failure)."""
+        p = self.problem
+        full = self.judge.judge_function(program, p.entry_point, p.test, prelude=p.prompt)
+        msg = "all tests passed" if full.all_passed else hidden_verdict(full.message)
+        return (1.0 if full.all_passed else 0.0), dataclasses.replace(full, message=msg), full
+
     def step(self, action: str) -> StepResult:
         if self.done:
             raise RuntimeError(f"{self.task.domain}/{self.task.id}: step() after the episode ended; call reset()")
         self.turn += 1
         p = self.problem
         program = program_for(p, extract_completion(action))
-        full = self.judge.judge_function(program, p.entry_point, p.test, prelude=p.prompt)
+        reward, fb, full = self.final(program)
         if full.all_passed or self.turn >= self.turns:
             self.done = True
-            msg = "all tests passed" if full.all_passed else hidden_verdict(full.message)
-            fb = dataclasses.replace(full, message=msg)
-            return StepResult("", 1.0 if full.all_passed else 0.0, True, {"feedback": fb, "turn": self.turn})
+            return StepResult("", reward, True, {"feedback": fb, "turn": self.turn})
         fb = self.feedback(program, full)
         obs = f"\n# {fb.message}\n# Write the whole function {p.entry_point} again.\n"
         return StepResult(obs, 0.0, False, {"feedback": fb, "turn": self.turn})
@@ -254,6 +265,33 @@ class HumanEvalDomain(Domain):
 
     def make_env(self, task: Task, executor: Any = None) -> Environment:
         return HumanEvalEnv(task, self.problem(int(task.id.rsplit("-", 1)[1])), executor, self.turns)
+
+    def task_names(self) -> list[str]:
+        return [str(p.number) for p in (*self.train, *self.heldout)]
+
+    def named_task(self, name: str) -> Task:
+        return super().named_task(name.removeprefix("HumanEval/"))
+
+    def _named_task(self, k: int) -> Task:
+        n = len(self.train)
+        return self.task(k if k < n else EVAL_BASE + k - n)
+
+    def workspace(self, task: Task) -> dict[str, str]:
+        return {"solution.py": self.problem(int(task.id.rsplit("-", 1)[1])).prompt}
+
+    def reference(self, task: Task) -> dict[str, str]:
+        p = self.problem(int(task.id.rsplit("-", 1)[1]))
+        return {"solution.py": p.prompt + p.canonical_solution}
+
+    def submit(self, task: Task, files: dict[str, str], executor: Any) -> StepResult:
+        if "solution.py" not in files:
+            raise ValueError(f"{self.name}: the submission has no solution.py (the file the model writes)")
+        env = self.for_eval().make_env(task, executor)
+        text = files["solution.py"]
+        p = env.problem
+        completion = text[len(p.prompt) :] if text.startswith(p.prompt) else text  # the prompt, completed
+        reward, fb, full = env.final(program_for(p, completion))
+        return StepResult("", reward, True, {"feedback": fb, "reason": full.message})
 
     def for_eval(self) -> HumanEvalDomain:
         """One attempt per sample, as HumanEval's pass@k is defined (the feedback turn is for training)."""

@@ -46,7 +46,6 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-import secrets
 import shlex
 import threading
 from collections.abc import Sequence
@@ -54,11 +53,11 @@ from typing import Any
 
 from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
 from hpcrl.rl.domains.code import _outcome
-from hpcrl.rl.domains.session_tasks import HIDDEN_HARNESS, SESSION_PROBLEMS, VISIBLE_CMD, SessionProblem
+from hpcrl.rl.domains.session_tasks import SESSION_PROBLEMS, VISIBLE_CMD, SessionProblem
 from hpcrl.rl.domains.toolcalls import SYNTAX, ListFiles, Read, Run, Submit, ToolCall, Write, parse_action
 from hpcrl.sandbox.result import SandboxError
 
-__all__ = ["SessionEnv", "SessionRepairDomain", "make_session_repair", "FAULT_POLICIES"]
+__all__ = ["SessionEnv", "SessionDomain", "SessionRepairDomain", "make_session_repair", "FAULT_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -264,30 +263,77 @@ class SessionEnv(Environment):
         return f"{head} {fb.status}, exit code {fb.exit_code}\n{out}", fb
 
     def _submit(self) -> StepResult:
-        self._step_calls.append("submit")
-        path = f".check_{secrets.token_hex(8)}.py"  # a name the model cannot have taken
-        files = [(path, HIDDEN_HARNESS.format(body=self.task.data["hidden"]))]
-        return self._hidden_check(files, ["python3", "-I", path], self.run_timeout_s)
+        from hpcrl.sandbox.judge import FunctionTask
 
-    def _hidden_check(self, files, cmd: list[str], timeout_s: float, what: str = "hidden tests") -> StepResult:
-        """End the episode with a check the model cannot see or forge: write `files` (under names
-        it cannot have taken), run `cmd` with a fresh nonce on stdin; reward 1 iff it exits 0 and
-        the nonce is the last thing it printed. Only the verdict reaches the model and the store."""
+        self._step_calls.append("submit")
+        d = self.task.data
+        files = self._package_files(d["packages"])
+        if isinstance(files, str):
+            return self._verdict(False, "error", -1, 0.0, "hidden tests failed", files)
+        task = FunctionTask("", d["entry_point"], d["hidden"], name=f"{self.task.domain}/{self.task.id}", files=files)
+        return self._judged(task)
+
+    def lay_out(self, files: dict[str, str]) -> None:
+        """Write `files` into the workspace as the model's writes would (tools: `hpcrl domains
+        check`); ValueError naming a file the server refuses."""
+        for path, content in files.items():
+            r = self._op({"op": "write", "path": path, "content": content})
+            if not r["ok"]:
+                raise ValueError(f"{path}: {r['error']}")
+            self._replay.append({"op": "write", "path": path, "content": content})
+
+    # -- judging a submission, outside the workspace ---------------------------------------------
+    def _read(self, paths) -> dict[str, str] | str:
+        """{path: text} of workspace files, or why not (the model's doing: a missing or odd file)."""
+        out = {}
+        for path in paths:
+            r = self._op({"op": "read", "path": path})
+            if not r["ok"]:
+                return f"cannot read {path}: {r['error']}"
+            try:
+                out[path] = bytes(r["content"]).decode("utf-8")
+            except UnicodeDecodeError:
+                return f"{path} is not UTF-8 text"
+        return out
+
+    def _package_files(self, packages, max_files: int = 64) -> tuple[tuple[str, str], ...] | str:
+        """The .py files under the package directories, as the model left them."""
+        r = self._op({"op": "list"})
+        if not r["ok"]:
+            return f"cannot list the workspace: {r['error']}"
+        paths = sorted(
+            e["path"]
+            for e in r["entries"]
+            if e["type"] == "file" and e["path"].endswith(".py") and e["path"].split("/")[0] in packages
+        )
+        if len(paths) > max_files:
+            return f"more than {max_files} files under {', '.join(packages)}"
+        got = self._read(paths)
+        return got if isinstance(got, str) else tuple(got.items())
+
+    def _judged(self, task, what: str = "hidden tests") -> StepResult:
+        """End the episode with the server's judge_function verdict on `task`."""
+        v = self._judge_call(lambda client: client.judge_function(task))
+        status, code, wall = _outcome(v.result)  # a sandbox_error raises: the infrastructure's
+        return self._verdict(v.passed, status, code, wall, f"{what} passed" if v.passed else f"{what} failed", v.reason)
+
+    def _verdict(self, passed: bool, status: str, code: int, wall: float, message: str, reason: str = "") -> StepResult:
         self.done = True
-        nonce = secrets.token_hex(16)
-        for path, content in files:
-            w = self._op({"op": "write", "path": path, "content": content})
-            if not w["ok"]:  # the model filled the workspace: its failure, reported as such
-                fb = ExecFeedback(0, 1, "error", -1, 0.0, f"the {what} could not be written: {w['error']}")
-                return StepResult("", 0.0, True, {"feedback": fb, "ops": self.ops})
-        r = self._op({"op": "run", "cmd": cmd, "stdin": nonce + "\n", "timeout_s": timeout_s})
-        passed = bool(r["ok"]) and r.get("exit_code") == 0 and bytes(r["stdout"]).split()[-1:] == [nonce.encode()]
-        status, code, wall = _outcome(_Result(r)) if r["ok"] else ("error", -1, 0.0)
         if not passed and status == "ok":
             status = "error"  # it ran but a check failed: the store's "error", as judge_function reports it
-        verdict = f"{what} passed" if passed else f"{what} failed"
-        fb = ExecFeedback(int(passed), 1, status, code, wall, verdict)
-        return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops})
+        fb = ExecFeedback(int(passed), 1, status, code, wall, message)
+        return StepResult("", float(passed), True, {"feedback": fb, "ops": self.ops, "reason": reason or message})
+
+    def _judge_call(self, fn):
+        """fn(client) on this session's server; SandboxError when the failure is the infrastructure's."""
+        from hpcrl.core.transport import TransportError
+        from hpcrl.sandbox.client import SandboxBusy
+
+        try:
+            return fn(self._client)
+        except (TransportError, SandboxError, ValueError) as exc:
+            self._lost = isinstance(exc, TransportError) and not isinstance(exc, SandboxBusy)
+            raise SandboxError(f"sandbox judge on {self._service}: {type(exc).__name__}: {exc}") from None
 
     # -- machinery ------------------------------------------------------------------------------
     def _open(self) -> None:
@@ -397,7 +443,24 @@ def _text(data: bytes) -> str:
     )
 
 
-class SessionRepairDomain(Domain):
+class SessionDomain(Domain):
+    """What the session domains share for tools: the workspace is the task's files, and a
+    submission is laid over it and submitted as an episode would."""
+
+    def workspace(self, task: Task) -> dict[str, str]:
+        return {str(path): str(content) for path, content in task.data["files"]}
+
+    def submit(self, task: Task, files: dict[str, str], executor: Any) -> StepResult:
+        env = self.make_env(task, executor)
+        try:
+            env.reset()
+            env.lay_out(files)
+            return env.step("<submit/>")
+        finally:
+            env.close()
+
+
+class SessionRepairDomain(SessionDomain):
     """`session-repair[/problem]`: fix a bug in a small project with tool calls, judged by hidden tests."""
 
     needs_executor = True
@@ -434,11 +497,27 @@ class SessionRepairDomain(Domain):
             f"Run the visible tests with <run>{shlex.join(VISIBLE_CMD)}</run>; hidden tests judge the submission.\n"
             f"Act with tool calls (up to 8 per message, {self.max_ops} in all): {SYNTAX}\n"
         )
-        data = {"files": [list(f) for f in p.files], "hidden": p.hidden, "problem": p.name}
+        data = {
+            "files": [list(f) for f in p.files],
+            "hidden": p.hidden,
+            "entry_point": p.entry_point,
+            "packages": list(p.packages),
+            "problem": p.name,
+        }
         return Task(self.name, f"{p.name}-{index}", prompt, data)
 
     def make_env(self, task: Task, executor: Any = None) -> Environment:
         return SessionEnv(task, executor, self.max_ops, self.run_timeout_s, self.client_timeout_s)
+
+    def task_names(self) -> list[str]:
+        return [p.name for p in self.problems]
+
+    def _named_task(self, k: int) -> Task:
+        return self.task(k)
+
+    def reference(self, task: Task) -> dict[str, str]:
+        p = next(p for p in self.problems if p.name == task.data["problem"])
+        return self.workspace(task) | dict(p.reference)
 
 
 def make_session_repair(variant: str | None) -> SessionRepairDomain:

@@ -2,32 +2,22 @@
 
 Every task has the project's files (a package with the bug, and a visible unittest file the
 model may run as often as it likes) and a hidden check: more cases, run only at submit, whose
-expected values never reach the model (the episode ends with the verdict). A check is its
-body's asserts inside `HIDDEN_HARNESS`, which imports the model's code from the workspace.
+expected values never reach the model (the episode ends with the verdict). A check is a
+`check(candidate)` run by the judge outside the sandbox (hpcrl.sandbox.judge): the package's
+files are copied from the workspace into a fresh sandbox, and each call the check makes
+(`candidate(...)` for `entry_point`, `function("pkg.mod.func")(...)` for others) goes there
+over a pipe and comes back as plain data. `reference` is a known-good fix (`hpcrl domains
+tasks session-repair --reference`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SessionProblem", "SESSION_PROBLEMS", "HIDDEN_HARNESS", "VISIBLE_CMD"]
+__all__ = ["SessionProblem", "SESSION_PROBLEMS", "VISIBLE_CMD"]
 
 # The visible tests: stdlib unittest's discovery (test*.py in the workspace), no pytest needed.
 VISIBLE_CMD = ("python3", "-m", "unittest", "-q")
-
-# The hidden check runs with -I (no workspace on sys.path before the stdlib's, no
-# PYTHON* variables), so a file the model wrote (unittest.py, sitecustomize.py) cannot stand in
-# for a standard module. Passing needs exit 0 *and* the nonce, which comes on stdin and is read
-# before the model's code is imported: a candidate calling os._exit(0) or printing "ok" at
-# import fails. (A candidate that inspects the checker's frames could still find it; this
-# domain exercises the episode loop, it is not a hardened judge like code-repair's.)
-HIDDEN_HARNESS = """\
-import os, sys
-_nonce = sys.stdin.readline().strip()
-sys.path.append(os.getcwd())
-{body}
-print(_nonce)
-"""
 
 
 @dataclass(frozen=True)
@@ -35,7 +25,14 @@ class SessionProblem:
     name: str
     statement: str
     files: tuple[tuple[str, str], ...]  # (path, content) written at reset
-    hidden: str  # the check's body (asserts), run at submit inside HIDDEN_HARNESS
+    entry_point: str  # the function `check(candidate)` gets, dotted: "stats.median"
+    hidden: str  # def check(candidate): ..., run by the judge at submit
+    reference: tuple[tuple[str, str], ...]  # a fix: the files it changes, (path, content)
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The project's package directories: what the judge copies from the workspace."""
+        return tuple(sorted({path.split("/")[0] for path, _ in self.files if "/" in path}))
 
 
 SESSION_PROBLEMS: tuple[SessionProblem, ...] = (
@@ -57,8 +54,17 @@ SESSION_PROBLEMS: tuple[SessionProblem, ...] = (
                 "    def test_median(self):\n        self.assertEqual(median([3, 1, 2]), 2)\n",
             ),
         ),
-        "from stats import median\nassert median([5, 3, 1, 4]) == 3.5\nassert median([9]) == 9\n"
-        "assert median([2, 1, 3, 7, 0]) == 2\n",
+        "stats.median",
+        "def check(candidate):\n    assert candidate([5, 3, 1, 4]) == 3.5\n    assert candidate([9]) == 9\n"
+        "    assert candidate([2, 1, 3, 7, 0]) == 2\n    assert function('stats.mean')([1, 2]) == 1.5\n",
+        (
+            (
+                "stats/core.py",
+                "def mean(xs):\n    return sum(xs) / len(xs)\n\n\n"
+                "def median(xs):\n    xs = sorted(xs)\n    n = len(xs)\n"
+                "    mid = n // 2\n    if n % 2:\n        return xs[mid]\n    return (xs[mid - 1] + xs[mid]) / 2\n",
+            ),
+        ),
     ),
     SessionProblem(
         "slugify",
@@ -72,7 +78,9 @@ SESSION_PROBLEMS: tuple[SessionProblem, ...] = (
                 "    def test_words(self):\n        self.assertEqual(slugify('Hello World'), 'hello-world')\n",
             ),
         ),
-        "from textkit import slugify\nassert slugify('  A  b C ') == 'a-b-c'\nassert slugify('x') == 'x'\n",
+        "textkit.slugify",
+        "def check(candidate):\n    assert candidate('  A  b C ') == 'a-b-c'\n    assert candidate('x') == 'x'\n",
+        (("textkit/slug.py", 'def slugify(s):\n    return "-".join(s.lower().split())\n'),),
     ),
     SessionProblem(
         "cart-total",
@@ -92,7 +100,17 @@ SESSION_PROBLEMS: tuple[SessionProblem, ...] = (
                 "    def test_quantity(self):\n        self.assertEqual(total([('apple', 2)]), 6)\n",
             ),
         ),
-        "from shop.cart import total\nassert total([('apple', 1), ('pear', 3)]) == 18\nassert total([]) == 0\n",
+        "shop.cart.total",
+        "def check(candidate):\n    assert candidate([('apple', 1), ('pear', 3)]) == 18\n"
+        "    assert candidate([]) == 0\n",
+        (
+            (
+                "shop/cart.py",
+                "from shop.prices import PRICES\n\n\ndef total(items):\n"
+                '    """items: a list of (name, quantity)."""\n'
+                "    return sum(PRICES[name] * qty for name, qty in items)\n",
+            ),
+        ),
     ),
     SessionProblem(
         "merge-intervals",
@@ -111,8 +129,17 @@ SESSION_PROBLEMS: tuple[SessionProblem, ...] = (
                 "    def test_touching(self):\n        self.assertEqual(merge([(1, 3), (3, 5)]), [(1, 5)])\n",
             ),
         ),
-        "from geom.intervals import merge\nassert merge([(5, 6), (1, 2), (2, 4)]) == [(1, 4), (5, 6)]\n"
-        "assert merge([]) == []\nassert merge([(1, 10), (2, 3)]) == [(1, 10)]\n",
+        "geom.intervals.merge",
+        "def check(candidate):\n    assert candidate([(5, 6), (1, 2), (2, 4)]) == [(1, 4), (5, 6)]\n"
+        "    assert candidate([]) == []\n    assert candidate([(1, 10), (2, 3)]) == [(1, 10)]\n",
+        (
+            (
+                "geom/intervals.py",
+                "def merge(intervals):\n    out = []\n    for lo, hi in sorted(intervals):\n"
+                "        if out and lo <= out[-1][1]:\n            out[-1] = (out[-1][0], max(out[-1][1], hi))\n"
+                "        else:\n            out.append((lo, hi))\n    return out\n",
+            ),
+        ),
     ),
     SessionProblem(
         "rle",
@@ -134,7 +161,16 @@ SESSION_PROBLEMS: tuple[SessionProblem, ...] = (
                 "        self.assertEqual(decode(encode(s)), s)\n",
             ),
         ),
-        "from codec.rle import decode, encode\nfor s in ['', 'x', 'ab' * 3, 'z' * 31 + 'yy']:\n"
-        "    assert decode(encode(s)) == s, s\n",
+        "codec.rle.decode",
+        "def check(candidate):\n    encode = function('codec.rle.encode')\n"
+        "    for s in ['', 'x', 'ab' * 3, 'z' * 31 + 'yy']:\n        assert candidate(encode(s)) == s, s\n",
+        (
+            (
+                "codec/rle.py",
+                "import re\n\n\ndef encode(s):\n"
+                "    return ''.join(f'{len(m.group(0))}{m.group(1)}' for m in re.finditer(r'(.)\\1*', s))\n"
+                "\n\ndef decode(s):\n    return ''.join(c * int(n) for n, c in re.findall(r'(\\d+)(\\D)', s))\n",
+            ),
+        ),
     ),
 )

@@ -7,11 +7,12 @@ For each allow-listed module (stdlib_repair.MODULES): find its source where the 
 `python3` keeps its stdlib (the sandbox binds the host's /usr, so that is a host path) and its
 unittest file (that stdlib's `test/`, else the `test` package of the interpreter running hpcrl
 when it is the same minor version: Debian's python3 ships only test.support); run the original
-through the submit check (stdlib_repair.RUNNER) in the real sandbox — a module whose original
-fails is left out, with the reason in the manifest — then `per_module` mutants picked with the
-seed (mutate.sample_sites), each run the same way. A mutant is kept when its tests fail within
-ten times the original's time, at least 5 s (`timeout_s` in the manifest; the submit check
-uses it too): a mutant that hangs is dropped, it would cost every episode the whole limit.
+through the submit check (stdlib_repair.RUNNER, with its runtime confinement) in the real
+sandbox — a module whose original fails is left out, with the reason in the manifest — then
+`per_module` mutants picked with the seed (mutate.sample_sites), each run the same way. A
+mutant is kept when its tests fail within ten times the original's time, at least 5 s
+(`timeout_s` in the manifest; the submit check uses it too): a mutant that hangs is dropped,
+it would cost every episode the whole limit.
 The manifest (JSON, written atomically) lists the kept mutations as text edits of the original
 and each file's sha256, so the same files and seed always give the same tasks.
 """
@@ -25,11 +26,12 @@ import os
 import secrets
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from hpcrl.rl.domains.mutate import apply, mutation_sites, sample_sites
-from hpcrl.rl.domains.stdlib_repair import MODULES, MUTATOR_VERSION, RUNNER
+from hpcrl.rl.domains.stdlib_repair import MODULES, MUTATOR_VERSION, check_spec, check_verdict
 
 __all__ = ["build", "locate"]
 
@@ -61,26 +63,15 @@ def _own_tests(stdlib: str) -> Path | None:
 
 
 def _check(backend, source: str, test_text: str, module: str, test: str, timeout_s: float) -> tuple[str, float]:
-    """Run the submit check on `source`: ('pass' | 'fail' | 'timeout' | 'error: ...', seconds)."""
-    from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
-
+    """Run the submit check on `source`: ('pass' | 'fail' | 'timeout' | 'error: ...' | 'fail: why', seconds)."""
     nonce = secrets.token_hex(16)
-    tests = f".check_{test}.py"
-    files = (
-        # SourceFile paths cannot start with '.': main.sh gives the tests the name submit uses.
-        SourceFile("main.sh", f"mv {tests[1:]} {tests}\nexec python3 -I -B check.py\n"),
-        SourceFile("check.py", RUNNER.format(module=module, test=test, path=tests)),
-        SourceFile(f"{module}.py", source),
-        SourceFile(tests[1:], test_text),
-    )
-    spec = ExecSpec(language="bash", files=files, stdin=nonce + "\n", limits=Limits(wall_s=timeout_s, cpu_s=timeout_s))
-    res = backend.run(spec)
-    if res.status == "sandbox_error":
-        return f"error: {res.stderr.decode(errors='replace')[-300:]}", res.wall_s
-    if res.status == "timeout":
-        return "timeout", res.wall_s
-    ok = res.status == "ok" and res.exit_code == 0 and res.stdout.split()[-1:] == [nonce.encode()]
-    return ("pass" if ok else "fail"), res.wall_s
+    res = backend.run(check_spec(module, test, source, test_text, nonce, timeout_s))
+    verdict, detail = check_verdict(res, nonce)
+    if verdict == "error":
+        return f"error: {detail}", res.wall_s
+    if verdict == "fail" and detail.startswith("refused:"):
+        return f"fail ({detail})", res.wall_s
+    return verdict, res.wall_s
 
 
 def build(
@@ -143,9 +134,9 @@ def build(
             picked = sample_sites(mutation_sites(source), seed=_seed(seed, module), n=per_module)
             mutated = [apply(source, m) for m in picked]
             results = pool.map(lambda b, s: check(b, s, timeout_s=limit_s), mutated)  # noqa: B023 (map returns first)
-            kept = [m for m, (v, _) in zip(picked, results) if v == "fail"]
+            kept = [m for m, (v, _) in zip(picked, results) if v.startswith("fail")]
             info.update(status="ok", tried=len(picked), kept=len(kept))
-            info["outcomes"] = {v: sum(1 for r, _ in results if r == v) for v in sorted({r for r, _ in results})}
+            info["outcomes"] = dict(sorted(Counter(r.split(" (")[0] for r, _ in results).items()))
             for n, m in enumerate(kept):
                 manifest["mutants"].append({"id": f"{module}-{n}", "module": module, **m.to_json()})
             log(f"{module}: kept {len(kept)} of {len(picked)} mutants ({info['outcomes']})")

@@ -33,6 +33,9 @@ class ExperimentConfig:
         "runs", help="folder that holds one sub-folder per run (relative to the config file's folder)", min_len=1
     )
     seed: int = spec(0, help="seed for task sampling, model init and everything random", ge=0)
+    share_with_group: bool = spec(
+        False, help="the run directory readable by your group (0750, files 0640); false: by you alone (0700, 0600)"
+    )
 
 
 @dataclass(frozen=True)

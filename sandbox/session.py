@@ -181,7 +181,9 @@ class SessionManager:
                 f"sandbox.session_dir {session_dir!r} is under /tmp, which each sandbox's launcher covers with its "
                 "own tmpfs (the workspace would not be seen); use e.g. /var/tmp/hpcrl-sessions"
             )
-        os.makedirs(real, mode=0o711, exist_ok=True)
+        if not os.path.lexists(real):
+            os.makedirs(real, mode=0o711, exist_ok=True)
+            os.chmod(real, 0o711)  # whatever the umask: slot uids pass through to their workspaces
         st = os.lstat(real)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             # In a world-writable place (/var/tmp) someone else's directory could have our
@@ -286,6 +288,7 @@ class SessionManager:
             self._sessions[sid] = s
         try:
             os.mkdir(home, 0o711)
+            os.chmod(home, 0o711)  # the umask (the CLI's is 077) must not lock the slot uid out
             os.mkdir(os.path.join(home, "snap"), 0o700)
             s.ws = Workspace.create(os.path.join(home, "work"), limits, getattr(backend, "uid", None))
         except BaseException:

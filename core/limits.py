@@ -118,7 +118,18 @@ class SandboxConfig:
         600.0, help="a session no operation touched for this many seconds is closed and its files removed", gt=0
     )
     max_sessions: int = spec(64, help="open sessions per sandbox server; more are refused", ge=1)
-    max_snapshots: int = spec(8, help="snapshots a session may hold at once (each up to its work_mb, on disk)", ge=1)
+    max_snapshots: int = spec(
+        8, help="snapshots a session may hold at once (all of them together at most its work_mb, on disk)", ge=1
+    )
+    session_dir_mb: int = spec(
+        16384,
+        help="disk a sandbox server's sessions may hold under session_dir, MiB (snapshots, on-disk workspaces)",
+        ge=1,
+    )
+    session_tmpfs: bool = spec(
+        True,
+        help="as root, each session's workspace is a tmpfs (RAM; quota held by the kernel); false: on disk, measured",
+    )
     ceiling: Limits = spec(
         factory=lambda: Limits(
             wall_s=300.0,

@@ -160,8 +160,10 @@ def node_address(toward: str | None = None) -> str:
             return addr
         except OSError:
             continue
-    log.warning("cannot tell this node's address (%s resolves to loopback only): the store listens on every interface",
-                socket.gethostname())  # fmt: skip
+    log.warning(
+        "cannot tell this node's address (%s resolves to loopback only): the store listens on every interface",
+        socket.gethostname(),
+    )
     return "*"
 
 
@@ -238,7 +240,6 @@ class StoreServer:
         if op == "delete":
             value = self._data.pop(keys[0], None)
             self._bytes -= len(value or b"")
-            self._wake()
             return Reply("ok", value is not None)
         if op == "num_keys":
             return Reply("ok", len(self._data), remember=False)

@@ -231,6 +231,7 @@ class DirectReceiver:
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._stop = threading.Event()
         self._link = None  # (store, member number) of the current pair, for close()
+        self._link_lock = threading.Lock()
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-recv", daemon=True)
         self._thread.start()
@@ -249,12 +250,13 @@ class DirectReceiver:
         A gloo broadcast cannot be aborted from the waiting side, so the receiver asks the sender
         (a key in its store) for a goodbye; a sender that is gone fails the broadcast instead."""
         self._stop.set()
-        link = self._link
-        if link is not None:
-            try:
-                link[0].set(f"leave/{link[1]}", "1")
-            except Exception:
-                pass
+        with self._link_lock:  # the receiving thread closes the store only once this is done with it
+            link = self._link
+            if link is not None:
+                try:
+                    link[0].set(f"leave/{link[1]}", "1")
+                except Exception:
+                    pass
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.warning("direct weights: the receiver did not leave its pair within %.0f s", timeout_s)
@@ -297,7 +299,8 @@ class DirectReceiver:
             else:
                 self._receive(pg, info)
         finally:
-            self._link = None
+            with self._link_lock:
+                self._link = None
             self.connected.clear()
             _shutdown(pg)
             store.close()

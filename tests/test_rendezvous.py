@@ -154,3 +154,30 @@ def test_the_learners_rendezvous_admits_only_its_ranks(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait(30)
+
+
+def test_the_runs_store_keeps_torch_stores_semantics(tmp_path):
+    from hpcrl.rl.distenv import StoreServer
+
+    server = StoreServer(tmp_path, "store-test")
+    store = RunStore(tmp_path, "store-test", "gen-0", datetime.timedelta(seconds=2))
+    try:
+        store.set("a", b"1")
+        assert store.get("a") == b"1" and store.add("n", 2) == 2 and store.add("n", 3) == 5
+        assert store.compare_set("c", b"", b"x") == b"x" and store.compare_set("c", b"y", b"z") == b"x"
+        assert store.compare_set("c", b"x", b"z") == b"z"
+        store.append("a", b"2")
+        store.multi_set(["m1", "m2"], [b"p", b"q"])
+        assert store.multi_get(["a", "m1", "m2"]) == [b"12", b"p", b"q"]
+        assert store.check(["a", "n"]) and not store.check(["a", "missing"])
+        assert store.num_keys() == 5 and sorted(store.list_keys()) == ["a", "c", "m1", "m2", "n"]
+        assert store.delete_key("m1") and not store.delete_key("m1")
+        with pytest.raises(torch.distributed.DistStoreError, match="timed out after 2 s waiting for missing"):
+            store.get("missing")
+        prefixed = torch.distributed.PrefixStore("p", store)  # as torch wraps it
+        prefixed.set("k", "v")
+        assert store.get("p/k") == b"v"
+    finally:
+        store.close()
+        server.close()
+    assert not (tmp_path / "endpoints" / "store-test.json").exists()

@@ -33,6 +33,9 @@ class ExperimentConfig:
         "runs", help="folder that holds one sub-folder per run (relative to the config file's folder)", min_len=1
     )
     seed: int = spec(0, help="seed for task sampling, model init and everything random", ge=0)
+    share_with_group: bool = spec(
+        False, help="the run directory readable by your group (0750, files 0640); false: by you alone (0700, 0600)"
+    )
 
 
 @dataclass(frozen=True)
@@ -467,12 +470,18 @@ class SuperviseConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    enabled: bool = spec(True, help="every component serves Prometheus metrics over HTTP (metrics/<name>.json: URL)")
-    bind_host: str = spec(
-        "0.0.0.0", help="address the endpoints listen on; 127.0.0.1 keeps them on the node", min_len=1
+    enabled: bool = spec(
+        True, help="components keep Prometheus metrics: a textfile each (see textfile_dir), an endpoint with bind_host"
+    )
+    bind_host: str | None = spec(
+        None,
+        help="also serve them over unauthenticated HTTP here (counts, rates, names; 127.0.0.1: the node's users); "
+        "null: no listener",
+        min_len=1,
     )
     textfile_dir: str | None = spec(
-        None, help="also write hpcrl_<run>_<component>.prom here (node_exporter's textfile collector); null: no"
+        None,
+        help="write hpcrl_<run>_<component>.prom here (node_exporter's textfile collector); null: the run's metrics/",
     )
     textfile_every_s: float = spec(15.0, help="how often the textfiles are rewritten, seconds", gt=0)
 
@@ -505,7 +514,9 @@ class Config:
     supervise: SuperviseConfig = spec(
         factory=SuperviseConfig, help="restart budgets and backoff, and hang detection from heartbeats"
     )
-    metrics: MetricsConfig = spec(factory=MetricsConfig, help="Prometheus endpoints of the components")
+    metrics: MetricsConfig = spec(
+        factory=MetricsConfig, help="Prometheus metrics of the components: textfiles, an endpoint only if asked"
+    )
 
     def validate(self):
         seen = set()

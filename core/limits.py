@@ -85,9 +85,12 @@ class SandboxConfig:
     servers: int = spec(1, help="sandbox servers a run starts (only when a domain executes code)", ge=1)
     uid_base: int = spec(
         61000,
-        help="bwrap as root: server i's slot k runs as host uid uid_base + i x slots + k; no account's or group's id, "
-        "nor another run's",
+        help="bwrap as root: first uid of the host's pool of slot uids (each sandbox takes free ones at start); "
+        "no account's or group's id",
         ge=1000,
+    )
+    uid_pool: int = spec(
+        1024, help="uids in that pool, shared by every run and user on a host: at least their slots together", ge=1
     )
     memory_fallback: Literal["address_space", "refuse", "data"] = spec(
         "address_space",
@@ -115,7 +118,18 @@ class SandboxConfig:
         600.0, help="a session no operation touched for this many seconds is closed and its files removed", gt=0
     )
     max_sessions: int = spec(64, help="open sessions per sandbox server; more are refused", ge=1)
-    max_snapshots: int = spec(8, help="snapshots a session may hold at once (each up to its work_mb, on disk)", ge=1)
+    max_snapshots: int = spec(
+        8, help="snapshots a session may hold at once (all of them together at most its work_mb, on disk)", ge=1
+    )
+    session_dir_mb: int = spec(
+        16384,
+        help="disk a sandbox server's sessions may hold under session_dir, MiB (snapshots, on-disk workspaces)",
+        ge=1,
+    )
+    session_tmpfs: bool = spec(
+        True,
+        help="as root, each session's workspace is a tmpfs (RAM; quota held by the kernel); false: on disk, measured",
+    )
     ceiling: Limits = spec(
         factory=lambda: Limits(
             wall_s=300.0,
@@ -133,3 +147,7 @@ class SandboxConfig:
         ),
         help="the most limits a request may ask for; more is refused",
     )
+
+    def validate(self):
+        if self.uid_base + self.uid_pool > 2**31:
+            yield "uid_pool", f"uid_base + uid_pool must stay below 2^31 (got {self.uid_base} + {self.uid_pool})"

@@ -62,7 +62,18 @@ def spec(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, 
 # PyYAML implements YAML 1.1, where `3e-4` is a *string*. Users write learning rates
 # that way, so the loader also resolves exponent floats without a dot.
 class _Loader(yaml.SafeLoader):
-    pass
+    def compose_node(self, parent, index):
+        # An alias (*name) repeats a node; nested ones grow exponentially (a few hundred bytes
+        # expand to megabytes, for seconds). A config has no need of them: refuse every one.
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"alias *{event.anchor} is not accepted in a config (no anchors or aliases); write the value out",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
 
 
 _Loader.add_implicit_resolver(

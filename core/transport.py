@@ -37,7 +37,10 @@ deduplicated delivery to the shard writer).
 Security model: every server socket is a CURVE server with the ZAP domain "hpcrl"; a client
 is admitted only if its public key is one of the run's `keys/*.key` files (the directory is
 0700, so only the run's owner can add one). A client with an unknown key, or one that does
-not know the server's key, never completes the handshake; the server logs it and carries on.
+not know the server's key, never completes the handshake; the server counts it (the metric
+`hpcrl_transport_handshake_failures_total`, by reason), logs it at a bounded rate (one line
+per kind per `LOG_EVERY_S`, the next one saying how many came meanwhile: a stranger looping
+on handshakes cannot fill the run directory's logs) and carries on.
 Inbound frames over `max_message_bytes` make libzmq drop the connection (ZMQ_MAXMSGSIZE);
 messages whose frames add up to more, malformed envelopes, disallowed dtypes and unknown
 kinds are dropped by `decode` callers with a log line. Heartbeats (ZMQ_HEARTBEAT_*) detect
@@ -68,6 +71,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from hpcrl.core.files import atomic_write_json
+from hpcrl.core.metrics import provide
 
 __all__ = [
     "TransportError",
@@ -83,11 +87,14 @@ __all__ = [
     "publish_endpoint",
     "read_endpoint",
     "Node",
+    "Throttled",
+    "HANDSHAKE_FAILURES",
 ]
 
 log = logging.getLogger("hpcrl.transport")
 
 ENVELOPE_VERSION = 1
+LOG_EVERY_S = 30.0  # a kind of refused or dropped peer is logged at most once per this many seconds
 ZAP_DOMAIN = "hpcrl"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _ALLOWED_KINDS = "biuf"  # bool, ints, floats: no object, string or void dtypes on the wire
@@ -99,6 +106,36 @@ class TransportError(Exception):
 
 class BadMessage(ValueError):
     """An inbound message is malformed, oversized or not allowed; str() is the reason to log."""
+
+
+# Failed CURVE handshakes on this process's bound sockets, by reason (auth: unknown key;
+# protocol: e.g. the wrong server key; no_detail: plaintext or garbage).
+HANDSHAKE_FAILURES: dict[str, int] = {"auth": 0, "protocol": 0, "no_detail": 0}
+provide(lambda: {"transport_handshake_failures_total:reason": dict(HANDSHAKE_FAILURES)})
+
+
+class Throttled:
+    """A log line at most once per `every_s`; the ones held back meanwhile are counted and the
+    next line says how many (a peer that fails in a loop costs a line per interval, not per try)."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S):
+        self.every_s = every_s
+        self._last = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, emit, msg: str, *args: Any) -> bool:
+        """`emit(msg, *args)` unless a line went out less than `every_s` ago; True if it did."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                self._held += 1
+                return False
+            held, self._held, self._last = self._held, 0, now
+        if held:
+            msg += f" (and {held} more like it since the last such line)"
+        emit(msg, *args)
+        return True
 
 
 @dataclass(frozen=True)
@@ -336,6 +373,7 @@ class _AllowList:
         self._allowed = keys.allowed()
         self._rejected: dict[bytes, float] = {}
         self._lock = threading.Lock()
+        self._log = Throttled()
         self.scans = 1
 
     def _dir_stamp(self) -> tuple[int, int] | None:
@@ -346,6 +384,7 @@ class _AllowList:
         return st.st_mtime_ns, st.st_ctime_ns
 
     def callback(self, domain: str, key: bytes) -> bool:
+        """True if `key` may connect (runs in the ZAP thread for every CURVE handshake)."""
         with self._lock:
             if key in self._allowed:
                 return True
@@ -363,8 +402,11 @@ class _AllowList:
             if len(self._rejected) > 10_000:
                 self._rejected.clear()
             self._rejected[key] = now
-        log.warning(
-            "rejected CURVE client key %s...: not in the run's allow-list (%s)", key[:8].decode(), self.keys.dir
+        self._log(
+            log.warning,
+            "rejected CURVE client key %s...: not in the run's allow-list (%s)",
+            key[:8].decode(errors="replace"),
+            self.keys.dir,
         )
         return False
 
@@ -460,6 +502,7 @@ class Node:
         self.ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self._monitors: list[tuple[zmq.Socket, str]] = []
+        self._log_failed, self._log_gone = Throttled(), Throttled()
         self._closed = False
 
     def _options(self, sock: zmq.Socket) -> None:
@@ -529,7 +572,10 @@ class Node:
                 name = _EVENT_NAMES.get(ev["event"], str(ev["event"]))
                 peer = ev.get("endpoint", b"").decode(errors="replace")
                 if name.startswith("HANDSHAKE_FAILED"):
-                    log.warning(
+                    reason = name[len("HANDSHAKE_FAILED_") :].lower()
+                    HANDSHAKE_FAILURES[reason] = HANDSHAKE_FAILURES.get(reason, 0) + 1
+                    self._log_failed(
+                        log.warning,
                         "%s: rejected a peer at %s during the CURVE handshake (%s, code %s)",
                         service,
                         peer,
@@ -537,8 +583,11 @@ class Node:
                         ev["value"],
                     )
                 elif name == "DISCONNECTED":
-                    log.info(
-                        "%s: peer at %s disconnected (or was dropped: oversized frame, dead heartbeat)", service, peer
+                    self._log_gone(
+                        log.info,
+                        "%s: peer at %s disconnected (or was dropped: oversized frame, dead heartbeat)",
+                        service,
+                        peer,
                     )
                 else:
                     log.debug("%s: %s %s", service, name, peer)

@@ -92,7 +92,7 @@ def start_component(run_dir: Path, name: str, role: str, metrics_cfg=None) -> _S
     """Logging, one torch thread per process unless told otherwise, signals -> stop event, procs
     file, heartbeat, and the Prometheus endpoint (`metrics_cfg`: the run's `metrics:` section)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s", force=True)
-    private_umask()  # nothing this job writes into the run directory is group- or world-writable
+    private_umask(run_dir)  # what this job writes is the owner's alone (the group reads it if the run is shared)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # components never download
     stop = _Stop()
     if threading.current_thread() is threading.main_thread():

@@ -20,7 +20,6 @@ supervisor (jobs/supervise.py) read it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shlex
 import sys
@@ -81,14 +80,6 @@ class Role:
     restart_times: list = field(default_factory=list)  # when each restart was submitted, for the budget
 
 
-def server_sandbox_config(sandbox_cfg, index: int):
-    """Server `index`'s sandbox config: its own range of slot uids (uid_base + index x slots + k).
-    A slot uid is claimed per host (sandbox/uids.py), and Slurm may place two of a run's servers
-    on one node (a job array on a wide CPU node; every emulated node of the dev cluster), as a
-    local run does: with one shared range the second server would find its uids taken."""
-    return dataclasses.replace(sandbox_cfg, uid_base=sandbox_cfg.uid_base + index * sandbox_cfg.slots)
-
-
 def plan(
     cfg: Config, run_dir: str | os.PathLike, domains: Mapping[str, Any] | None = None, search_path: Sequence[str] = ()
 ) -> list[Role]:
@@ -110,8 +101,8 @@ def plan(
             CoordinatorComponent(run_dir, cfg.coordinator, cfg.domains, cfg.learner, seed, sizes),
         ),
         *[
-            Role(s, "sandbox", SandboxComponent(run_dir, server_sandbox_config(cfg.sandbox, i), s))
-            for i, s in enumerate(sandboxes)
+            Role(s, "sandbox", SandboxComponent(run_dir, cfg.sandbox, s))  # slot uids: free ones of its node's pool
+            for s in sandboxes
         ],
         Role("learner", "learner", LearnerComponent(run_dir, cfg.learner, cfg.policy, seed)),
         *[

@@ -54,6 +54,11 @@ def _command(run_dir: Path, name: str, search_path: Sequence[str]) -> str:
     return shlex.join(argv).replace("'sandbox-$SLURM_ARRAY_TASK_ID'", '"sandbox-$SLURM_ARRAY_TASK_ID"')
 
 
+def _umask(cfg: Config) -> str:
+    """Slurm creates a job's log files with the umask sbatch was called under: the run's own."""
+    return f"umask {'027' if cfg.experiment.share_with_group else '077'}  # the jobs' logs are as private as the run"
+
+
 def _preamble(cfg: Config, role: str) -> list[str]:
     lines = [*cfg.slurm.setup]
     r = cfg.slurm.role(role)
@@ -86,6 +91,7 @@ def write_scripts(
             f"# Submits run {run_dir.name}: one job per component, then the supervisor that restarts dead ones.",
             "# Job ids go to the run's jobs.json, so `hpcrl status/logs/cancel RUN` work as after `hpcrl submit`.",
             "set -euo pipefail",
+            _umask(cfg),
             'cd "$(dirname "$0")"',
             f"mkdir -p {shlex.quote(str(logs))}",
             'sub() { local id; id=$(sbatch --parsable "$1"); echo "${id%%;*}"; }  # --parsable: ID or ID;cluster',
@@ -226,6 +232,7 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
         "#!/bin/bash",
         f"# Submits run {run_dir.name} as one heterogeneous job and records its id.",
         "set -euo pipefail",
+        _umask(cfg),
         'cd "$(dirname "$0")"',
         f"mkdir -p {shlex.quote(str(logs))}",
         "job=$(sbatch --parsable run.hetjob.sbatch); job=${job%%;*}",

@@ -15,7 +15,8 @@ KV caches (`sampler` is a one-call batch sampler over it), `generator` produces 
 `algorithms` holds the losses, `logprobs` the chunked log-probabilities and entropy they use,
 `reference` the KL penalty's reference model, `schedule` the learning rate, `diagnostics` the
 per-step statistics of a batch; `learner` is the DeepSpeed engine (`dsconfig` its config,
-`collectives` its reductions on the backend's device, `distenv` its ranks, `checkpoints` which
+`collectives` its reductions on the backend's device, `distenv` its ranks and the run's
+authenticated rendezvous store (the direct path's too), `checkpoints` which
 checkpoint to resume from) and `learner_service` its loop. `weights` publishes policy
 versions as per-rank shards, `weight_direct` also sends them over torch.distributed; `meter`
 measures busy fractions; `inprocess` runs generator and learner in one process for debugging;

@@ -8,7 +8,8 @@
     learner.close()
 
 Run it as one process per rank: torchrun/deepspeed launchers, srun (SLURM_PROCID...), mpirun,
-or plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; see rl/distenv.py. On CPU the backend is gloo
+or plain RANK/WORLD_SIZE/MASTER_ADDR; see rl/distenv.py (the ranks meet at a store of the run
+that only holders of its keys reach). On CPU the backend is gloo
 (DS_ACCELERATOR=cpu), on GPUs NCCL (`learner.dist_backend: auto`).
 
 Versions: `step` counts optimizer steps (restored from the checkpoint); `version` numbers the
@@ -38,7 +39,7 @@ from hpcrl.rl.batch import collate, collate_rows, layout
 from hpcrl.rl.checkpoints import CheckpointError, mark_complete, prune_checkpoints, resume_tag
 from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
-from hpcrl.rl.distenv import DistEnv, resolve_dist_env
+from hpcrl.rl.distenv import DistEnv, init_process_group, resolve_dist_env
 from hpcrl.rl.dsconfig import check_deepspeed_section, deepspeed_config, layer_leaf_modules
 from hpcrl.rl.logprobs import PolicyHead
 from hpcrl.rl.packing import MASKED_ATTENTION, Unit, attention_mask, pack, plan_units
@@ -111,6 +112,7 @@ class Learner:
             torch.cuda.set_device(self.dist.local_rank)
             self.device = torch.device("cuda", self.dist.local_rank)
         backend = resolve_backend(self.cfg.dist_backend, self.device)
+        init_process_group(self.dist, backend, self.run_dir)  # on the run's authenticated store, not env://
         ds.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         self.rank, self.world = self.dist.rank, self.dist.world_size
         # Our own collectives on the backend's device (NCCL: CUDA tensors only).

@@ -7,11 +7,14 @@ CPU), beside the learner's training group and unknown to it.
     recv = DirectReceiver(run_dir, "gen-0", backend="gloo", device=cpu)   # a generator
     recv.take()                                          # (12, state) once received, else None
 
-Rendezvous: rank 0 starts a TCPStore and writes its address to `weights/direct.json`; a
-generator (whenever it starts, also after a restart) joins by number and both sides build a
-two-member group under a prefix of its own (`pair/<n>`). Pairs, not one group of all, so a
-generator can come and go without the others or the learner rebuilding anything; a pair whose
-generator is gone fails on the next send and is dropped. Per version: a header (JSON: version,
+Rendezvous: rank 0 serves a store of the run (hpcrl.rl.distenv: CURVE, the run's keys, this
+node's address) and writes its name to `weights/direct.json`; a generator (whenever it starts,
+also after a restart) joins by number and both sides build a two-member group under a prefix
+of its own (`pair/<n>`), in a thread of the sender's so that a join that never completes
+holds up nobody's delivery. Pairs, not one group of all, so a generator can come and go
+without the others or the learner rebuilding anything; a pair whose generator is gone fails
+on the next send and is dropped. Only holders of the run's keys reach the store: nobody else
+can join, or drop a member (`leave/<n>`). Per version: a header (JSON: version,
 names, dtypes, shapes) then each tensor, broadcast from rank 0 of the pair. Files are still
 written (restarts and late joiners read them); a generator takes whichever is newer.
 """
@@ -22,7 +25,6 @@ import datetime
 import json
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -31,10 +33,12 @@ from pathlib import Path
 import torch
 
 from hpcrl.core.files import atomic_write_json
+from hpcrl.rl.distenv import RunStore, StoreServer, node_address
 
 __all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "pair_group"]
 
 log = logging.getLogger("hpcrl.weights")
+SERVICE = "weights-direct"  # the sender's store: endpoints/weights-direct.json
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
 
 
@@ -67,40 +71,77 @@ def _bcast(pg, t: torch.Tensor) -> None:
 
 class DirectSender:
     def __init__(self, run_dir: str | Path, backend: str, device=None, timeout_s: float = 600.0, host=None):
-        dist = torch.distributed
         self.backend, self.timeout_s = backend, timeout_s
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
-        # Advertised as the run's other endpoints are (core/transport.py): this host's name.
-        host = host or socket.gethostname()
-        bind = host if host in ("127.0.0.1", "localhost") else "0.0.0.0"
-        wait = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=wait)
-        self.info = {"host": host, "port": self.store.port, "backend": backend, "instance": f"{time.time():.6f}"}
+        # `host`: the address generators know this node by (None: its name); 127.0.0.1 keeps it on the node.
+        self.server = StoreServer(run_dir, SERVICE, name="learner-direct", bind_host=node_address(host))
+        self.store = RunStore(run_dir, SERVICE, "learner-direct", datetime.timedelta(seconds=timeout_s))
+        self.info = {"service": SERVICE, "backend": backend, "instance": self.server.endpoint.instance}
         (Path(run_dir) / "weights").mkdir(parents=True, exist_ok=True)
         atomic_write_json(Path(run_dir) / "weights" / "direct.json", self.info)
         self.members: dict[int, object] = {}
+        self._members_lock = threading.Lock()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (number, pair) built, not yet members
         self._joined = 0
         self._q: queue.Queue = queue.Queue(maxsize=1)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-send", daemon=True)
         self._thread.start()
+        self._joiner = threading.Thread(target=self._accept_loop, name="hpcrl-direct-join", daemon=True)
+        self._joiner.start()
         self.sent_s = 0.0
 
-    def _accept(self) -> None:
-        n = self.store.add("joins", 0)
-        while self._joined < n:
-            self._joined += 1
+    def _accept_loop(self) -> None:
+        """Generators join whenever they come, each pair built in a thread of its own: the sends
+        go on meanwhile, and a join that never completes costs its thread, not a delivery."""
+        while not self._closed:
             try:
-                pg = pair_group(self.backend, torch.distributed.PrefixStore(f"pair/{self._joined}", self.store), 0, 60)
-                self.members[self._joined] = pg
-            except Exception as exc:  # the generator went away while joining
-                log.warning("direct weights: generator %d could not join: %s", self._joined, exc)
+                n = self.store.add("joins", 0)
+            except Exception as exc:
+                if self._closed:
+                    return
+                log.warning("direct weights: cannot read the joins: %s", exc)
+                n = self._joined
+            while self._joined < n:
+                self._joined += 1
+                threading.Thread(target=self._join, args=(self._joined,), name="hpcrl-direct-pair", daemon=True).start()
+            time.sleep(0.2)
+
+    def _join(self, n: int) -> None:
+        try:
+            pg = pair_group(self.backend, torch.distributed.PrefixStore(f"pair/{n}", self.store), 0, self.timeout_s)
+        except Exception as exc:  # the generator went away while joining
+            log.warning("direct weights: generator %d could not join: %s", n, exc)
+            return
+        self._ready.put((n, pg))  # the sending thread admits it between versions (_admit)
+
+    def _admit(self) -> None:
+        """Make the pairs built meanwhile members, each told so (a welcome: size 0) from this
+        thread, so a receiver counts itself connected only once the next version will reach it."""
+        while True:
+            try:
+                n, pg = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                _bcast(pg, torch.tensor([0], dtype=torch.int64, device=self.device))
+            except Exception as exc:
+                log.warning("direct weights: generator %d left while joining (%s)", n, exc)
+                _shutdown(pg)
+                continue
+            with self._members_lock:
+                self.members[n] = pg
 
     def _reap(self) -> None:
         """Let go of the members that asked to leave (DirectReceiver.close): a goodbye frees the
         receiver's thread from the broadcast it waits in, which nothing on its side can abort."""
-        for n in [n for n in self.members if self.store.check([f"leave/{n}"])]:
-            pg = self.members.pop(n)
+        with self._members_lock:
+            members = list(self.members)
+        for n in [n for n in members if self.store.check([f"leave/{n}"])]:
+            with self._members_lock:
+                pg = self.members.pop(n, None)
+            if pg is None:
+                continue
             try:
                 _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
             except Exception:
@@ -121,23 +162,31 @@ class DirectSender:
         aborts the process at exit ("terminate called without an active exception")."""
         if self._closed:
             return
-        self._closed = True
         self._q.put(None)
         self._thread.join()
-        for pg in self.members.values():
-            _shutdown(pg)
-        self.members.clear()
+        with self._members_lock:
+            self._closed = True
+            for pg in self.members.values():
+                _shutdown(pg)
+            self.members.clear()
+        self._joiner.join(5)
+        while not self._ready.empty():  # built after the last send: never members
+            _shutdown(self._ready.get()[1])
+        self.store.close()
+        self.server.close()
 
     def _loop(self) -> None:
         while True:
             try:
                 item = self._q.get(timeout=0.2)
             except queue.Empty:
-                self._accept()  # generators join between versions too, so a send finds them ready
+                self._admit()
                 self._reap()
                 continue
             if item is None:  # close(): a goodbye (size -1) lets each receiver leave its pair cleanly
-                for pg in self.members.values():
+                with self._members_lock:
+                    members = list(self.members.values())
+                for pg in members:
                     try:
                         _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
                     except Exception:
@@ -147,13 +196,16 @@ class DirectSender:
             version, state = item
             try:
                 t0 = time.perf_counter()
-                self._accept()
-                for n, pg in list(self.members.items()):
+                self._admit()
+                with self._members_lock:
+                    members = list(self.members.items())
+                for n, pg in members:
                     try:
                         self._send_one(pg, version, state)
                     except Exception as exc:
                         log.warning("direct weights: generator %d dropped (%s)", n, exc)
-                        self.members.pop(n, None)
+                        with self._members_lock:
+                            self.members.pop(n, None)
                 self.sent_s = time.perf_counter() - t0
             finally:
                 self._q.task_done()
@@ -172,12 +224,14 @@ class DirectReceiver:
     """A generator's side: a thread joins the learner's store and receives every version."""
 
     def __init__(self, run_dir: str | Path, name: str, device=None, timeout_s: float = 600.0):
-        self.path = Path(run_dir) / "weights" / "direct.json"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "weights" / "direct.json"
         self.name, self.timeout_s = name, timeout_s
         self.device = device
         self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self._stop = threading.Event()
         self._link = None  # (store, member number) of the current pair, for close()
+        self._link_lock = threading.Lock()
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-recv", daemon=True)
         self._thread.start()
@@ -196,12 +250,13 @@ class DirectReceiver:
         A gloo broadcast cannot be aborted from the waiting side, so the receiver asks the sender
         (a key in its store) for a goodbye; a sender that is gone fails the broadcast instead."""
         self._stop.set()
-        link = self._link
-        if link is not None:
-            try:
-                link[0].set(f"leave/{link[1]}", "1")
-            except Exception:
-                pass
+        with self._link_lock:  # the receiving thread closes the store only once this is done with it
+            link = self._link
+            if link is not None:
+                try:
+                    link[0].set(f"leave/{link[1]}", "1")
+                except Exception:
+                    pass
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.warning("direct weights: the receiver did not leave its pair within %.0f s", timeout_s)
@@ -229,10 +284,14 @@ class DirectReceiver:
                 time.sleep(0.5)
 
     def _serve(self, info: dict) -> None:
-        dist = torch.distributed
-        store = dist.TCPStore(info["host"], int(info["port"]), is_master=False, timeout=datetime.timedelta(seconds=60))
-        n = store.add("joins", 1)
-        pg = pair_group(info["backend"], dist.PrefixStore(f"pair/{n}", store), 1, self.timeout_s)
+        # As this generator, with the run's keys: the sender's store admits nobody else.
+        store = RunStore(self.run_dir, info["service"], self.name, datetime.timedelta(seconds=60))
+        try:
+            n = store.add("joins", 1)
+            pg = pair_group(info["backend"], torch.distributed.PrefixStore(f"pair/{n}", store), 1, self.timeout_s)
+        except BaseException:
+            store.close()
+            raise
         self._link = (store, n)
         try:
             if self._stop.is_set():  # close() came while joining: leave at once
@@ -240,19 +299,23 @@ class DirectReceiver:
             else:
                 self._receive(pg, info)
         finally:
-            self._link = None
+            with self._link_lock:
+                self._link = None
             self.connected.clear()
             _shutdown(pg)
+            store.close()
 
     def _receive(self, pg, info: dict) -> None:
         dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
-        self.connected.set()
         buffers: dict[str, torch.Tensor] = {}  # one staging set, reused while shapes stay
         while not self._stop.is_set():
             size = torch.zeros(1, dtype=torch.int64, device=dev)
             _bcast(pg, size)
             if int(size.item()) < 0:  # the learner said goodbye: wait for the next one to announce itself
                 return
+            if int(size.item()) == 0:  # the welcome: the sender counts us among its members from now on
+                self.connected.set()
+                continue
             raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
             _bcast(pg, raw)
             header = json.loads(raw.cpu().numpy().tobytes().decode())

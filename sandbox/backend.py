@@ -21,7 +21,7 @@ import os
 import shutil
 import signal as _signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hpcrl.sandbox.languages import get_language
@@ -330,14 +330,34 @@ class Backend(abc.ABC):
             return exc.result
 
     def run_in(
-        self, workspace: str, argv: tuple[str, ...], limits: Limits, *, reserve_mb: int = 0, stdin: bytes = b""
+        self,
+        workspace: str,
+        argv: tuple[str, ...],
+        limits: Limits,
+        *,
+        reserve_mb: int = 0,
+        stdin: bytes = b"",
+        watch: Callable[[], bool] | None = None,
+        watch_every_s: float = 0.2,
     ) -> ExecResult:
         """Run `argv` with the host directory `workspace` as /work (and working directory): a
-        session's command, through the same `_launch` as every one-shot run, so the same isolation."""
+        session's command, through the same `_launch` as every one-shot run, so the same isolation.
+        `watch()`, called every `watch_every_s` while it runs (in this thread, which also moves
+        its I/O), kills it when true: a quota the kernel does not hold (a measured workspace)."""
         s = self._launch((), tuple(argv), limits, reserve_mb=reserve_mb, workspace=workspace)
         try:
             if stdin:
                 s.send(stdin)
+            if watch is not None:
+                s.close_stdin()
+                due = time.monotonic() + watch_every_s
+                while s.alive():
+                    s.read_line(timeout_s=max(0.0, due - time.monotonic()))  # moves I/O and the deadline
+                    if time.monotonic() >= due:
+                        if watch():
+                            s.kill()
+                            break
+                        due = time.monotonic() + watch_every_s
             return s.finish()
         finally:
             s.kill()

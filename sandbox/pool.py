@@ -6,7 +6,8 @@ from one bounded queue.
     results = pool.map(lambda backend, spec: backend.run(spec), specs) # blocking, in order
     pool.close()
 
-A slot runs one sandbox at a time, so slot k's uid is never shared by two live sandboxes. The
+A slot runs one sandbox at a time on a uid of its own (bwrap as root: taken from the host's
+pool when the pool is built), so no two live sandboxes share a uid. The
 queue holds at most `queue_max` waiting jobs beyond the busy slots; `try_submit` refuses more
 instead of blocking, which is the server's backpressure.
 """
@@ -14,6 +15,7 @@ instead of blocking, which is the server's backpressure.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -51,9 +53,25 @@ class SlotPool:
 
     @classmethod
     def from_config(cls, cfg, slots: int | None = None) -> SlotPool:
-        """`slots` backends of `cfg.backend` (default `cfg.slots`), slot k as uid `cfg.uid_base + k`."""
+        """`slots` backends of `cfg.backend` (default `cfg.slots`); on bwrap as root each on its own
+        free uid of the host's pool (hpcrl.sandbox.uids), given back when the pool closes."""
         n = cfg.slots if slots is None else slots
-        return cls([make_backend(cfg, slot=k) for k in range(n)], queue_max=cfg.queue)
+        backends: list[Backend] = []
+        try:
+            for _ in range(n):
+                backends.append(make_backend(cfg))
+        except BaseException:
+            for b in backends:  # the uids taken so far go back
+                b.close()
+            raise
+        return cls(backends, queue_max=cfg.queue)
+
+    @property
+    def uids(self) -> list[int]:
+        """The host uids the slots run as (bwrap as root), else []."""
+        if os.geteuid() != 0:
+            return []
+        return [b.uid for b in self.backends if b.name == "bwrap"]
 
     @property
     def slots(self) -> int:

@@ -4,7 +4,8 @@
 
 It publishes endpoints/<name>.json in the run directory, admits only clients holding one of
 the run's keys, says at start which limits its backend enforces, and runs until SIGTERM or
-SIGINT. Clients: `hpcrl.sandbox.client.SandboxClient`.
+SIGINT. On bwrap as root its slots take free uids of the host's pool (hpcrl.sandbox.uids),
+listed in uids/<name>.json in the run directory while it holds them. Clients: `hpcrl.sandbox.client.SandboxClient`.
 
 Requests (envelopes with an id; body -> reply kind and body):
 
@@ -47,13 +48,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
 
+from hpcrl.core.files import atomic_write_json
 from hpcrl.core.liveness import beat
 from hpcrl.core.metrics import provide
 from hpcrl.core.rpc import DEFERRED, Reply, RequestServer
@@ -67,7 +71,7 @@ from hpcrl.sandbox.warm import WarmHarness
 
 log = logging.getLogger("hpcrl.sandbox.server")
 
-__all__ = ["SandboxServer", "serve"]
+__all__ = ["SandboxServer", "serve", "record_uids"]
 
 
 def _limits(d: Any) -> Limits | None:
@@ -336,9 +340,11 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     pool = SlotPool.from_config(cfg, slots=slots)
-    pool.backends[0].check()
-    node = Node(run_dir, name)
+    record = record_uids(run_dir, name, pool.uids)
+    node = None
     try:
+        pool.backends[0].check()
+        node = Node(run_dir, name)
         try:
             sessions = SessionManager.from_config(cfg)
         except (ValueError, OSError) as exc:  # executions need no session directory: serve them anyway
@@ -368,6 +374,21 @@ def serve(cfg, *, run_dir: str, slots: int, name: str = "sandbox-0", stop: threa
         pool.close()
         server.close()
     finally:
-        pool.close()
-        node.close()
+        pool.close()  # the slot uids go back to the host's pool
+        if record is not None:
+            record.unlink(missing_ok=True)
+        if node is not None:
+            node.close()
     return 0
+
+
+def record_uids(run_dir: str, name: str, uids: list[int]) -> Path | None:
+    """Write `uids/<name>.json` in the run directory: which host uids this server's slots run as
+    (for whoever audits or cleans up the host); removed when the server gives them back."""
+    if not uids:
+        return None
+    path = Path(run_dir) / "uids" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"name": name, "host": socket.gethostname(), "pid": os.getpid(), "uids": uids})
+    log.info("sandbox server %s: slot uids %s of this host's pool", name, ", ".join(map(str, uids)))
+    return path

@@ -29,6 +29,17 @@ Ownership: session ids are 128 random bits. The transport shows no caller identi
 Life: a session no operation touched for `sandbox.session_idle_s` is closed by `expire()`
 (the server calls it from its loop), at most `sandbox.max_sessions` are open, at most
 `sandbox.max_snapshots` snapshots each. Closing removes the workspace and every snapshot.
+
+Disk: a session holds its workspace (at most `work_mb`) and its snapshots, which together may
+hold one workspace's worth more (`work_mb` again); a snapshot past that is refused. On the
+server, what sessions keep on session_dir's disk (snapshots, and workspaces that are plain
+directories, counted at their quota from the open) stays within `sandbox.session_dir_mb`: an
+open or a snapshot that would pass it is refused. A tmpfs workspace is RAM, not that disk.
+A workspace whose quota is measured (no tmpfs) is held to it three ways: a write that would
+pass it is refused; a command runs with RLIMIT_FSIZE at the room left and is killed when a
+check every 0.2 s finds the workspace over its bytes or entries (so it passes the quota by at
+most what it writes in that time); and a workspace left over it runs no command and takes no
+write or snapshot until a restore brings it back (or the session closes).
 One operation at a time per session: a second one meanwhile is refused, not queued (it would
 hold a slot waiting).
 """
@@ -52,9 +63,10 @@ from typing import Any
 from hpcrl.sandbox.languages import get_language
 from hpcrl.sandbox.result import SandboxError
 from hpcrl.sandbox.spec import Limits
-from hpcrl.sandbox.workspace import Workspace, WorkspaceError, sweep
+from hpcrl.sandbox.workspace import Workspace, WorkspaceError, sweep, tree_footprint
 
 log = logging.getLogger(__name__)
+_MIB = 1024 * 1024
 
 __all__ = ["SessionOp", "SessionManager", "OPS", "json_result"]
 
@@ -160,6 +172,8 @@ class _Session:
     last_used: float
     lock: threading.Lock = field(default_factory=threading.Lock)
     snapshots: dict[str, str] = field(default_factory=dict)  # id -> directory
+    snap_bytes: int = 0  # what its snapshots hold on disk
+    disk: int = 0  # what it counts against the server's session_dir_mb
 
 
 class SessionManager:
@@ -173,6 +187,8 @@ class SessionManager:
         max_sessions: int = 64,
         max_snapshots: int = 8,
         ceiling: Limits | None = None,
+        max_disk_bytes: int | None = None,
+        tmpfs: bool = True,
         clock=time.monotonic,
     ):
         real = os.path.realpath(session_dir)
@@ -181,7 +197,9 @@ class SessionManager:
                 f"sandbox.session_dir {session_dir!r} is under /tmp, which each sandbox's launcher covers with its "
                 "own tmpfs (the workspace would not be seen); use e.g. /var/tmp/hpcrl-sessions"
             )
-        os.makedirs(real, mode=0o711, exist_ok=True)
+        if not os.path.lexists(real):
+            os.makedirs(real, mode=0o711, exist_ok=True)
+            os.chmod(real, 0o711)  # whatever the umask: slot uids pass through to their workspaces
         st = os.lstat(real)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             # In a world-writable place (/var/tmp) someone else's directory could have our
@@ -198,6 +216,9 @@ class SessionManager:
         self.max_sessions = max_sessions
         self.max_snapshots = max_snapshots
         self.ceiling = ceiling
+        self.max_disk_bytes = max_disk_bytes  # session_dir_mb: snapshots and measured workspaces together
+        self.tmpfs = tmpfs  # False: workspaces are directories on session_dir's disk, their quota measured
+        self.disk = 0  # bytes counted against max_disk_bytes, all sessions
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
@@ -214,6 +235,8 @@ class SessionManager:
             max_sessions=cfg.max_sessions,
             max_snapshots=cfg.max_snapshots,
             ceiling=cfg.ceiling,
+            max_disk_bytes=cfg.session_dir_mb * _MIB,
+            tmpfs=cfg.session_tmpfs,
         )
 
     def __len__(self) -> int:
@@ -286,11 +309,17 @@ class SessionManager:
             self._sessions[sid] = s
         try:
             os.mkdir(home, 0o711)
+            os.chmod(home, 0o711)  # the umask (the CLI's is 077) must not lock the slot uid out
             os.mkdir(os.path.join(home, "snap"), 0o700)
-            s.ws = Workspace.create(os.path.join(home, "work"), limits, getattr(backend, "uid", None))
+            s.ws = Workspace.create(os.path.join(home, "work"), limits, getattr(backend, "uid", None), self.tmpfs)
+            if not s.ws.mounted:  # on disk: it may grow to its quota, counted as such from now
+                self._count(s, s.ws.quota_bytes, f"a workspace of {limits.work_mb} MiB")
         except BaseException:
             with self._lock:
                 self._sessions.pop(sid, None)
+            self._uncount(s)
+            if s.ws is not None:
+                s.ws.remove()
             shutil.rmtree(home, ignore_errors=True)
             raise
         finally:
@@ -299,6 +328,7 @@ class SessionManager:
         return {"session": sid, "limits": limits.to_wire(), "quota": "tmpfs" if s.ws.mounted else "measured"}
 
     def _write(self, s: _Session, op: SessionOp, backend) -> dict:
+        self._check_measured(s)
         return {"bytes": s.ws.write(op.path, op.content, executable=op.executable)}
 
     def _read(self, s: _Session, op: SessionOp, backend) -> dict:
@@ -313,17 +343,47 @@ class SessionManager:
         limits = s.limits.replace(wall_s=t, cpu_s=t)
         if self.ceiling is not None:
             limits.check_within(self.ceiling, "run")
+        watch = None
+        if not s.ws.mounted:
+            used = self._check_measured(s)
+            # No file may outgrow the room left, and the run dies once the tree is over the quota.
+            room_mb = max(1, (s.ws.quota_bytes - used) // _MIB)
+            limits = limits.replace(file_size_mb=min(limits.file_size_mb, room_mb))
+            watch = lambda: self._over(s)[0] is not None
         s.ws.chown(getattr(backend, "uid", None))
-        res = backend.run_in(s.ws.root, op.cmd, limits, reserve_mb=s.reserve_mb, stdin=op.stdin)
+        res = backend.run_in(s.ws.root, op.cmd, limits, reserve_mb=s.reserve_mb, stdin=op.stdin, watch=watch)
         out = res.to_wire()
         # The program owns the workspace's root and may have opened it to every host user.
         os.chmod(s.ws.root, 0o700)
-        if not s.ws.mounted and s.ws.usage() > s.ws.quota_bytes:
+        over = self._over(s)[0] if watch is not None else None
+        if over is not None:
             raise WorkspaceError(
-                f"the run left the workspace over its quota of {s.limits.work_mb} MiB (limits.work_mb; measured, "
-                f"no tmpfs here); remove files with another run (status was {res.status})"
+                f"the run went over the workspace's quota ({over}; measured, no tmpfs here) and was stopped "
+                f"(status {res.status}); no command runs until a restore brings it back, or close the session"
             )
         return out
+
+    def _over(self, s: _Session) -> tuple[str | None, int]:
+        """(what a measured workspace is over, bytes or entries, or None; the bytes it holds)."""
+        size, entries = s.ws.footprint()
+        if size > s.ws.quota_bytes:
+            return f"{size / _MIB:.1f} MiB of limits.work_mb={s.limits.work_mb}", size
+        if entries > s.limits.inodes:
+            return f"{entries} entries of limits.inodes={s.limits.inodes}", size
+        return None, size
+
+    def _check_measured(self, s: _Session) -> int:
+        """The bytes a measured workspace holds; WorkspaceError if it is over its quota (a command
+        left it so): nothing but a restore or a close is done on it then."""
+        if s.ws.mounted:
+            return 0
+        over, size = self._over(s)
+        if over is not None:
+            raise WorkspaceError(
+                f"the workspace is over its quota ({over}): restore a snapshot, or close the session; "
+                "no command, write or snapshot is done on it until then"
+            )
+        return size
 
     def _snapshot(self, s: _Session, op: SessionOp, backend) -> dict:
         if len(s.snapshots) >= self.max_snapshots:
@@ -331,13 +391,29 @@ class SessionManager:
                 f"the session holds its maximum of {self.max_snapshots} snapshots (sandbox.max_snapshots); "
                 "open a new session for more"
             )
+        self._check_measured(s)
+        size = s.ws.usage()
+        quota = s.limits.work_mb * _MIB
+        if s.snap_bytes + size > quota:
+            raise ValueError(
+                f"the session's snapshots would hold {(s.snap_bytes + size) / _MIB:.1f} MiB, over their quota of "
+                f"{s.limits.work_mb} MiB (limits.work_mb: one workspace's worth for all of them); open a session "
+                "with more work_mb, or a new one"
+            )
+        self._count(s, size, f"a snapshot of {size / _MIB:.1f} MiB")
         snap = secrets.token_hex(8)
         d = os.path.join(s.home, "snap", snap)
         try:
             s.ws.copy_to(d)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)
+            self._uncount(s, size)
             raise
+        actual = tree_footprint(d)[0]  # the copy's own blocks (directories are allocated anew)
+        with self._lock:
+            self.disk += actual - size
+            s.disk += actual - size
+        s.snap_bytes += actual
         s.snapshots[snap] = d
         return {"snapshot": snap}
 
@@ -373,10 +449,29 @@ class SessionManager:
             raise ValueError(f"no open session {sid!r} on this server (closed meanwhile); open a new one")
         return s
 
+    def _count(self, s: _Session, size: int, what: str) -> None:
+        """Count `size` bytes of `s` against the server's session_dir_mb, or refuse (ValueError)."""
+        with self._lock:
+            if self.max_disk_bytes is not None and self.disk + size > self.max_disk_bytes:
+                raise ValueError(
+                    f"this sandbox server's sessions hold {self.disk / _MIB:.1f} MiB of disk; {what} would pass its "
+                    f"cap of {self.max_disk_bytes // _MIB} MiB (sandbox.session_dir_mb); close sessions or snapshot "
+                    "less"
+                )
+            self.disk += size
+            s.disk += size
+
+    def _uncount(self, s: _Session, size: int | None = None) -> None:
+        with self._lock:
+            size = s.disk if size is None else size
+            self.disk -= size
+            s.disk -= size
+
     def _destroy(self, s: _Session) -> None:
         if s.ws is not None:
             s.ws.remove()
         shutil.rmtree(s.home, ignore_errors=True)
+        self._uncount(s)
 
 
 def json_result(result: dict) -> dict:

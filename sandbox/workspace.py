@@ -18,8 +18,9 @@ its pid namespace), so the tree cannot change under these walks.
 Quota: as root the workspace is its own tmpfs, mounted with `size=` work_mb and `nr_inodes=`
 inodes (the same caps as a one-shot run's /work, hpcrl.sandbox.launcher), nosuid and nodev:
 the kernel refuses writes over it, the server's and the program's alike (ENOSPC). Where no
-tmpfs can be mounted (not root; apptainer on a cluster) it is a plain directory and the quota
-is measured: writes that would pass it are refused, and `usage()` after a run tells the caller.
+tmpfs can be mounted (not root; apptainer on a cluster; `sandbox.session_tmpfs: false`) it is
+a plain directory and the quota is measured (`footprint()`): the server refuses writes that
+would pass it, and the session's commands are held to it as hpcrl.sandbox.session says.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from hpcrl.sandbox.launcher import tmpfs_options
 from hpcrl.sandbox.spec import Limits
 
-__all__ = ["Workspace", "WorkspaceError", "check_path", "sweep"]
+__all__ = ["Workspace", "WorkspaceError", "check_path", "sweep", "tree_footprint"]
 
 _MIB = 1024 * 1024
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
@@ -82,10 +83,11 @@ class Workspace:
     mounted: bool
 
     @classmethod
-    def create(cls, root: str, limits: Limits, uid: int | None) -> Workspace:
+    def create(cls, root: str, limits: Limits, uid: int | None, tmpfs: bool = True) -> Workspace:
+        """A new workspace at `root`: as root (and `tmpfs`) a tmpfs of its own, else a directory."""
         os.mkdir(root, 0o700)
         mounted = False
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and tmpfs:
             opts = tmpfs_options(limits.work_mb, limits.inodes, "0700").encode()
             mounted = _libc.mount(b"hpcrl-session", root.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) == 0
             global _warned
@@ -190,7 +192,11 @@ class Workspace:
 
     def usage(self) -> int:
         """Bytes the workspace holds (allocated blocks, as a quota counts them)."""
-        return sum(st.st_blocks * 512 for _, _, st in self._walk(self.root))
+        return self.footprint()[0]
+
+    def footprint(self) -> tuple[int, int]:
+        """(bytes held, entries: files, directories, links), as a quota counts them."""
+        return tree_footprint(self.root)
 
     # -- snapshots ---------------------------------------------------------------------------
     def copy_to(self, dest: str) -> None:
@@ -268,6 +274,15 @@ class Workspace:
             for name in dirnames + filenames:
                 with contextlib.suppress(FileNotFoundError):
                     yield rel, name, os.stat(name, dir_fd=dfd, follow_symlinks=False)
+
+
+def tree_footprint(root: str) -> tuple[int, int]:
+    """(allocated bytes, entries) of the tree under `root`, links not followed."""
+    size = count = 0
+    for _, _, st in Workspace._walk(root):
+        size += st.st_blocks * 512
+        count += 1
+    return size, count
 
 
 def _copy_tree(src: str, dest: str, uid: int | None) -> None:

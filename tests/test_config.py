@@ -282,11 +282,17 @@ def test_partial_section_keeps_the_fields_own_defaults(tmp_path):
         (b"learner:\n  max_steps: " + b"9" * 30 + b"\n", "learner.max_steps: must fit in 64 bits"),
         (b"learner:\n  lr: " + b"9" * 400 + b"\n", "learner.lr: must be a finite number"),
         (b"experiment:\n  name: " + b"x" * 5000 + b"\n", "characters)"),
+        # Each level repeats the one before nine times: 9^8 strings from a few hundred bytes.
+        (
+            b"learner:\n  deepspeed:\n    a0: &a0 [x, x, x, x, x, x, x, x, x]\n"
+            + b"".join(f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n".encode() for i in range(1, 9)),
+            "exp.yaml:4:14: invalid YAML: alias *a0 is not accepted",
+        ),
     ],
-    ids=["5000-digit int", "5000 nested [", "not UTF-8", "inf", "huge int", "huge float", "long string"],
+    ids=["5000-digit int", "5000 nested [", "not UTF-8", "inf", "huge int", "huge float", "long string", "alias bomb"],
 )
 def test_hostile_config_files_fail_with_one_short_line_exit_2(tmp_path, content, fragment):
-    path = tmp_path / "hostile.yaml"
+    path = tmp_path / "exp.yaml"
     path.write_bytes(content)
     r = hpcrl("validate", str(path))
     assert r.returncode == 2, r.stderr[-2000:]

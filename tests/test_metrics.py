@@ -126,3 +126,86 @@ def test_every_component_of_a_run_serves_its_metrics(tmp_path):
     by_name = {c["name"]: c for c in snap["components"]}
     assert by_name["gen-0"]["metrics_url"] == urls["gen-0"], by_name
     assert {p.name for p in textfiles} >= {f"hpcrl_prom_{n}.prom" for n in want}
+
+
+# -- no listener by default; a bounded one when asked ---------------------------------------------
+
+_SERVE = """
+import sys, time
+from pathlib import Path
+from hpcrl.core.config import load_config
+from hpcrl.core.metrics import provide, serve
+run_dir = Path(sys.argv[1])
+run_dir.mkdir(exist_ok=True)
+provide(lambda: {"episodes_total": 7})
+print(serve(run_dir, "gen-0", load_config(None, sys.argv[2:]).metrics), flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def _metrics_process(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    import sys
+
+    cmd = [sys.executable, "-c", _SERVE, str(run_dir), *overrides]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))
+
+
+def test_by_default_metrics_open_no_socket_and_go_to_the_runs_textfile(tmp_path):
+    from listeners import listeners
+
+    proc, url = _metrics_process(tmp_path / "run", "metrics.textfile_every_s=0.2")
+    try:
+        text = wait_for(
+            lambda: (
+                (tmp_path / "run" / "metrics" / "gen-0.prom").exists()
+                and (tmp_path / "run" / "metrics" / "gen-0.prom").read_text()
+            ),
+            60,
+            what="the textfile",
+        )
+        assert url == "None" and not listeners(proc.pid), listeners(proc.pid)
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    assert 'hpcrl_episodes_total{component="gen-0",run="run"} 7.0' in text
+    assert json.loads((tmp_path / "run" / "metrics" / "gen-0.json").read_text())["url"] is None
+
+
+def test_an_endpoint_holds_few_connections_and_drops_the_silent_ones(tmp_path):
+    import socket
+    import urllib.parse
+
+    proc, url = _metrics_process(tmp_path / "run", "metrics.bind_host=127.0.0.1")
+    half: list[socket.socket] = []
+    try:
+        port = urllib.parse.urlsplit(url).port
+        before = _threads(proc.pid)
+        for _ in range(100):  # each sends half a request and then nothing
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            half.append(s)
+        assert "hpcrl_episodes_total" in _scrape(url)  # a scrape still gets through
+        assert _threads(proc.pid) <= before, "a thread per connection"
+
+        def all_closed() -> bool:
+            for s in half:
+                s.settimeout(30)
+                try:
+                    if s.recv(1) != b"":
+                        return False
+                except ConnectionResetError:
+                    pass
+            return True
+
+        assert wait_for(all_closed, 120, what="the server to close every silent connection")
+    finally:
+        for s in half:
+            s.close()
+        proc.stdin.close()
+        proc.wait(30)

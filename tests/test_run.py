@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child_setup() -> None:
-    # A site umask of 002 (group-writable) must not make the run directory writable by others.
+    # A site umask of 002 (group-writable) must not open the run directory to others.
     os.umask(0o002)
     # Tests stop runs with SIGINT, as Ctrl-C would. A suite started in the background (`make test &`,
     # nohup, a CI runner) hands its children SIGINT ignored, and Python then installs no
@@ -84,8 +84,8 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
     assert status["state"] == "finished"  # not "stopping": the coordinator wrote its last word on exit
     assert set(status["busy"]) == {"generator", "learner", "sandbox"}
     assert all(r["traj_per_s"] > 0 for r in rows[10:])
-    writable = [str(p) for p in [run_dir, *run_dir.rglob("*")] if not p.is_symlink() and p.stat().st_mode & 0o022]
-    assert not writable, f"group/world-writable under the run directory: {writable[:5]}"
+    shared = [str(p) for p in [run_dir, *run_dir.rglob("*")] if not p.is_symlink() and p.stat().st_mode & 0o077]
+    assert not shared, f"readable or writable by others under the run directory: {shared[:5]}"
     stat = hpcrl("status", str(run_dir))
     text = finish(stat, 300)
     assert stat.returncode == 0, text

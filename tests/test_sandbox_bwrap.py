@@ -229,7 +229,7 @@ def test_two_processes_cannot_share_a_slot_uid(as_root):
         with pytest.raises(
             SandboxUnavailable,
             match=rf"slot uid {uid} is in use by another sandbox process on this host \(pid {holder.pid}, .*"
-            r"give each run its own range with sandbox.uid_base",
+            r"take free ones from the pool",
         ):
             BwrapBackend(uid=uid)
     finally:

@@ -132,6 +132,7 @@ def test_killing_a_sandbox_server_under_live_session_episodes(tmp_path, monkeypa
         "sandbox.servers=2",
         f"sandbox.uid_base={UID_BASE}",
         f"sandbox.session_dir={SESSION_DIR}",
+        "metrics.bind_host=127.0.0.1",  # _sessions() reads the servers' endpoints
         "--run-id",
         mode,
     )

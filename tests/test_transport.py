@@ -248,6 +248,36 @@ def test_curve_rejects_unknown_peer_wrong_key_and_plaintext_and_keeps_serving(tm
         assert server.served == 1
 
 
+def test_strangers_looping_on_handshakes_are_counted_and_logged_at_a_bounded_rate(tmp_path, caplog):
+    """Failed handshakes cost a counter and a line per interval, never a line each: strangers
+    trying fresh keys must not fill the run directory's logs."""
+    from hpcrl.core.transport import HANDSHAKE_FAILURES
+
+    run = tmp_path / "run"
+    caplog.set_level(logging.INFO, logger="hpcrl.transport")
+    with server_thread(run, "svc-0", lambda n: RequestServer(n, "echo", echo)) as server:
+        ep = read_endpoint(run, "echo")
+        before = sum(HANDSHAKE_FAILURES.values())
+        ctx = zmq.Context()
+        try:
+            for _ in range(100):  # a handshake each, with fresh keys
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+                sock.curve_serverkey = ep.public_key
+                sock.connect(ep.address)
+                sock.send_multipart(encode("hello", {}, msg_id="x"), zmq.NOBLOCK)
+            assert wait_until(lambda: sum(HANDSHAKE_FAILURES.values()) - before >= 100, 120), HANDSHAKE_FAILURES
+        finally:
+            ctx.destroy(0)
+        with Node(run, "gen-0") as node:  # and the server still serves the run
+            assert RequestClient(node, "echo", timeout_s=5).request("hello", 1).body == {"got": 1}
+        assert server.served == 1
+    lines = [r for r in caplog.records if r.name.startswith("hpcrl.transport") and r.levelno >= logging.INFO]
+    assert len(lines) <= 6, [r.getMessage() for r in lines]
+    assert any("rejected CURVE client key" in r.getMessage() for r in lines)
+
+
 def test_oversized_and_malformed_are_dropped_and_server_keeps_serving(tmp_path, caplog):
     run = tmp_path / "run"
     limits = WireLimits(max_message_bytes=64 << 10)

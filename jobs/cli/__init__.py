@@ -17,7 +17,7 @@ import sys
 from hpcrl import __version__
 from hpcrl.core.files import StateFileError
 from hpcrl.core.schema import ConfigError
-from hpcrl.jobs.rundir import RunDirError
+from hpcrl.jobs.rundir import RunDirError, private_umask
 from hpcrl.slurm.command import SlurmCommandError
 
 # Verb modules in the order `--help` lists them.
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    private_umask()  # whatever a verb creates (run directories, scripts, jobs' logs) is the user's alone
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -7,7 +7,7 @@
 The policy is the run's own (config.resolved.yaml) with the weights it published as --version
 (default: the latest kept; learner.keep_weights sets how many are kept). Samples come from the
 project's generation engine on this machine's CPU, and code domains are judged in a local
-sandbox (the run's sandbox config, on slot uids after its servers', so a live run is not
+sandbox (the run's sandbox config, on a free uid of this host's pool, so a live run is not
 disturbed). `n` is the number of samples per task; pass@k is the unbiased estimator over them
 (rl/evaluate.py). Tasks are the domain's held-out split (rl/domains/base.py `eval_indices`);
 a domain without one is refused, unless --train-tasks asks for its training tasks (the output
@@ -83,10 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     judge = None
     if domain.needs_executor:
-        from hpcrl.jobs.launch import server_sandbox_config
         from hpcrl.sandbox.auto import make_backend
 
-        judge = SandboxJudge(make_backend(server_sandbox_config(cfg.sandbox, cfg.sandbox.servers)))
+        judge = SandboxJudge(make_backend(cfg.sandbox))
     try:
         policy, version = load_run_policy(run_dir, cfg.policy, args.version, seed=cfg.experiment.seed)
         result = evaluate(

@@ -9,6 +9,8 @@
 `exec` exits 0 whenever the sandbox ran, whatever the program did (its status is in the
 output); 1 when the sandbox itself failed (status sandbox_error, or no sandbox available);
 2 for bad input. `session` exits 0 when every operation's result is ok, 1 when one is not.
+As root, each of them (and each server's slot) runs as a uid of the host's pool that no other
+sandbox uses meanwhile, so any number of them, of any runs and users, can run on one host.
 """
 
 from __future__ import annotations
@@ -102,7 +104,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="experiment YAML (default: built-in defaults)")
-    p.add_argument("--slot", type=int, default=0, help="slot number (bwrap: host uid = sandbox.uid_base + slot)")
 
 
 def _usage(p: argparse.ArgumentParser) -> int:
@@ -117,12 +118,10 @@ def _sandbox_cfg(args: argparse.Namespace):
 
 
 def _backend(args: argparse.Namespace):
-    from hpcrl.jobs.cli import UsageError
+    """The configured backend; bwrap as root on a free uid of the host's pool, given back at exit."""
     from hpcrl.sandbox.auto import make_backend
 
-    if args.slot < 0:
-        raise UsageError(f"--slot must be >= 0 (got {args.slot})")
-    return make_backend(_sandbox_cfg(args), slot=args.slot)
+    return make_backend(_sandbox_cfg(args))
 
 
 def run_exec(args: argparse.Namespace) -> int:

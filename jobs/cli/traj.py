@@ -286,7 +286,9 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def _find(store: Path, ident: str) -> list:
-    """The stored trajectories `ident` names (an episode number or run/generator/episode)."""
+    """The stored trajectories `ident` names (an episode number or run/generator/episode).
+    Segments whose manifest entry gives an episode range without it are not opened, so the
+    cost follows what matches, not the size of the store."""
     from hpcrl.rl.store.layout import list_shards
     from hpcrl.rl.store.reader import _segments_of
     from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
@@ -299,6 +301,9 @@ def _find(store: Path, ident: str) -> list:
     out = []
     for state in list_shards(store):
         for seg in _segments_of(state):
+            e = seg.expect
+            if e is not None and e.min_episode >= 0 and not e.min_episode <= episode <= e.max_episode:
+                continue
             path = state.path / seg.name
             try:  # the id column first: only segments holding a match are read whole
                 ids = read_segment(path, seg.expect, fields=("traj",)).ids()

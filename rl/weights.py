@@ -238,12 +238,18 @@ class WeightStore:
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, path)
-        # Atomic: rank 0 polls for it and reads it at once.
-        atomic_write_json(d / f"shard-{rank:05d}.done", sorted(state))
+        # Atomic (rank 0 polls for it and reads it at once), not fsynced: it is a signal to rank
+        # 0, whose index.json and latest.json are; a sync here would also wait, on a journalled
+        # local filesystem, for the shard's data just written.
+        marker = d / f"shard-{rank:05d}.done"
+        tmp_marker = d / f".{marker.name}.{os.getpid()}.tmp"
+        tmp_marker.write_text(json.dumps(sorted(state)))
+        os.replace(tmp_marker, marker)
         return path
 
-    def finish_version(self, version: int, world: int, timeout_s: float = 3600.0) -> None:
-        """Rank 0: wait for every shard of `version`, write its index, announce it, prune."""
+    def finish_version(self, version: int, world: int, timeout_s: float = 3600.0, prune: bool = True) -> None:
+        """Rank 0: wait for every shard of `version`, write its index, announce it, prune (after
+        the announcement: removing old versions delays no reader)."""
         d = self.version_dir(version)
         deadline = time.monotonic() + timeout_s
         tensors: dict[str, str] = {}
@@ -256,7 +262,8 @@ class WeightStore:
             tensors.update(dict.fromkeys(json.loads(marker.read_text()), f"shard-{r:05d}.safetensors"))
         atomic_write_json(d / "index.json", {"version": version, "shards": world, "tensors": tensors})
         atomic_write_json(self.dir / "latest.json", {"version": version, "dir": d.name})
-        self._prune(version)
+        if prune:
+            self.prune(version)
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         """Everything from one process: one shard, index, announcement."""
@@ -273,7 +280,8 @@ class WeightStore:
             if m and int(m.group(1)) > version:
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _prune(self, newest: int) -> None:
+    def prune(self, newest: int) -> None:
+        """Remove the versions `keep` or more below `newest`."""
         for p in self.dir.glob("v*"):
             m = _DIR.fullmatch(p.name)
             if m and int(m.group(1)) <= newest - self.keep:

@@ -320,9 +320,11 @@ def _decoder(store: Path):
     """The run's tokenizer's decode (its config.resolved.yaml beside the store), or None."""
     try:
         from hpcrl.core.config import load_config
-        from hpcrl.rl.policy import load_tokenizer
 
         cfg = load_config(str(store.parent / "config.resolved.yaml"), [])
+        # Only now: the tokenizer's import (transformers, torch) costs more than the lookup.
+        from hpcrl.rl.policy import load_tokenizer
+
         tok = load_tokenizer(cfg.policy)
         return lambda ids: tok.decode([int(i) for i in ids])
     except Exception:  # no run config, no tokenizer files here: token counts only

@@ -88,33 +88,34 @@ class IndexPart:
 
 
 def index_part(batches: Sequence[Columns]) -> IndexPart:
-    """The index entries of a segment made of `batches` (vectorised but for hashing the ids)."""
-    keys, domains, tokens = [], [], []
-    sums: dict[str, dict[str, float]] = {}
+    """The index entries of a segment made of `batches`: gathered batch by batch, summed once."""
+    ids, domains, tokens, step_domains = [], [], [], []
+    times: dict[str, list[np.ndarray]] = {f: [] for f in _STEP_TIMES}
     for cols in batches:
         t, st = cols.traj, cols.steps
         if not len(t):
             continue
-        keys.append(id_keys(cols.ids()))
+        ids += cols.ids()
         domains.append(t["domain"])
-        tokens.append(t["n_tokens"].astype(np.int64))
-        doms, inv = np.unique(t["domain"], return_inverse=True)
-        owner = np.repeat(inv, t["n_steps"].astype(np.int64))
+        tokens.append(t["n_tokens"])
         rows = step_rows(t["step_start"], t["n_steps"])
-        k = len(doms)
-        add = {
-            "trajectories": np.bincount(inv, minlength=k),
-            "steps": np.bincount(owner, minlength=k),
-            "tokens": np.bincount(inv, t["n_tokens"], k),
-            **{f: np.bincount(owner, st[f][rows], k) for f in _STEP_TIMES},
-        }
-        for i, d in enumerate(doms):
-            acc = sums.setdefault(d.decode(), dict.fromkeys(SUMS, 0))
-            for f, arr in add.items():
-                acc[f] += arr[i].item()
-    if not keys:
+        step_domains.append(np.repeat(t["domain"], t["n_steps"].astype(np.int64)))
+        for f in _STEP_TIMES:
+            times[f].append(st[f][rows])
+    if not ids:
         return IndexPart(np.zeros(0, "S16"), np.zeros(0, "S1"), np.zeros(0, np.int64), {})
-    return IndexPart(np.concatenate(keys), np.concatenate(domains), np.concatenate(tokens), sums)
+    dom, tok = np.concatenate(domains), np.concatenate(tokens).astype(np.int64)
+    names, inv = np.unique(dom, return_inverse=True)
+    k = len(names)
+    step_inv = np.searchsorted(names, np.concatenate(step_domains))
+    add = {
+        "trajectories": np.bincount(inv, minlength=k),
+        "steps": np.bincount(step_inv, minlength=k),
+        "tokens": np.bincount(inv, tok, k),
+        **{f: np.bincount(step_inv, np.concatenate(times[f]), k) for f in _STEP_TIMES},
+    }
+    sums = {d.decode(): {f: arr[i].item() for f, arr in add.items()} for i, d in enumerate(names)}
+    return IndexPart(id_keys(ids), dom, tok, sums)
 
 
 @dataclass(frozen=True)

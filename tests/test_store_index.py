@@ -56,9 +56,15 @@ def test_a_restarted_writer_dedups_from_the_indexes_without_reading_a_segment(tm
     first, second = list_shards(tmp_path)[:2]
     (first.path / INDEX_NAME).write_bytes((second.path / INDEX_NAME).read_bytes())
     assert read_index(first.path, first.manifest.segments) is None
+    # A damaged one (a flipped bit) is not used either.
+    third = list_shards(tmp_path)[2]
+    data = bytearray((third.path / INDEX_NAME).read_bytes())
+    data[-30] ^= 1
+    (third.path / INDEX_NAME).write_bytes(bytes(data))
+    assert read_index(third.path, third.manifest.segments) is None
     calls.clear()
     w = ShardWriter(tmp_path, "w0", CFG)
-    assert sorted(calls) == sorted(s.name for s in first.manifest.segments)
+    assert sorted(calls) == sorted(s.name for s in first.manifest.segments + third.manifest.segments)
     assert w.stored_mask([t.id for t in old]) == [True] * 20
     w.close()
 

@@ -2,8 +2,9 @@
 
     part = index_part(batches)                # per segment, from the batches it was made of
     write_index(shard, [part, ...], segments) # before the manifest: IDS.bin (atomic, fsynced)
-    idx = read_index(state)                   # ShardIndex, or None: read the segments instead
-    stored = StoredIds.load(store, "store-0") # a writer's dedup check, opened in O(shards)
+    idx = read_index(shard, manifest.segments)  # ShardIndex, or None: read the segments instead
+
+(`hpcrl.rl.store.lease.StoredIds` is a writer's dedup check over these indexes.)
 
 `IDS.bin` holds one record per trajectory of the shard, sorted by a 128-bit hash of its id
 (BLAKE2b): the hash, the trajectory's domain (an index into the file's domain list) and its
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.rl.store.columns import Columns
-from hpcrl.rl.store.segment import SegmentInfo
+from hpcrl.rl.store.segment import SegmentInfo, crc32
 
 __all__ = [
     "INDEX_NAME",
@@ -161,7 +162,7 @@ def write_index(shard: Path, parts: Sequence[IndexPart], segments: Sequence[Segm
     ]
     crc = 0
     for b in body:
-        crc = zlib.crc32(b, crc)
+        crc = crc32(b, crc)
     tmp = shard / f".{INDEX_NAME}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as fh:
@@ -176,10 +177,10 @@ def write_index(shard: Path, parts: Sequence[IndexPart], segments: Sequence[Segm
         raise
 
 
-def read_index(shard: Path, segments: Sequence[SegmentInfo] | None, verify: bool = False) -> ShardIndex | None:
-    """The index of a finalized shard if it covers exactly `segments` (its manifest's; None:
-    read the segments instead). The records are memory-mapped; `verify` also checks the
-    file's CRC (reading all of it)."""
+def read_index(shard: Path, segments: Sequence[SegmentInfo] | None) -> ShardIndex | None:
+    """The index of a finalized shard if it is intact (its CRC) and covers exactly `segments`
+    (its manifest's); None: read the segments instead. The records are memory-mapped (the CRC
+    check has just brought them into the page cache: 24 bytes per trajectory)."""
     if segments is None:
         return None
     path = shard / INDEX_NAME
@@ -195,7 +196,8 @@ def read_index(shard: Path, segments: Sequence[SegmentInfo] | None, verify: bool
             return None
         if head["rows"] != sum(s.rows for s in segments) or head["crc32"] != segments_crc(segments):
             return None  # written for another segment list (e.g. by a writer fenced meanwhile)
-        if verify and zlib.crc32(path.read_bytes()[_HEAD.size :]) != crc:
+        if crc32(memoryview(path.read_bytes())[_HEAD.size :]) != crc:
+            log.warning("shard %s: index damaged (checksum); reading its segments instead", shard.name)
             return None
         mm = np.memmap(path, dtype=np.uint8, mode="r") if n else np.zeros(base, np.uint8)
         keys = mm[base : base + 16 * n].view("S16")

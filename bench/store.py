@@ -1,6 +1,6 @@
-"""Trajectory store throughput: HDF5 shard writer vs raw numpy vs JSONL, and the reader.
+"""Trajectory store throughput: HDF5 shard writer vs raw numpy vs JSONL, the reader, and restart.
 
-    .venv/bin/python bench/store.py [--count 1536] [--flush-every 64] [--repeat 5] [--dir /tmp]
+    .venv/bin/python bench/store.py [--count 1536] [--flush-every 64] [--repeat 5] [--dir /tmp] [--quick] [--json]
 
 All three writers get the same trajectories (synthetic multi-step episodes of ~4k tokens) and
 the same durability: data fsynced once per flush of `--flush-every` trajectories, and the
@@ -19,6 +19,14 @@ directory fsynced once the file is new (a created file's name is not durable unt
 "payload" is the bytes of the flat arrays and record tables (what raw writes); every rate is
 payload MB/s so the figures compare. Each variant runs `--repeat` times, interleaved, and the
 median is reported. The storage-only lines time pre-encoded columns, isolating the file format.
+
+restart: a writer started on a store another writer of its name filled and closed, for two store
+sizes ten times apart (`--restart-sizes`): `restart_s` with the shards' indexes (the writer's
+dedup check opens them, reading no segment) against `restart_legacy_s`, the same store with the
+indexes removed (every segment's id column read, as before indexes existed), interleaved.
+
+--json prints one object: writer_mb_s and raw_mb_s (the wire path, payload MB/s), the other
+variants' rates, and `restart` with `sizes`, `restart_s` and `restart_legacy_s` per size.
 
 The ratios depend on the machine: where an fsync is slow (ms), raw waits for each one while the
 writer syncs on a background thread; where it is fast (tmpfs, a fresh VM's cached disk), both are
@@ -43,10 +51,11 @@ import numpy as np
 
 from hpcrl.core.config import StoreConfig
 from hpcrl.rl.store.columns import Columns, EncodeBuffers, wire_bytes
+from hpcrl.rl.store.index import INDEX_NAME
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.segment import publish_segment, write_segment
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import synth_trajectory
+from hpcrl.rl.synth import SynthShape, synth_trajectory
 
 
 def batches(trajs, n):
@@ -184,6 +193,39 @@ def run_reader(root: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def restart_bench(root: Path, sizes: list[int], rounds: int) -> dict:
+    """Seconds to start a writer on a closed store of each size, with and without the indexes."""
+    shape = SynthShape(first_prompt=(20, 40), later_prompt=(2, 6), action=(10, 30), observation=(0, 20))
+    cfg = StoreConfig(flush_interval_s=3600, shard_max_rows=4096)
+    out: dict = {"sizes": sizes, "restart_s": [], "restart_legacy_s": [], "segments": [], "shards": []}
+    for n in sizes:
+        rng = np.random.default_rng(1)
+        store = root / f"restart-{n}"
+        with ShardWriter(store, "w0", cfg) as w:
+            for i in range(n):
+                w.append(synth_trajectory(rng, "bench", "gen-0", i, shape))
+        shards = [p for p in store.iterdir() if p.is_dir()]
+        indexes = {p: (p / INDEX_NAME).read_bytes() for p in shards}
+        with_idx, legacy = [], []
+        for _ in range(rounds):
+            for kind in ("index", "legacy"):
+                for p, data in indexes.items():  # the store as the variant needs it
+                    if kind == "index":
+                        (p / INDEX_NAME).write_bytes(data)
+                    else:
+                        (p / INDEX_NAME).unlink(missing_ok=True)
+                t0 = time.perf_counter()
+                w = ShardWriter(store, "w0", cfg)
+                dt = time.perf_counter() - t0
+                w.close()  # nothing appended: its empty shard is removed
+                (with_idx if kind == "index" else legacy).append(dt)
+        out["restart_s"].append(round(statistics.median(with_idx), 4))
+        out["restart_legacy_s"].append(round(statistics.median(legacy), 4))
+        out["segments"].append(sum(1 for p in shards for _ in p.glob("seg-*.h5")))
+        out["shards"].append(len(shards))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=1536)
@@ -192,7 +234,15 @@ def main() -> int:
     p.add_argument(
         "--dir", default=None, help="where to write (default: a temp dir; use the filesystem you care about)"
     )
+    p.add_argument("--restart-sizes", default="2000,20000", help="store sizes (trajectories) for the restart")
+    p.add_argument("--quick", action="store_true", help="512 trajectories, 3 repeats, restart sizes 1000,10000")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout (the table goes to stderr)")
     args = p.parse_args()
+    if args.quick:
+        args.count, args.repeat, args.restart_sizes = 512, 3, "1000,10000"
+    if args.json:
+        sys.stdout = sys.stderr  # the human-readable lines; the JSON goes to the real stdout
+    restart_sizes = [int(x) for x in args.restart_sizes.split(",")]
     rng = np.random.default_rng(0)
     trajs = [synth_trajectory(rng, "bench", "gen-0", i) for i in range(args.count)]
     cols_list = [Columns.encode(b) for b in batches(trajs, args.flush_every)]
@@ -258,6 +308,30 @@ def main() -> int:
         f"{best['raw columns'] / best['hdf5 columns']:.2f})"
     )
     print(f"ratio reader/hdf5 writer     {med['hdf5'] / rd:.2f}")
+    base = Path(tempfile.mkdtemp(prefix="hpcrl-bench-store-", dir=args.dir))
+    try:
+        restart = restart_bench(base, restart_sizes, args.repeat)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    for i, n in enumerate(restart_sizes):
+        print(
+            f"restart, {n} trajectories ({restart['segments'][i]} segments, {restart['shards'][i]} shards): "
+            f"{restart['restart_s'][i]:.4f} s with indexes, {restart['restart_legacy_s'][i]:.4f} s reading segments"
+        )
+    if args.json:
+        report = {
+            "count": args.count,
+            "payload_mb": round(payload / 1e6, 2),
+            "writer_mb_s": round(rate["hdf5 columns"], 1),
+            "raw_mb_s": round(rate["raw columns"], 1),
+            "writer_over_raw": round(med["raw columns"] / med["hdf5 columns"], 3),
+            "rates_mb_s": {k: round(v, 1) for k, v in rate.items()},
+            "reader_mb_s": round(payload / rd / 1e6, 1),
+            "restart": restart,
+            "restart_s": restart["restart_s"],
+            "load_average": round(os.getloadavg()[0], 2),
+        }
+        sys.__stdout__.write(json.dumps(report) + "\n")
     return 0
 
 

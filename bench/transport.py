@@ -73,8 +73,8 @@ class MemorySink:
     def seconds_to_flush(self):
         return max(0.0, self.interval_s - (time.monotonic() - self.oldest)) if self.buffer else None
 
-    def is_stored(self, tid):
-        return tid in self.stored
+    def stored_mask(self, ids):
+        return [tid in self.stored for tid in ids]
 
     def is_pending(self, tid):
         return tid in self.buffer

@@ -1,19 +1,28 @@
-"""Seconds per policy version for the two weight paths, against the raw transport (issue 13).
+"""Seconds per policy version for the two weight paths, against the raw transport.
 
-    python bench/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--dtype bfloat16] [--rounds 3] [--json]
+    python bench/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--dtype bfloat16] [--rounds 5] [--json]
 
-A Llama of >= 100M parameters (random init, built here), its weights in the policy dtype:
+A Llama of >= 100M parameters (random init, built here), its weights in the policy dtype and
+gathered, as the learner does, into flat host buckets of at most 64M parameters each:
 
-* file_s: `WeightStore.publish` (the learner's shard write) + a generator's `load_if_newer`
-  (read + swap into its model), per version;
+* file_s: the learner's shard write and announcement (`WeightStore.write_shard` +
+  `finish_version`) + a generator's `load_if_newer` (map + swap into its model), per version;
+  removing old versions, which the store does after announcing, is not timed (nor is the
+  plain copy's unlink);
 * file_copy_s: the same bytes as one flat buffer written to a file and read back into a tensor
   (what any file path costs at least);
-* direct_s: `DirectSender.send` to a `DirectReceiver` in another process until that process
-  has swapped the version into its model (gloo over loopback on this machine);
-* broadcast_raw_s: one flat buffer of the same bytes broadcast over a two-process gloo group.
+* direct_s: `DirectSender.send` of the buckets to a `DirectReceiver` in another process until
+  that process has swapped the version into its model (gloo over loopback on this machine);
+* broadcast_raw_s: one flat buffer of the same bytes broadcast over a two-process gloo group;
+* swap_s: a background generator's pause for one swap (`last_swap_s`), against memcpy_s, one
+  copy of the same bytes in memory; direct_swap_s: the receiving process's swap (part of
+  direct_s), direct_send_s: the sending thread's time per version, direct_transfer_ratio: the
+  direct path without its swap against the raw broadcast.
 
-Medians of `--rounds`. Files go to --dir (default: a temporary folder, i.e. the page cache of
-this machine's disk; a parallel filesystem is slower to write and faster to read in parallel).
+The four ways run interleaved, one version of each per round, so a busy machine slows them
+alike; the output holds the medians of `--rounds` and, with --json, each round's ratios. Files
+go to --dir (default: a temporary folder, i.e. the page cache of this machine's disk; a parallel
+filesystem is slower to write and faster to read in parallel).
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ def receiver(run_dir: str, hidden: int, layers: int, vocab: int, dtype_name: str
         v = weights.load_if_newer(model, have)
         if v is not None and v > have:
             have = v
-            print(f"swapped {v}", flush=True)
+            print(f"swapped {v} {weights.last_swap_s:.6f}", flush=True)
         else:
             time.sleep(0.001)
     recv.close()
@@ -88,11 +97,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", help="folder for the files (default: a temporary one)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="3 rounds")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.quick:
+        a.rounds = 3
     if a.child:
         if a.child[0] == "recv":
             receiver(a.child[1], a.hidden, a.layers, a.vocab, a.dtype, a.rounds)
@@ -105,7 +117,7 @@ def main() -> int:
 
     from hpcrl.rl.policy import full_state_dict
     from hpcrl.rl.weight_direct import DirectSender
-    from hpcrl.rl.weights import WeightStore
+    from hpcrl.rl.weights import Bucket, WeightStore
 
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)
@@ -121,60 +133,84 @@ def main() -> int:
              "--dtype", a.dtype, "--rounds", str(a.rounds), "--child"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
-    # File path: the learner's write, then a generator's read and swap.
-    store, watch = WeightStore(root / "file", keep=2), WeightStore(root / "file")
-    file_s, write_s, read_s = [], [], []
-    for v in range(1, a.rounds + 1):
-        t0 = time.perf_counter()
-        store.publish(state, v)
-        t1 = time.perf_counter()
-        assert watch.load_if_newer(gen_model, v - 1) == v
-        t2 = time.perf_counter()
-        file_s.append(t2 - t0)
-        write_s.append(t1 - t0)
-        read_s.append(t2 - t1)
-
-    # The same bytes, plainly: one buffer to a file and back.
+    # As the learner gathers: one flat bucket per chunk of at most 64M parameters.
+    buckets, part, numel = [], {}, 0
+    for k, t in state.items():
+        if part and numel + t.numel() > 1 << 26:
+            buckets.append(Bucket.of(part))
+            part, numel = {}, 0
+        part[k] = t
+        numel += t.numel()
+    buckets.append(Bucket.of(part))
+    gathered = {k: v for b in buckets for k, v in b.tensors.items()}
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
-    copy_s = []
     back = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(a.rounds):
-        path = root / "plain.bin"
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(flat.numpy().data)
-        with open(path, "rb") as f:
-            f.readinto(back.numpy().data)
-        copy_s.append(time.perf_counter() - t0)
-        path.unlink()
 
-    # Direct path: to a generator process that swaps each version into its model.
+    store, watch = WeightStore(root / "file", keep=2), WeightStore(root / "file")
+    bg = WeightStore(root / "file", background=True)
     direct_dir = root / "direct"
     sender = DirectSender(direct_dir, "gloo", host="127.0.0.1", timeout_s=600)
     proc = subprocess.Popen(child + ["recv", str(direct_dir)], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "ready"
-    direct_s = []
-    for v in range(1, a.rounds + 1):
-        t0 = time.perf_counter()
-        sender.send(v, state)
-        line = proc.stdout.readline().strip()
-        assert line == f"swapped {v}", line
-        direct_s.append(time.perf_counter() - t0)
-    proc.wait(60)
-
-    # Raw broadcast of one buffer of the same size.
     tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     peer = subprocess.Popen(child + ["raw", str(tcp.port), str(nbytes)], env=env)
     pg = dist.ProcessGroupGloo(tcp, 0, 2, datetime.timedelta(seconds=600))
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    raw_s = []
-    for _ in range(a.rounds):
+
+    file_s, write_s, read_s, copy_s, copy_write_s, direct_s, direct_swap_s, direct_send_s, raw_s, swap_s, memcpy_s = (
+        [] for _ in range(11)
+    )
+    for v in range(1, a.rounds + 1):
+        # File path: the learner's write, then a generator's map and swap.
+        t0 = time.perf_counter()
+        store.write_shard(gathered, v, 0)
+        store.finish_version(v, 1, prune=False)  # announced
+        t1 = time.perf_counter()
+        assert watch.load_if_newer(gen_model, v - 1) == v
+        t2 = time.perf_counter()
+        store.prune(v)  # after the announcement, like the plain copy's unlink: not timed
+        file_s.append(t2 - t0)
+        write_s.append(t1 - t0)
+        read_s.append(t2 - t1)
+
+        # The same bytes, plainly: one buffer to a file and back.
+        path = root / "plain.bin"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(flat.numpy().data)
+        t1 = time.perf_counter()
+        with open(path, "rb") as f:
+            f.readinto(back.numpy().data)
+        copy_s.append(time.perf_counter() - t0)
+        copy_write_s.append(t1 - t0)
+        path.unlink()
+
+        # Direct path: to a generator process that swaps each version into its model.
+        t0 = time.perf_counter()
+        sender.send(v, buckets)
+        line = proc.stdout.readline().split()
+        assert line[:2] == ["swapped", str(v)], line
+        direct_s.append(time.perf_counter() - t0)
+        direct_swap_s.append(float(line[2]))
+        direct_send_s.append(sender.sent_s)
+
+        # Raw broadcast of one buffer of the same size.
         t0 = time.perf_counter()
         pg.broadcast([flat], opts).wait()
         pg.barrier().wait()
         raw_s.append(time.perf_counter() - t0)
+
+        # A background generator's pause (mapped and pre-faulted on its thread) against a memcpy.
+        while bg.load_if_newer(gen_model, v - 1) is None:
+            time.sleep(0.001)
+        swap_s.append(bg.last_swap_s)
+        t0 = time.perf_counter()
+        back.copy_(flat)
+        memcpy_s.append(time.perf_counter() - t0)
+    proc.wait(60)
     peer.wait(60)
+    sender.close()
 
     med = statistics.median
     out = {
@@ -185,17 +221,40 @@ def main() -> int:
         "file_write_s": round(med(write_s), 3),
         "file_read_swap_s": round(med(read_s), 3),
         "file_copy_s": round(med(copy_s), 3),
+        "file_copy_write_s": round(med(copy_write_s), 3),
         "direct_s": round(med(direct_s), 3),
+        "direct_swap_s": round(med(direct_swap_s), 3),  # the receiving generator's copy into its model
+        "direct_send_s": round(med(direct_send_s), 3),  # the sending thread's time for the version
         "broadcast_raw_s": round(med(raw_s), 3),
+        "swap_s": round(med(swap_s), 3),
+        "memcpy_s": round(med(memcpy_s), 3),
+        "rounds": a.rounds,
+        "file_ratio": round(med(file_s) / med(copy_s), 2),
+        "direct_ratio": round(med(direct_s) / med(raw_s), 2),
+        # Each round's own ratios (both ways ran back to back): the spread a busy machine gives.
+        "file_ratio_by_round": [round(x / y, 2) for x, y in zip(file_s, copy_s)],
+        "direct_ratio_by_round": [round(x / y, 2) for x, y in zip(direct_s, raw_s)],
+        # The same without the receiver's swap (a copy at memory speed: on GPUs a device copy at
+        # HBM bandwidth, a few percent of any network's time; here a CPU memcpy, not).
+        "direct_transfer_ratio": round(med([(x - w) / y for x, w, y in zip(direct_s, direct_swap_s, raw_s)]), 2),
     }
     if a.json:
         print(json.dumps(out))
     else:
         gb = nbytes / 1e9
         print(f"{params / 1e6:.0f}M parameters, {gb:.2f} GB in {a.dtype}, median of {a.rounds}")
-        for k in ("file_s", "file_copy_s", "direct_s", "broadcast_raw_s"):
-            print(f"  {k:16s} {out[k]:7.3f} s   {gb / out[k]:6.2f} GB/s")
-        print(f"  (file: write {out['file_write_s']:.3f} s, read + swap {out['file_read_swap_s']:.3f} s)")
+        for k in ("file_s", "file_copy_s", "direct_s", "broadcast_raw_s", "swap_s", "memcpy_s"):
+            print(f"  {k:16s} {out[k]:7.3f} s   {gb / max(out[k], 1e-9):6.2f} GB/s")
+        print(
+            f"  (file: write {out['file_write_s']:.3f} s, map + swap {out['file_read_swap_s']:.3f} s;"
+            f" plain write {out['file_copy_write_s']:.3f} s; direct: send {out['direct_send_s']:.3f} s,"
+            f" swap {out['direct_swap_s']:.3f} s)"
+        )
+        print(
+            f"  file / copy {out['file_ratio']:.2f}x (rounds {out['file_ratio_by_round']}),"
+            f" direct / broadcast {out['direct_ratio']:.2f}x (rounds {out['direct_ratio_by_round']}),"
+            f" without the swap {out['direct_transfer_ratio']:.2f}x"
+        )
     return 0
 
 

@@ -276,75 +276,66 @@ def apportion(
     return domains, unattributed
 
 
-def _step_rows(start, n):
-    """Indices of each trajectory's steps, trajectory after trajectory (numpy fancy indexing)."""
-    import numpy as np
-
-    n = n.astype(np.int64)
-    first = np.zeros(len(n), np.int64)
-    np.cumsum(n[:-1], out=first[1:])
-    return np.repeat(start.astype(np.int64) - first, n) + np.arange(int(n.sum()))
-
-
 def store_costs(run_dir: str | os.PathLike) -> tuple[dict[str, DomainCosts], list[str]]:
-    """{domain: DomainCosts} over the run's store (its traj and steps tables only) and the
-    learner's lineage; and why any part could not be read."""
+    """{domain: DomainCosts} over the run's store and the learner's lineage; and why any part
+    could not be read. A finalized shard is summed from its index (hpcrl.rl.store.index: the
+    per-domain sums in its head, the trained ones by its id hashes), never by opening its
+    segments; only shards without a usable index (still open, or finalized before indexes
+    existed) are read segment by segment (their traj and steps tables only)."""
     import numpy as np
 
     from hpcrl.rl.audit import AUDIT_NAME, lineage
-    from hpcrl.rl.store.reader import iter_segments
+    from hpcrl.rl.store.index import id_keys, index_part, member, read_index, step_rows
+    from hpcrl.rl.store.layout import SegmentError, list_shards, read_segment
+    from hpcrl.rl.store.reader import _segments_of
 
     run_dir = Path(run_dir)
     notes: list[str] = []
-    trained = np.zeros(0, "S1")
+    trained = np.zeros(0, "S16")
     if (run_dir / AUDIT_NAME).exists():
         try:
             ids = {i for r in lineage(run_dir / AUDIT_NAME)[0] for i in r.get("trained", ())}
-            trained = np.array(sorted(i.encode() for i in ids), dtype="S") if ids else trained
+            trained = np.sort(id_keys(ids))
         except (OSError, ValueError) as exc:
             notes.append(f"{AUDIT_NAME} unreadable ({exc}): learner hours unattributed")
     costs: dict[str, DomainCosts] = {}
 
-    def bad(state, name, why):
-        notes.append(f"segment {state.name}/{name} unreadable, left out: {why}")
-
-    for state, name, cols in iter_segments(run_dir / "trajectories", on_error=bad, fields=("traj", "steps")):
-        t, st = cols.traj, cols.steps
-        if not len(t):
-            continue
-        doms, inv = np.unique(t["domain"], return_inverse=True)
-        rows = _step_rows(t["step_start"], t["n_steps"])
-        if len(rows) and (rows.min() < 0 or rows.max() >= len(st)):
-            bad(state, name, "step offsets out of range")
-            continue
-        owner, k = np.repeat(inv, t["n_steps"].astype(np.int64)), len(doms)
-        mask = _member(t["id"], trained)
-        sums = {
-            "trajectories": np.bincount(inv, minlength=k),
-            "steps": np.bincount(owner, minlength=k),
-            "generate_s": np.bincount(owner, st["generate_s"][rows], k),
-            "env_s": np.bincount(owner, st["env_s"][rows], k),
-            "sandbox_s": np.bincount(owner, st["sandbox_s"][rows], k),
-            "trained": np.bincount(inv[mask], minlength=k),
-            "trained_tokens": np.bincount(inv[mask], t["n_tokens"][mask], k),
-        }
+    def add(sums: dict, keys, domain_of_row, tokens) -> None:
+        for d, acc in sums.items():
+            c = costs.setdefault(d, DomainCosts())
+            c.trajectories += int(acc["trajectories"])
+            c.steps += int(acc["steps"])
+            c.generate_s += float(acc["generate_s"])
+            c.env_s += float(acc["env_s"])
+            c.sandbox_s += float(acc["sandbox_s"])
+        hit = member(trained, keys)
+        if not hit.any():
+            return
+        doms, inv = np.unique(domain_of_row[hit], return_inverse=True)
+        counts = np.bincount(inv, minlength=len(doms))
+        toks = np.bincount(inv, np.asarray(tokens)[hit].astype(np.float64), len(doms))
         for i, d in enumerate(doms):
-            c = costs.setdefault(d.decode(), DomainCosts())
-            for field, arr in sums.items():
-                cast = float if isinstance(getattr(c, field), float) else int
-                setattr(c, field, getattr(c, field) + cast(arr[i]))
+            c = costs.setdefault(str(d), DomainCosts())
+            c.trained += int(counts[i])
+            c.trained_tokens += int(toks[i])
+
+    for state in list_shards(run_dir / "trajectories"):
+        idx = read_index(state.path, state.manifest.segments if state.manifest else None)
+        if idx is not None:
+            add(idx.sums, idx.keys, np.array(idx.domains, dtype=str)[np.asarray(idx.domain)], idx.tokens)
+            continue
+        for seg in _segments_of(state):
+            try:
+                cols = read_segment(state.path / seg.name, seg.expect, fields=("traj", "steps"))
+                rows = step_rows(cols.traj["step_start"], cols.traj["n_steps"])
+                if len(rows) and (rows.min() < 0 or rows.max() >= len(cols.steps)):
+                    raise SegmentError("step offsets out of range")
+                part = index_part([cols])
+            except SegmentError as exc:
+                notes.append(f"segment {state.name}/{seg.name} unreadable, left out: {exc}")
+                continue
+            add(part.sums, part.keys, part.domains.astype(str), part.tokens)
     return costs, notes
-
-
-def _member(ids, sorted_ids):
-    """ids found in sorted_ids, by binary search: np.isin sorted the whole trained set again for
-    every segment, which on a run of 1.5M trajectories took the report most of an hour."""
-    import numpy as np
-
-    if not len(sorted_ids):
-        return np.zeros(len(ids), bool)
-    at = np.searchsorted(sorted_ids, ids).clip(max=len(sorted_ids) - 1)
-    return sorted_ids[at] == ids
 
 
 def _requests(run_dir: Path) -> dict[str, tuple[float, float]]:

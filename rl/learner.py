@@ -46,7 +46,7 @@ from hpcrl.rl.packing import MASKED_ATTENTION, Unit, attention_mask, pack, plan_
 from hpcrl.rl.policy import build_policy_model, load_tokenizer, model_eos_ids, resolve_device
 from hpcrl.rl.schedule import entropy_coef_at, lr_at, set_lr
 from hpcrl.rl.trajectory import Trajectory
-from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
+from hpcrl.rl.weights import Bucket, ShardPublisher, WeightStore, owned_names
 
 __all__ = ["Learner", "deepspeed_config", "import_deepspeed"]  # deepspeed_config: rl/dsconfig.py
 
@@ -400,15 +400,18 @@ class Learner:
 
     # -- weights and checkpoints ----------------------------------------------------------
 
-    def gathered_state_dict(self, everything_on_rank0: bool = True) -> dict[str, torch.Tensor]:
+    def gathered_state_dict(self, everything_on_rank0: bool = True, on_bucket=None) -> dict[str, torch.Tensor]:
         """Full weights from the ZeRO-3 shards, on the host in the policy dtype. Every rank must
-        call it (gathering is collective); parameters are gathered in bounded chunks. Each rank
-        keeps the tensors `owned_names` gives it; rank 0 all of them if `everything_on_rank0`."""
+        call it (gathering is collective); parameters are gathered in bounded chunks, each copied
+        once into a flat host buffer (a `Bucket`; pinned on GPUs) whose views are returned, and
+        handed to `on_bucket` as soon as it is filled. Each rank keeps the tensors `owned_names`
+        gives it; rank 0 all of them if `everything_on_rank0`."""
         module = self.engine.module.lm
         named = list(module.named_parameters())
         owners = owned_names([n for n, _ in named], [_numel(p) for _, p in named], self.world)
         mine = set(owners[self.rank]) if not (everything_on_rank0 and self.rank == 0) else {n for n, _ in named}
         dtype = torch.bfloat16 if self.policy_cfg.dtype == "bfloat16" else torch.float32
+        pin = self.device.type == "cuda"
         out: dict[str, torch.Tensor] = {}
         i = 0
         while i < len(named):
@@ -418,23 +421,36 @@ class Learner:
                 numel += _numel(named[i][1])
                 i += 1
             with self.ds.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
-                for name, p in chunk:
-                    if name in mine:
-                        out[name] = p.detach().to("cpu", dtype, copy=True).contiguous()
+                kept = [(name, p) for name, p in chunk if name in mine]
+                bucket = Bucket([(name, dtype, p.shape) for name, p in kept], pin=pin)
+                for name, p in kept:
+                    bucket.tensors[name].copy_(p.detach())
+            out.update(bucket.tensors)
+            if on_bucket is not None and kept:
+                on_bucket(bucket)
         if self.rank == 0:
             persistent = set(module.state_dict().keys())
-            for name, b in module.named_buffers():
-                if name in persistent and name not in out:
-                    out[name] = b.detach().to("cpu", copy=True).contiguous()
+            extra = {n: b.detach() for n, b in module.named_buffers() if n in persistent and n not in out}
+            if extra:
+                bucket = Bucket.of(extra, pin=pin)
+                out.update(bucket.tensors)
+                if on_bucket is not None:
+                    on_bucket(bucket)
         return out
 
     def publish(self) -> None:
         """Policy version `self.version`: every rank gathers and keeps its share on the host, a
-        thread writes its shard (rank 0 then announces); training goes on meanwhile."""
-        direct = self.direct is not None
-        state = self.gathered_state_dict(everything_on_rank0=direct)
-        if direct:
-            self.direct.send(self.version, state)
+        thread writes its shard (rank 0 then announces); training goes on meanwhile. With the
+        direct path, rank 0's gathered buckets stream to the generators as they fill."""
+        feed = self.direct.stream(self.version) if self.direct is not None else None
+        try:
+            state = self.gathered_state_dict(everything_on_rank0=feed is not None, on_bucket=feed and feed.put)
+        except BaseException:
+            if feed is not None:
+                feed.abort()
+            raise
+        if feed is not None:
+            feed.close()
             named = [n for n, _ in self.engine.module.lm.named_parameters()]
             mine = set(owned_names(named, [state[n].numel() for n in named], self.world)[0])
             state = {k: v for k, v in state.items() if k in mine or k not in named}

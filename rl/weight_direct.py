@@ -4,6 +4,7 @@ CPU), beside the learner's training group and unknown to it.
 
     sender = DirectSender(run_dir, backend="gloo")       # learner rank 0
     sender.send(12, state)                               # returns at once; a thread sends
+    feed = sender.stream(13); feed.put(bucket); ...; feed.close()   # buckets sent as they are gathered
     recv = DirectReceiver(run_dir, "gen-0", backend="gloo", device=cpu)   # a generator
     recv.take()                                          # (12, state) once received, else None
 
@@ -14,9 +15,13 @@ of its own (`pair/<n>`), in a thread of the sender's so that a join that never c
 holds up nobody's delivery. Pairs, not one group of all, so a generator can come and go
 without the others or the learner rebuilding anything; a pair whose generator is gone fails
 on the next send and is dropped. Only holders of the run's keys reach the store: nobody else
-can join, or drop a member (`leave/<n>`). Per version: a header (JSON: version,
-names, dtypes, shapes) then each tensor, broadcast from rank 0 of the pair. Files are still
-written (restarts and late joiners read them); a generator takes whichever is newer.
+can join, or drop a member (`leave/<n>`). Per version: one message per bucket
+(rl/weights.py's `Bucket`: the flat buffer a chunk of parameters was gathered into), each a
+header (JSON: version, names, dtypes, shapes) and the bucket's bytes in one broadcast from rank 0
+of the pair, then an end message. A learner streams the buckets as it gathers them, so sending
+overlaps gathering; a receiver lands each bucket in a flat staging buffer of its own, and the
+generator's swap copies from views of those. Files are still written (restarts and late joiners
+read them); a generator takes whichever is newer.
 """
 
 from __future__ import annotations
@@ -27,19 +32,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.distenv import RunStore, StoreServer, node_address
+from hpcrl.rl.weights import Bucket
 
-__all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "pair_group"]
+__all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "Feed", "pair_group"]
 
 log = logging.getLogger("hpcrl.weights")
 SERVICE = "weights-direct"  # the sender's store: endpoints/weights-direct.json
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+_BUCKET_BYTES = 1 << 27  # what `send` packs a plain state into per message (a learner's gather chunks are its own)
+_END, _ABORT = object(), object()
 
 
 def pair_group(backend: str, store, rank: int, timeout_s: float):
@@ -148,9 +156,21 @@ class DirectSender:
                 pass
             _shutdown(pg)
 
-    def send(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        """Queue `state` for every member (waits while the previous version is still going out)."""
-        self._q.put((version, dict(state)))
+    def send(self, version: int, state: Mapping[str, torch.Tensor] | Sequence[Bucket]) -> None:
+        """Queue `state` for every member (waits while the previous version is still going out):
+        buckets as they are, a plain mapping packed into buckets (a copy) first."""
+        buckets = list(state) if not isinstance(state, Mapping) else _pack(state)
+        feed = self.stream(version)
+        for bucket in buckets:
+            feed.put(bucket)
+        feed.close()
+
+    def stream(self, version: int) -> Feed:
+        """A version whose buckets arrive one by one (`Feed.put`, as the learner gathers them);
+        each goes out as soon as the version before it is sent. Waits while a version is queued."""
+        feed = Feed()
+        self._q.put((version, feed))
+        return feed
 
     def flush(self) -> None:
         self._q.join()
@@ -193,31 +213,80 @@ class DirectSender:
                         pass
                 self._q.task_done()
                 return
-            version, state = item
+            version, feed = item
             try:
                 t0 = time.perf_counter()
                 self._admit()
-                with self._members_lock:
-                    members = list(self.members.items())
-                for n, pg in members:
-                    try:
-                        self._send_one(pg, version, state)
-                    except Exception as exc:
-                        log.warning("direct weights: generator %d dropped (%s)", n, exc)
-                        with self._members_lock:
-                            self.members.pop(n, None)
+                self._send_version(version, feed)
                 self.sent_s = time.perf_counter() - t0
             finally:
                 self._q.task_done()
 
-    def _send_one(self, pg, version: int, state: Mapping[str, torch.Tensor]) -> None:
-        header = json.dumps(
-            {"version": version, "tensors": [[k, str(v.dtype), list(v.shape)] for k, v in state.items()]}
-        ).encode()
-        _bcast(pg, torch.tensor([len(header)], dtype=torch.int64, device=self.device))
-        _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
-        for t in state.values():
-            _bcast(pg, t.to(self.device).contiguous())
+    def _send_version(self, version: int, feed: Feed) -> None:
+        """Each bucket to every member as it arrives, then the end (or an abort) message."""
+        with self._members_lock:
+            members = dict(self.members)
+        while True:
+            bucket = feed.get()
+            if bucket is _END or bucket is _ABORT:
+                self._to_all(members, {"version": version, "end": bucket is _END}, None)
+                return
+            payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
+            head = {"version": version, "tensors": [[k, str(d), list(s)] for k, d, s in bucket.specs]}
+            self._to_all(members, head, payload)
+
+    def _to_all(self, members: dict, head: dict, payload: torch.Tensor | None) -> None:
+        """One message to each member; a member that fails is dropped (here and for good)."""
+        for n, pg in list(members.items()):
+            try:
+                _send_msg(pg, head, payload, self.device)
+            except Exception as exc:
+                log.warning("direct weights: generator %d dropped (%s)", n, exc)
+                members.pop(n)
+                with self._members_lock:
+                    self.members.pop(n, None)
+
+
+class Feed:
+    """The buckets of one version on their way to the sending thread, in order."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+
+    def put(self, bucket: Bucket) -> None:
+        self._q.put(bucket)
+
+    def close(self) -> None:
+        """Every bucket is put: receivers may swap the version in."""
+        self._q.put(_END)
+
+    def abort(self) -> None:
+        """The version will not be complete (the gather failed): receivers drop what they got."""
+        self._q.put(_ABORT)
+
+    def get(self):
+        return self._q.get()
+
+
+def _pack(state: Mapping[str, torch.Tensor]) -> list[Bucket]:
+    out, part, size = [], {}, 0
+    for k, v in state.items():
+        if part and size + v.numel() * v.element_size() > _BUCKET_BYTES:
+            out.append(Bucket.of(part))
+            part, size = {}, 0
+        part[k] = v.detach().cpu()
+        size += v.numel() * v.element_size()
+    if part:
+        out.append(Bucket.of(part))
+    return out
+
+
+def _send_msg(pg, head: dict, payload: torch.Tensor | None, device) -> None:
+    raw = json.dumps(head).encode()
+    _bcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
+    _bcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
+    if payload is not None and payload.numel():
+        _bcast(pg, payload)
 
 
 class DirectReceiver:
@@ -307,7 +376,9 @@ class DirectReceiver:
 
     def _receive(self, pg, info: dict) -> None:
         dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
-        buffers: dict[str, torch.Tensor] = {}  # one staging set, reused while shapes stay
+        staging: list[torch.Tensor] = []  # one flat buffer per bucket, reused while sizes stay
+        state: dict[str, torch.Tensor] = {}
+        k = 0  # buckets of the current version so far
         while not self._stop.is_set():
             size = torch.zeros(1, dtype=torch.int64, device=dev)
             _bcast(pg, size)
@@ -319,17 +390,24 @@ class DirectReceiver:
             raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
             _bcast(pg, raw)
             header = json.loads(raw.cpu().numpy().tobytes().decode())
-            # The staging set is ours again only once the last version was swapped in.
-            while self._staged is not None and not self._stop.is_set():
-                time.sleep(0.001)
-            state = {}
-            for name, dtype, shape in header["tensors"]:
-                t = buffers.get(name)
-                if t is None or t.dtype != _DTYPES[dtype] or list(t.shape) != shape:
-                    t = buffers[name] = torch.empty(shape, dtype=_DTYPES[dtype], device=dev)
-                _bcast(pg, t)
-                state[name] = t
-            self._staged = (int(header["version"]), state)
+            if "end" in header:  # complete (or aborted: what came is dropped)
+                if header["end"] and k:
+                    self._staged = (int(header["version"]), state)
+                state, k = {}, 0
+                continue
+            if k == 0:  # the staging set is ours again only once the last version was swapped in
+                while self._staged is not None and not self._stop.is_set():
+                    time.sleep(0.001)
+            specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in header["tensors"]]
+            nbytes = Bucket.bytes_for(specs)
+            if k == len(staging):
+                staging.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
+            elif staging[k].numel() != nbytes:
+                staging[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            if nbytes:
+                _bcast(pg, staging[k])
+            state.update(Bucket(specs, buffer=staging[k]).tensors)
+            k += 1
 
 
 class DirectWeights:

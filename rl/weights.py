@@ -6,7 +6,8 @@ step's critical path, read by generators while they keep sampling.
     pub = ShardPublisher(store, rank, world)   # learner ranks: each writes the tensors it owns
     pub.submit(12, my_part)                    # returns at once; a thread writes (rank 0 then announces)
     watch = WeightStore(run_dir, background=True)
-    watch.load_if_newer(model, have=11)        # 12 once read and swapped in; None while still reading
+    watch.load_if_newer(model, have=11)        # 12 once mapped and swapped in; None while still reading
+    bucket = Bucket([(name, torch.bfloat16, shape), ...])   # one flat host buffer; bucket.tensors are views
 
 Layout: a version is a folder of safetensors shards, one per learner rank, each holding the
 tensors `owned_names` gives that rank (contiguous, balanced by size), in the policy dtype
@@ -17,29 +18,44 @@ N+1 starts while version N is on its way to the filesystem; a rank whose previou
 running waits for it first (one version in flight per rank). Old versions are pruned, keeping
 `keep`, so a slow reader still finds the one it was told.
 
-Generators (`background=True`) read a newer version on a thread while sampling goes on; the
-generator's loop then only pauses for the swap itself (a copy into the model's parameters).
+A shard is written once, straight from the memory the learner gathered the parameters into
+(a `Bucket` per gather chunk): the safetensors header, then every tensor's bytes in one
+`writev`, with no serialised copy in between. Readers map the file (`mmap`, private pages) and
+get tensors that are views of it; a generator (`background=True`) maps and pre-faults a newer
+version on a thread while sampling goes on, then pauses only for the swap (a copy into the
+model's parameters).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.policy import copy_state
 
-__all__ = ["WeightStore", "ShardPublisher", "owned_names"]
+__all__ = ["Bucket", "WeightStore", "ShardPublisher", "owned_names", "read_shard", "write_shard_file"]
 
 _DIR = re.compile(r"v(\d{8})")
+# safetensors' dtype names.
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}  # fmt: skip
+_ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
+_ALIGN = 64  # a tensor's start inside a Bucket (cache line; any dtype's alignment)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_PAGE = mmap.PAGESIZE
 
 
 def owned_names(names: Sequence[str], numels: Sequence[int], world: int) -> list[list[str]]:
@@ -51,6 +67,147 @@ def owned_names(names: Sequence[str], numels: Sequence[int], world: int) -> list
         out[min(world - 1, acc * world // total)].append(name)
         acc += n
     return out
+
+
+class Bucket:
+    """Tensors laid out in one flat host buffer (`buffer`, uint8; `tensors` are views of it):
+    what a learner gathers one chunk of parameters into, what a shard is written from and what
+    the direct path sends as one message. `specs` are (name, dtype, shape); the layout is a pure
+    function of them, so a receiver rebuilds the views from the specs and the bytes alone."""
+
+    def __init__(self, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]], pin: bool = False, buffer=None):
+        self.specs = [(name, dtype, tuple(int(d) for d in shape)) for name, dtype, shape in specs]
+        starts, end = _layout(self.specs)
+        self.nbytes = end
+        if buffer is None:
+            buffer = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
+        elif buffer.dtype != torch.uint8 or buffer.numel() != end:
+            raise ValueError(f"a bucket of these tensors takes {end} bytes, the buffer holds {buffer.numel()}")
+        self.buffer = buffer
+        self.tensors = {
+            name: buffer[s : s + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+            for (name, dtype, shape), s in zip(self.specs, starts)
+        }
+
+    @staticmethod
+    def bytes_for(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> int:
+        return _layout(specs)[1]
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor], pin: bool = False) -> Bucket:
+        """A bucket holding a copy of `state` (for callers that did not gather into one)."""
+        b = cls([(k, v.dtype, v.shape) for k, v in state.items()], pin=pin)
+        for k, v in state.items():
+            b.tensors[k].copy_(v)
+        return b
+
+
+def _layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[list[int], int]:
+    starts, end = [], 0
+    for _, dtype, shape in specs:
+        end = -(-end // _ALIGN) * _ALIGN
+        starts.append(end)
+        end += _numel(shape) * _itemsize(dtype)
+    return starts, end
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def write_shard_file(path: str | os.PathLike, state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """`state` as a safetensors file at `path`, written from the tensors' own memory in one
+    `writev` (no serialised copy). Tensors go largest element first, so every tensor in the
+    file starts aligned to its element size (a memory-mapped reader views them in place)."""
+    items = sorted(state.items(), key=lambda kv: -kv[1].element_size())  # stable: keeps the given order
+    header: dict = {"__metadata__": dict(metadata)}
+    views, off = [], 0
+    for name, t in items:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        if n:
+            views.append(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _writev_all(fd, [memoryview(struct.pack("<Q", len(raw)) + raw), *(memoryview(v) for v in views)])
+    finally:
+        os.close(fd)
+
+
+def _writev_all(fd: int, bufs: list[memoryview]) -> None:
+    """Write every buffer in order, resuming after short writes (Linux caps one call near 2 GiB)."""
+    bufs = [b.cast("B") for b in bufs if b.nbytes]
+    i = 0
+    while i < len(bufs):
+        n = os.writev(fd, bufs[i : i + _IOV_MAX])
+        while n and i < len(bufs):
+            if n >= bufs[i].nbytes:
+                n -= bufs[i].nbytes
+                i += 1
+            else:
+                bufs[i] = bufs[i][n:]
+                n = 0
+
+
+def read_shard(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
+    """Every tensor of a safetensors file as a view of a private memory map of it (reading a
+    page faults it in from the page cache; writing one copies it, never the file), and the map.
+    A file shorter or longer than its header says is refused, not mapped (a read past the end
+    of a map is a SIGBUS)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{path}: {size} bytes, not a safetensors file")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        (n,) = struct.unpack_from("<Q", mm, 0)
+        header = json.loads(bytes(mm[8 : 8 + n])) if n <= size - 8 else None
+        if not isinstance(header, dict):
+            raise ValueError("no header")
+        header.pop("__metadata__", None)
+        base, data = 8 + n, size - 8 - n
+        entries, end = [], 0
+        for name, h in header.items():
+            (s, e), dtype, shape = h["data_offsets"], _ST_DTYPES[h["dtype"]], tuple(int(d) for d in h["shape"])
+            if not 0 <= s <= e <= data or e - s != _numel(shape) * _itemsize(dtype):
+                raise ValueError(f"{name} spans bytes {s}-{e} of {data}")
+            entries.append((name, dtype, shape, base + s))
+            end = max(end, e)
+        if end != data:
+            raise ValueError(f"{data} bytes of data, the header accounts for {end}")
+    except (KeyError, TypeError, ValueError) as exc:
+        mm.close()
+        raise ValueError(f"{path}: not a complete safetensors file ({exc}); the file is damaged") from exc
+    out = {
+        name: torch.frombuffer(mm, dtype=dtype, count=_numel(shape), offset=at).view(shape)
+        if _numel(shape)
+        else torch.empty(shape, dtype=dtype)
+        for name, dtype, shape, at in entries
+    }
+    return out, mm
+
+
+def _prefault(maps: Sequence[mmap.mmap]) -> None:
+    """Bring every page of `maps` into memory now (a read per page), so the swap that copies
+    from them later waits for no filesystem."""
+    for mm in maps:
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        pages = np.frombuffer(mm, dtype=np.uint8)[::_PAGE]
+        int(pages.max(initial=0))
 
 
 class WeightStore:
@@ -71,20 +228,28 @@ class WeightStore:
 
     def write_shard(self, state: Mapping[str, torch.Tensor], version: int, rank: int) -> Path:
         """One rank's tensors as shard `rank` of `version` (atomic), then its `.done` marker."""
-        from safetensors.torch import save_file
-
         d = self.version_dir(version)
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"shard-{rank:05d}.safetensors"
         tmp = d / f".{path.name}.{os.getpid()}.tmp"
-        save_file(dict(state), str(tmp), metadata={"version": str(version), "format": "pt"})
+        try:
+            write_shard_file(tmp, state, {"version": str(version), "format": "pt"})
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
-        # Atomic: rank 0 polls for it and reads it at once.
-        atomic_write_json(d / f"shard-{rank:05d}.done", sorted(state))
+        # Atomic (rank 0 polls for it and reads it at once), not fsynced: it is a signal to rank
+        # 0, whose index.json and latest.json are; a sync here would also wait, on a journalled
+        # local filesystem, for the shard's data just written.
+        marker = d / f"shard-{rank:05d}.done"
+        tmp_marker = d / f".{marker.name}.{os.getpid()}.tmp"
+        tmp_marker.write_text(json.dumps(sorted(state)))
+        os.replace(tmp_marker, marker)
         return path
 
-    def finish_version(self, version: int, world: int, timeout_s: float = 3600.0) -> None:
-        """Rank 0: wait for every shard of `version`, write its index, announce it, prune."""
+    def finish_version(self, version: int, world: int, timeout_s: float = 3600.0, prune: bool = True) -> None:
+        """Rank 0: wait for every shard of `version`, write its index, announce it, prune (after
+        the announcement: removing old versions delays no reader)."""
         d = self.version_dir(version)
         deadline = time.monotonic() + timeout_s
         tensors: dict[str, str] = {}
@@ -97,7 +262,8 @@ class WeightStore:
             tensors.update(dict.fromkeys(json.loads(marker.read_text()), f"shard-{r:05d}.safetensors"))
         atomic_write_json(d / "index.json", {"version": version, "shards": world, "tensors": tensors})
         atomic_write_json(self.dir / "latest.json", {"version": version, "dir": d.name})
-        self._prune(version)
+        if prune:
+            self.prune(version)
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         """Everything from one process: one shard, index, announcement."""
@@ -114,7 +280,8 @@ class WeightStore:
             if m and int(m.group(1)) > version:
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _prune(self, newest: int) -> None:
+    def prune(self, newest: int) -> None:
+        """Remove the versions `keep` or more below `newest`."""
         for p in self.dir.glob("v*"):
             m = _DIR.fullmatch(p.name)
             if m and int(m.group(1)) <= newest - self.keep:
@@ -139,19 +306,25 @@ class WeightStore:
         return self._seen
 
     def read(self, version: int) -> dict[str, torch.Tensor]:
-        """Every tensor of a complete version (FileNotFoundError once pruned)."""
-        from safetensors.torch import load_file
+        """Every tensor of a complete version, as views of its memory-mapped shards
+        (FileNotFoundError once pruned; a map outlives a prune, the views stay valid)."""
+        return self._map(version)[0]
 
+    def _map(self, version: int) -> tuple[dict[str, torch.Tensor], list[mmap.mmap]]:
         d = self.version_dir(version)
         index = json.loads((d / "index.json").read_text())
         out: dict[str, torch.Tensor] = {}
+        maps = []
         for shard in sorted(set(index["tensors"].values())):
-            out.update(load_file(str(d / shard)))
-        return out
+            tensors, mm = read_shard(d / shard)
+            out.update(tensors)
+            maps.append(mm)
+        return out, maps
 
     def load_if_newer(self, model, have: int) -> int | None:
         """Load the announced weights into `model` when their version is above `have`. With
-        `background`, the files are read on a thread: None until they are, then the swap."""
+        `background`, the files are mapped and read on a thread: None until they are, then the
+        swap (the only pause: a copy from memory into the model)."""
         ann = self.latest()
         if ann is None or ann[0] <= have:
             return None
@@ -179,7 +352,9 @@ class WeightStore:
 
     def _stage(self, version: int) -> None:
         try:
-            self._staged = (version, self.read(version))
+            state, maps = self._map(version)
+            _prefault(maps)  # the swap then copies from memory, not from the filesystem
+            self._staged = (version, state)
         except BaseException as exc:  # handed to the caller's thread
             self._staged = (version, exc)
 

@@ -7,7 +7,7 @@ What it isolates (checked by tests/test_sandbox_adversarial.py, test_sandbox_mem
   (hpcrl.sandbox.launcher), armed to die with the server even when it is SIGKILLed; the program
   sees only bwrap (pid 1) and its own processes. New IPC, UTS, network, cgroup and user
   namespaces; the program is uid 65534 inside and, as root, an unprivileged per-slot uid
-  outside (setpriv drops to it, all capabilities and groups gone, no_new_privs; no account's
+  outside (the launcher drops to it, all capabilities and groups gone, no_new_privs; no account's
   uid and no other server's, hpcrl.sandbox.uids), never root; not root, it is our own uid.
   `--new-session` (no TIOCSTI into our terminal), `--disable-userns` (no nested user
   namespace to remount from). Killing the launcher ends the run, setsid daemons included;
@@ -69,8 +69,8 @@ import weakref
 
 from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
-from hpcrl.sandbox.launcher import TMPFS_DIR, join_cgroups_args, launcher_args
-from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group, setpriv_pdeathsig
+from hpcrl.sandbox.launcher import JOIN_FAILED, TMPFS_DIR, helper, launcher_args
+from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
 from hpcrl.sandbox.seccomp import filter_program
 from hpcrl.sandbox.seccomp import supported as seccomp_supported
@@ -212,7 +212,7 @@ class BwrapSession(SupervisedSession):
         # bwrap reports the exit code only of a program it started; a run we killed never gets
         # that far, but the caller's kill of a live session is no setup failure either.
         started = b'"exit-code"' in raw.side or (self._proc.killed and b'"child-pid"' in raw.side)
-        if raw.exit_code == 125 and not started and raw.stderr.startswith(b"sh: "):
+        if raw.exit_code == 125 and not started and raw.stderr.startswith(JOIN_FAILED):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
         ex = Exit(
             exit_code=raw.exit_code,
@@ -255,10 +255,8 @@ class BwrapBackend(Backend):
         use_cgroups: bool = True,
         memory_fallback: str = "address_space",
     ):
-        missing = [t for t in (bwrap, "prlimit", "sh", "setpriv") if shutil.which(t) is None]
+        missing = [t for t in (bwrap, "prlimit") if shutil.which(t) is None]
         self._root = os.geteuid() == 0
-        if not missing and not setpriv_pdeathsig():
-            missing.append("setpriv --pdeathsig (util-linux 2.33 or later)")
         if missing:
             raise SandboxUnavailable(
                 f"bwrap backend: {', '.join(missing)} not found on PATH; install bubblewrap and util-linux "
@@ -267,6 +265,8 @@ class BwrapBackend(Backend):
         if self._root and uid <= 0:
             raise SandboxUnavailable(f"bwrap backend: slot uid must be an unprivileged uid > 0 (got {uid})")
         self.uid = uid if self._root else os.geteuid()
+        self._launch_path = helper()  # before the slot is claimed: a host without a compiler fails here
+        self._languages: tuple[str | None, tuple[str, ...]] = (None, ())
         # As root each slot is its own host uid: nobody's account, and no other server's slot.
         self._claim = claim_slot_uid(uid) if self._root else None
         if self._claim is not None:
@@ -301,6 +301,13 @@ class BwrapBackend(Backend):
         """Give up this backend's slot uid (another process may then use it); idempotent."""
         if self._claim is not None:
             self._claim.release()
+
+    def languages(self) -> tuple[str, ...]:
+        """The languages whose tools are on this PATH, looked up once per PATH (every run asks)."""
+        path = os.environ.get("PATH", "")
+        if self._languages[0] != path:
+            self._languages = (path, super().languages())
+        return self._languages[1]
 
     def describe(self) -> str:
         who = f"uid {self.uid}" + ("" if self._root else " (not root: no per-slot uid)")
@@ -350,13 +357,15 @@ class BwrapBackend(Backend):
                 layout=self._layout,
                 workspace=workspace,
             )
-            cmd = launcher_args(limits, self.uid if self._root else None) + cmd
             if self.cgroups.dirs():
-                # The launcher, its mounts and bwrap count towards pids.max: leave room.
+                # The launcher, its pid 1 (bwrap) and prlimit count towards pids.max: leave room.
                 cg = RunCgroups.create(
                     self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4, cpus=limits.cpus
                 )
-                cmd = join_cgroups_args(cg.procs_files) + cmd
+            cgroups = cg.procs_files if cg is not None else []
+            cmd = (
+                launcher_args(limits, self.uid if self._root else None, cgroups=cgroups, launch=self._launch_path) + cmd
+            )
             proc = Supervised(
                 cmd,
                 env=dict(_LAUNCH_ENV),

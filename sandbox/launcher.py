@@ -1,29 +1,31 @@
-"""What runs between the server and bwrap: one exec chain, one pid, then a pid namespace of our own.
+"""What runs between the server and bwrap: one small helper, one fork, then a pid namespace of our own.
 
-    [root, cgroups] sh JOIN          write this pid into the run's cgroups (as root)
-    setpriv [drop to slot uid] --pdeathsig KILL
-    unshare --user --map-root-user --mount --propagation private --pid --fork --kill-child
-      `-> pid 1 of a new pid namespace: sh STAGE <server pid> <fstab lines>
-            the launcher (unshare's parent) is alive and still the server's child, or stop;
+    hpcrl-launch (sandbox/launch.c, built once per host with the C compiler; one exec)
+      [root] this pid into the run's cgroups
+      [root] drop to the slot uid: no groups, no capabilities in any set, no_new_privs
+      SIGKILL when the server dies; stop if the server is already gone
+      new user (slot uid -> root), mount (private) and pid namespaces; fork:
+      `-> pid 1 of the new pid namespace, SIGKILL when the launcher dies; stop if it is gone;
             a procfs of this namespace on /proc; tmpfs /tmp/{work,tmp,shm} with size= and
             nr_inodes= (bwrap's --size has no inode cap)
             exec bwrap ...           pid 1 here; the program is the only other process
 
-Why each step:
+It does in one process what a chain of `sh` (cgroups), `setpriv`, `unshare` and `sh` + two
+`mount`s did in six execs, which cost more than bwrap itself. Why each step:
 
 * A server that is SIGKILLed must take its sandboxes with it. bwrap's --die-with-parent arms
   PR_SET_PDEATHSIG in the outer bwrap only after it has made its namespaces, and in its init
   only after the whole mount setup: a kill in between (milliseconds; 18 of 30 kills of a busy
-  server in a test) left a sandbox running with nobody to enforce its wall limit. Here setpriv
-  arms the launcher (after the uid change, which would clear it), unshare's --kill-child arms
-  the namespace's pid 1 right after the fork, and STAGE, which runs after both, checks that
-  neither came too late: the launcher must be alive (else it died before --kill-child was
-  armed) and its parent must still be the server (else the server died before setpriv armed
-  it, and the signal will never come). Every other process of the sandbox lives in that pid
-  namespace; when its pid 1 dies the kernel kills all of it. So nothing of a sandbox outlives
-  its launcher, and nothing but pid 1 can be orphaned (the backend, a subreaper, reaps it).
-  bwrap makes no pid namespace of its own: it is pid 1 of ours, its init is not needed.
-* In the user namespace the slot uid is root, and nothing outside it. STAGE mounts the run's
+  server in a test) left a sandbox running with nobody to enforce its wall limit. Here the
+  launcher arms its parent-death signal after the uid change (which would clear it) and then
+  checks that its parent is still the server (else the server died first, and the signal will
+  never come); the namespace's pid 1 arms its own right after the fork and checks that the
+  launcher is still there (a pipe whose other end only the launcher holds). Every other
+  process of the sandbox lives in that pid namespace; when its pid 1 dies the kernel kills all
+  of it. So nothing of a sandbox outlives its launcher, and nothing but pid 1 can be orphaned
+  (the backend, a subreaper, reaps it). bwrap makes no pid namespace of its own: it is pid 1
+  of ours, its init is not needed. The launcher ends as pid 1 ended (exit status or signal).
+* In the user namespace the slot uid is root, and nothing outside it. Pid 1 mounts the run's
   tmpfs there with `nr_inodes=` as well as `size=`, so empty files (which take no space) cannot
   exhaust inodes and kernel memory; the mounts vanish with the namespace, and bwrap binds them
   to /work, /tmp and /dev/shm. bwrap runs in it as that root with the namespace's
@@ -32,96 +34,111 @@ Why each step:
   read the environment of bwrap (a parent user namespace's process); SIGKILL from inside the
   pid namespace does not reach its pid 1.
 
-Exit status 125 from the chain means a step refused (JOIN's message on stderr starts with
-`sh:`, STAGE's mount failure with `hpcrl-launch:`; an orphaned STAGE stops silently, for
-nobody is listening any more).
+The helper is compiled from its source the first time a backend needs it on a host, into a
+cache directory of the server's user that nobody else can write (`helper()`); its name holds a
+hash of the source and compiler, so a changed source builds anew.
+
+Exit status 125 from the launcher means a step refused (its message on stderr starts with
+`hpcrl-launch:`, a failure to join the cgroups with `hpcrl-launch: cannot join the cgroup`);
+an orphaned step stops silently, for nobody is listening any more.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
 
+from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.spec import Limits
 
-__all__ = ["launcher_args", "join_cgroups_args", "fstab", "TMPFS_DIR", "tmpfs_options"]
+__all__ = ["launcher_args", "helper", "fstab", "TMPFS_DIR", "tmpfs_options", "JOIN_FAILED"]
 
 _MIB = 1024 * 1024
-# Where STAGE mounts the sandbox's tmpfs, in the launcher's own mount namespace (it hides the
+# Where pid 1 mounts the sandbox's tmpfs, in the launcher's own mount namespace (it hides the
 # host's /tmp from bwrap, which needs nothing there; bwrap resolves --bind sources in the old
 # root, so its own tmpfs on /tmp does not hide these).
 TMPFS_DIR = "/tmp"
-
-_JOIN_SH = 'for f; do shift; [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; done; exec "$@"'
-_STAGE_SH = (
-    # Our own /proc/self/stat in the host's /proc (still mounted here) names our parent, the
-    # launcher, by its host pid (getppid() is 0 across a pid namespace); the launcher's names its.
-    "read -r s < /proc/self/stat; s=${s##*) }; s=${s#* }; p=${s%% *}; "
-    'read -r t < "/proc/$p/stat" || exit 125; t=${t##*) }; '
-    'case "$t" in [ZX]*) exit 125 ;; esac; t=${t#* }; [ "${t%% *}" = "$1" ] || exit 125; shift; '
-    # The fstab comes as arguments and goes to a file in the first mount: an inherited
-    # descriptor would reach the program (bwrap closes none), and dash closes only fds 0-9.
-    f"mount -t tmpfs -o size=65536,nr_inodes=16,mode=0700 hpcrl {TMPFS_DIR} && "
-    f'printf "%s\\n" "$1" "$2" "$3" "$4" > {TMPFS_DIR}/fstab && mount -a -T {TMPFS_DIR}/fstab || '
-    '{ echo "hpcrl-launch: cannot mount the sandbox tmpfs (see above)" >&2; exit 125; }; '
-    'shift 4; exec "$@"'
-)
+# How the launcher's refusal to join the run's cgroups starts on stderr.
+JOIN_FAILED = b"hpcrl-launch: cannot join the cgroup"
+_SOURCE = Path(__file__).with_name("launch.c")
+_CFLAGS = ["-O2", "-Wall", "-Werror"]
 
 
 def tmpfs_options(size_mb: int, inodes: int, mode: str = "0755") -> str:
     return f"size={size_mb * _MIB},nr_inodes={inodes},mode={mode}"
 
 
-def join_cgroups_args(procs_files: list[str]) -> list[str]:
-    """`sh JOIN`: this pid into each cgroup.procs file (as root, before anything else), then exec the rest."""
-    return ["/bin/sh", "-c", _JOIN_SH, "sh", *procs_files, "--"]
-
-
 def fstab(limits: Limits) -> list[str]:
-    """STAGE's `mount -a` lines: a procfs of the new pid namespace over /proc (bwrap, which makes
-    no pid namespace, binds the /proc it finds; the host's would show every host process), and
-    the run's three tmpfs, capped in bytes and inodes (under a small tmpfs STAGE mounts over
-    /tmp first). Pure."""
+    """The launcher's mounts, in fstab syntax: a procfs of the new pid namespace over /proc
+    (bwrap, which makes no pid namespace, binds the /proc it finds; the host's would show every
+    host process), and the run's three tmpfs, capped in bytes and inodes (under a small tmpfs
+    the launcher mounts over /tmp first). Pure."""
     return ["hpcrl-proc /proc proc nosuid,nodev,noexec 0 0"] + [
         f"hpcrl-{name} {TMPFS_DIR}/{name} tmpfs {tmpfs_options(mb, limits.inodes)},X-mount.mkdir 0 0"
         for name, mb in (("work", limits.work_mb), ("tmp", limits.tmp_mb), ("shm", limits.shm_mb))
     ]
 
 
-def launcher_args(limits: Limits, uid: int | None, server_pid: int | None = None) -> list[str]:
-    """Everything before `bwrap` in the chain above (after JOIN); `uid` None: not root, no drop.
-    Pure but for getpid()."""
-    drop = (
-        [
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--no-new-privs",
-        ]
-        if uid is not None
-        else []
-    )
-    return [
-        "setpriv",
-        *drop,
-        "--pdeathsig",
-        "KILL",
-        "--",
-        "unshare",
-        "--user",
-        "--map-root-user",
-        "--mount",
-        "--propagation",
-        "private",
-        "--pid",
-        "--fork",
-        "--kill-child",
-        "--",
-        "/bin/sh",
-        "-c",
-        _STAGE_SH,
-        "sh",
-        str(os.getpid() if server_pid is None else server_pid),
-        *fstab(limits),
-    ]
+def launcher_args(
+    limits: Limits, uid: int | None, server_pid: int | None = None, cgroups: list[str] = (), launch: str | None = None
+) -> list[str]:
+    """Everything before `bwrap`: the helper with the run's cgroup.procs files (joined as root),
+    `uid` (None: not root, no drop), the server's pid and the mounts. Pure but for getpid() and,
+    without `launch`, `helper()`."""
+    args = [launch or helper()]
+    for f in cgroups:
+        args += ["--cgroup", f]
+    if uid is not None:
+        args += ["--uid", str(uid)]
+    args += ["--server", str(os.getpid() if server_pid is None else server_pid)]
+    for line in fstab(limits):
+        args += ["--mount", line]
+    return [*args, "--"]
+
+
+@functools.cache
+def helper() -> str:
+    """The launcher's path, built from launch.c on first use (SandboxUnavailable without a C
+    compiler). The cache directory must belong to this user and be writable by nobody else:
+    as root this binary is what every sandbox starts with."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise SandboxUnavailable(
+            "bwrap backend: no C compiler (cc) to build the sandbox launcher; install gcc (apt-get install gcc)"
+        )
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + os.fsencode(os.path.realpath(cc)) + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcrl"
+    try:
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _check_private(cache)
+    except (OSError, SandboxUnavailable):
+        cache = Path(tempfile.mkdtemp(prefix="hpcrl-launch-"))  # private to this process's user
+    path = cache / f"hpcrl-launch-{key}"
+    if path.exists():
+        _check_private(path)
+        return str(path)
+    tmp = cache / f".{path.name}.{os.getpid()}.tmp"
+    proc = subprocess.run([cc, *_CFLAGS, "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise SandboxUnavailable(
+            f"bwrap backend: cannot build the sandbox launcher ({cc}): {proc.stderr.strip()[:500]}"
+        )
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def _check_private(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise SandboxUnavailable(
+            f"bwrap backend: {path} is a link, not ours, or writable by others; remove it (the launcher is rebuilt)"
+        )

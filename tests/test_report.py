@@ -246,6 +246,10 @@ def test_store_costs_sum_each_domains_steps_and_the_trained_trajectories(tmp_pat
     assert (a.trained, a.trained_tokens) == (1, trajs[0].n_tokens)
     assert (code.trained, code.trained_tokens) == (1, trajs[1].n_tokens)
     assert trajs[1].n_tokens == 13  # (3 prompt + 2 action + 1 observation) + (3 + 2 + 2)
+    # The same sums read from the segments, where a shard has no index (finalized before them).
+    for index in (tmp_path / "trajectories").glob("*/IDS.bin"):
+        index.unlink()
+    assert store_costs(tmp_path) == (costs, [])
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -202,10 +202,10 @@ def test_bwrap_command_isolates_and_copies_files_in():
     # The binds are the launcher's tmpfs, capped in bytes and inodes, in its own namespaces.
     assert "--unshare-pid" not in line and "--unshare-all" not in line  # the launcher's pid namespace
     lim = Limits(work_mb=8, tmp_mb=4, shm_mb=2, inodes=100)
-    launch = launcher_args(lim, uid=61000, server_pid=4242)
-    assert launch[:2] == ["setpriv", "--reuid=61000"] and "--pdeathsig" in launch
-    assert "--pid --fork --kill-child" in " ".join(launch) and "--map-root-user" in launch
-    assert launch[-6:-4] == ["sh", "4242"] and launch[-4:] == fstab(lim)
+    launch = launcher_args(lim, uid=61000, server_pid=4242, cgroups=["/cg/a/cgroup.procs"], launch="/x/hpcrl-launch")
+    assert launch[:3] == ["/x/hpcrl-launch", "--cgroup", "/cg/a/cgroup.procs"] and launch[-1] == "--"
+    assert " ".join(launch[3:7]) == "--uid 61000 --server 4242"
+    assert [launch[i + 1] for i, a in enumerate(launch) if a == "--mount"] == fstab(lim)
     assert fstab(lim)[0].startswith("hpcrl-proc /proc proc ")
     assert fstab(lim)[1] == f"hpcrl-work /tmp/work tmpfs size={8 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
     assert fstab(lim)[3] == f"hpcrl-shm /tmp/shm tmpfs size={2 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"

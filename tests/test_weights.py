@@ -17,7 +17,7 @@ import torch
 from hpcrl.core.config import PolicyConfig, TinyModelConfig
 from hpcrl.rl.policy import Policy, full_state_dict
 from hpcrl.rl.weight_direct import DirectReceiver, DirectSender, DirectWeights
-from hpcrl.rl.weights import ShardPublisher, WeightStore, owned_names
+from hpcrl.rl.weights import Bucket, ShardPublisher, WeightStore, owned_names, read_shard, write_shard_file
 
 from conftest import wait_for
 
@@ -91,6 +91,37 @@ def test_a_resumed_learner_discards_a_previous_lifes_half_published_version(tmp_
     assert all(torch.equal(got[k], new[k]) for k in new)
 
 
+def test_shards_are_safetensors_written_from_the_buckets_and_mapped_back(tmp_path):
+    """A shard is written from the gathered buffers' own memory and read as views of a private
+    map: the safetensors library reads ours and we read its; writing a view never reaches the
+    file; a truncated shard is refused rather than mapped (a read past a map's end is a SIGBUS)."""
+    from safetensors.torch import load_file, save_file
+
+    state = {
+        "w": torch.randn(3, 5).bfloat16(),
+        "ids": torch.arange(7),
+        "empty": torch.ones(0, 4),
+        "s": torch.tensor(2.5),
+    }
+    bucket = Bucket([(k, v.dtype, v.shape) for k, v in state.items()])
+    for k, v in state.items():
+        bucket.tensors[k].copy_(v)
+    write_shard_file(tmp_path / "ours.safetensors", bucket.tensors, {"format": "pt"})
+    assert all(torch.equal(v, state[k]) for k, v in load_file(tmp_path / "ours.safetensors").items())
+    save_file(state, tmp_path / "theirs.safetensors")
+    for name in ("ours", "theirs"):
+        got, _ = read_shard(tmp_path / f"{name}.safetensors")
+        assert got.keys() == state.keys() and all(
+            torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in state.items()
+        )
+    got["w"].add_(1)
+    assert torch.equal(read_shard(tmp_path / "theirs.safetensors")[0]["w"], state["w"])
+    data = (tmp_path / "ours.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-2])
+    with pytest.raises(ValueError, match="damaged"):
+        read_shard(tmp_path / "cut.safetensors")
+
+
 def test_background_reader_swaps_without_blocking(tmp_path):
     WeightStore(tmp_path).publish(state_of(1), 3)
     policy = Policy.load(TINY, seed=0)
@@ -147,6 +178,28 @@ def test_direct_path_sends_each_version_to_every_generator(tmp_path):
             if r is not None:
                 r.close(timeout_s=60)
                 assert not r._thread.is_alive()
+        sender.close()
+
+
+def test_direct_streams_buckets_and_an_aborted_version_is_never_staged(tmp_path):
+    sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
+    recv = DirectReceiver(tmp_path, "gen-0", timeout_s=60)
+    try:
+        assert recv.connected.wait(30)
+        one, two = state_of(5, torch.bfloat16), state_of(6, torch.bfloat16)
+        names = list(one)
+        feed = sender.stream(1)
+        feed.put(Bucket.of({n: one[n] for n in names[:2]}))
+        feed.abort()  # the gather failed after one bucket: the receiver drops it
+        feed = sender.stream(2)
+        for part in (names[:2], names[2:]):  # buckets go out as they are put
+            feed.put(Bucket.of({n: two[n] for n in part}))
+        feed.close()
+        sender.flush()
+        version, got = wait_for(recv.take, 30, 0.01, "version 2")
+        assert version == 2 and got.keys() == two.keys() and all(torch.equal(got[k], two[k]) for k in two)
+    finally:
+        recv.close(timeout_s=60)
         sender.close()
 
 

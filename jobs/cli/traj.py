@@ -286,7 +286,9 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def _find(store: Path, ident: str) -> list:
-    """The stored trajectories `ident` names (an episode number or run/generator/episode)."""
+    """The stored trajectories `ident` names (an episode number or run/generator/episode).
+    Segments whose manifest entry gives an episode range without it are not opened, so the
+    cost follows what matches, not the size of the store."""
     from hpcrl.rl.store.layout import list_shards
     from hpcrl.rl.store.reader import _segments_of
     from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
@@ -299,6 +301,9 @@ def _find(store: Path, ident: str) -> list:
     out = []
     for state in list_shards(store):
         for seg in _segments_of(state):
+            e = seg.expect
+            if e is not None and e.min_episode >= 0 and not e.min_episode <= episode <= e.max_episode:
+                continue
             path = state.path / seg.name
             try:  # the id column first: only segments holding a match are read whole
                 ids = read_segment(path, seg.expect, fields=("traj",)).ids()
@@ -315,9 +320,11 @@ def _decoder(store: Path):
     """The run's tokenizer's decode (its config.resolved.yaml beside the store), or None."""
     try:
         from hpcrl.core.config import load_config
-        from hpcrl.rl.policy import load_tokenizer
 
         cfg = load_config(str(store.parent / "config.resolved.yaml"), [])
+        # Only now: the tokenizer's import (transformers, torch) costs more than the lookup.
+        from hpcrl.rl.policy import load_tokenizer
+
         tok = load_tokenizer(cfg.policy)
         return lambda ids: tok.decode([int(i) for i in ids])
     except Exception:  # no run config, no tokenizer files here: token counts only

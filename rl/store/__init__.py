@@ -8,6 +8,9 @@
 three flat arrays): the wire sends it and a segment stores it; `records` holds its tables'
 dtypes and upgrades an older schema's. `layout` is the on-disk shape
 (shards of immutable segments, manifests, recovery and quarantine) and why it survives a kill
-at any moment; `writer` and `reader` are its two sides; `stream` is the acknowledged,
-deduplicated delivery from generators to the writer that feeds it.
+at any moment; `index` is each finalized shard's id index and per-domain sums, which a
+restarted writer's dedup check, `hpcrl report` and `hpcrl traj show` read instead of the
+segments; `writer` and `reader` are its two sides (`sync` the writer's sync thread, `lease`
+who holds a shard and what a writer name stored); `stream` is the acknowledged, deduplicated
+delivery from generators to the writer that feeds it.
 """

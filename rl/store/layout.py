@@ -91,14 +91,12 @@ import os
 import re
 import socket
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from hpcrl.core.files import atomic_write_bytes, fsync_path
+from hpcrl.rl.store.index import IndexPart, index_part, segments_crc, write_index
 from hpcrl.rl.store.segment import (
     SEGMENT_FORMAT_VERSION,
     SegmentError,
@@ -181,7 +179,7 @@ class ShardManifest:
     @property
     def crc32(self) -> int:
         """The shard's checksum: CRC-32 over its segments' CRCs in order (each covers its data)."""
-        return zlib.crc32(np.array([s.crc32 for s in self.segments], "<u4").tobytes())
+        return segments_crc(self.segments)
 
     def to_json(self) -> dict:
         return {
@@ -373,6 +371,15 @@ def finalize_shard(
     return manifest
 
 
+def write_index_or_warn(shard: Path, parts: list[IndexPart], segments: list[SegmentInfo]) -> None:
+    """The shard's index before its manifest; one that cannot be written costs speed, not data
+    (readers of an unindexed shard read its segments), so it is logged, not raised."""
+    try:
+        write_index(shard, parts, segments)
+    except OSError as exc:
+        log.warning("shard %s: index not written (%s); its segments are read instead", shard.name, exc)
+
+
 def recover_shard(store: Path, shard: Path) -> RecoveryReport:
     """Finalize a shard whose writer died (or lost its lease): fence it, keep every verified
     segment, quarantine the rest. Idempotent: a recovery killed half-way is simply run again.
@@ -398,9 +405,12 @@ def recover_shard(store: Path, shard: Path) -> RecoveryReport:
         if quarantine(store, shard, name, reason):
             quarantined.append({"name": name, "reason": reason})
     good: list[SegmentInfo] = []
+    parts = []
     for name in state.segment_names:
         try:
-            good.append(load_segment(shard / name)[1])
+            cols, info = load_segment(shard / name)
+            good.append(info)
+            parts.append(index_part([cols]))
         except SegmentError as exc:
             quarantine(store, shard, name, str(exc))
             quarantined.append({"name": name, "reason": str(exc)})
@@ -412,6 +422,7 @@ def recover_shard(store: Path, shard: Path) -> RecoveryReport:
             return RecoveryReport(shard.name, 0, 0, (), True)
         except OSError:
             pass  # something unexpected is in there: keep it and finalize the shard empty
+    write_index_or_warn(shard, parts, good)
     try:
         finalize_shard(shard, state.writer, good, "recovered", quarantined, replace=state.manifest_error is not None)
     except FileExistsError:  # its writer finalized it after the fence, first: its manifest stands

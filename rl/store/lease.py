@@ -3,7 +3,7 @@
     why = owner_alive(state, lease_s)   # None: its writer is dead (or lost its lease), recover it
     hold_shard(path); release_shard(path)   # the shards live writers of this process hold
     reports = take_over(store, "store-0", lease_s)   # a new writer of a name: recover its dead shards
-    ids = stored_ids(store, "store-0")      # what the name stored: the new writer's dedup index
+    ids = StoredIds.load(store, "store-0")  # what the name stored: the new writer's dedup check
 
 A shard is written by one writer, named in the shard directory's name (host and pid). On the
 same host its pid says whether it runs; for this process itself, the registry of shards held
@@ -20,10 +20,13 @@ import calendar
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import psutil
 
+from hpcrl.rl.store.index import id_keys, member, read_index
 from hpcrl.rl.store.layout import (
     OWNER_NAME,
     RecoveryReport,
@@ -36,7 +39,7 @@ from hpcrl.rl.store.layout import (
     short_host,
 )
 
-__all__ = ["owner_alive", "hold_shard", "release_shard", "take_over", "stored_ids"]
+__all__ = ["owner_alive", "hold_shard", "release_shard", "take_over", "StoredIds"]
 
 log = logging.getLogger("hpcrl.store")
 
@@ -102,16 +105,53 @@ def take_over(store: Path, writer: str, lease_s: float) -> list[RecoveryReport]:
     return reports
 
 
-def stored_ids(store: Path, writer: str) -> set[str]:
-    """The ids `writer` stored (its finalized shards by their manifests): its dedup index."""
-    ids: set[str] = set()
-    for state in list_shards(store):
-        if state.writer != writer:
-            continue
-        names = [s.name for s in state.manifest.segments] if state.manifest else state.segment_names
-        for name in names:
-            try:
-                ids.update(read_segment(state.path / name, fields=("traj",)).ids())
-            except SegmentError as exc:
-                log.warning("dedup index: skipping %s/%s: %s", state.name, name, exc)
-    return ids
+class StoredIds:
+    """The ids a writer name stored, for its dedup check: each finalized shard's index
+    (hpcrl.rl.store.index), searched in place, plus a set for what is not indexed: this
+    writer's own shard until it is finalized, and shards without a usable index (read once).
+    Opening it reads no segment of an indexed shard: its cost grows with the shards, not rows."""
+
+    def __init__(self) -> None:
+        self._runs: list[np.ndarray] = []
+        self._loose: set[bytes] = set()
+
+    @classmethod
+    def load(cls, store: Path, writer: str) -> StoredIds:
+        out = cls()
+        for state in list_shards(store):
+            if state.writer != writer:
+                continue
+            idx = read_index(state.path, state.manifest.segments if state.manifest else None)
+            if idx is not None:
+                out._runs.append(idx.keys)
+                continue
+            names = [s.name for s in state.manifest.segments] if state.manifest else state.segment_names
+            for name in names:
+                try:
+                    out._loose.update(id_keys(read_segment(state.path / name, fields=("traj",)).ids()).tolist())
+                except SegmentError as exc:
+                    log.warning("dedup index: skipping %s/%s: %s", state.name, name, exc)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._loose) + sum(len(r) for r in self._runs)
+
+    def add_keys(self, keys: np.ndarray) -> None:
+        """Stored now (keys: hpcrl.rl.store.index.id_keys of their ids)."""
+        self._loose.update(keys.tolist())
+
+    def seal(self, keys: np.ndarray) -> None:
+        """A shard's index is written: search its (sorted) keys in place, drop them from the set."""
+        self._runs.append(keys)
+        self._loose.difference_update(np.asarray(keys).tolist())
+
+    def mask(self, ids: Sequence[str]) -> np.ndarray:
+        """Which of `ids` are stored (a bool per id)."""
+        keys = id_keys(ids)
+        hit = np.fromiter((k in self._loose for k in keys.tolist()), bool, len(keys))
+        for run in self._runs:
+            hit |= member(run, keys)
+        return hit
+
+    def __contains__(self, tid: str) -> bool:
+        return bool(self.mask([tid])[0])

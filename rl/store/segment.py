@@ -93,6 +93,10 @@ class SegmentInfo:  # one segment as listed in a manifest
     flushed_at: float
     min_policy_version: int
     max_policy_version: int
+    # The episode numbers it holds lie in [min_episode, max_episode] (-1: not recorded, manifests
+    # written before the range was): `hpcrl traj show` opens only the segments that may hold one.
+    min_episode: int = -1
+    max_episode: int = -1
 
 
 def segment_name(seq: int, flushed_us: int) -> str:
@@ -220,6 +224,8 @@ class SegmentFile:
     flushed_at: float
     min_policy_version: int
     max_policy_version: int
+    min_episode: int
+    max_episode: int
     # (offset, length, kind, pieces): each uncompressed dataset's storage and the arrays, in
     # order, whose bytes fill it (the batches the segment was made of: never concatenated).
     data: list[tuple[int, int, int, list[np.ndarray]]]
@@ -264,6 +270,8 @@ class SegmentFile:
             self.flushed_at,
             self.min_policy_version,
             self.max_policy_version,
+            self.min_episode,
+            self.max_episode,
         )
 
 
@@ -366,6 +374,8 @@ def create_segment(
         flushed_at,
         int(traj["min_policy_version"].min()) if len(traj) else 0,
         int(traj["max_policy_version"].max()) if len(traj) else 0,
+        int(traj["episode"].min()) if len(traj) else -1,
+        int(traj["episode"].max()) if len(traj) else -1,
         data,
     )
 

@@ -233,6 +233,8 @@ def _info(path: Path, cols: Columns, crc: int, size: int) -> SegmentInfo:
         parsed[1] / 1e6 if parsed else 0.0,
         int(t["min_policy_version"].min()) if pv else 0,
         int(t["max_policy_version"].max()) if pv else 0,
+        int(t["episode"].min()) if len(t) else -1,
+        int(t["episode"].max()) if len(t) else -1,
     )
 
 

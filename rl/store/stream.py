@@ -62,7 +62,7 @@ class TrajectorySink(Protocol):
     def append_columns(self, cols: Columns): ...  # -> FlushResult | None (has .ids)
     def poll(self): ...
     def seconds_to_flush(self) -> float | None: ...
-    def is_stored(self, traj_id: str) -> bool: ...
+    def stored_mask(self, ids: list[str]) -> list[bool]: ...  # which of ids are stored
     def is_pending(self, traj_id: str) -> bool: ...
     def close(self): ...
 
@@ -319,6 +319,7 @@ class TrajectoryReceiver:
                 self._send(peer, "reject", {"ids": ids, "reason": f"broken batch: {exc}"})
             return
         ids, take = env.body["ids"], []
+        stored = self.sink.stored_mask(list(ids))
         for i, (tid, error) in enumerate(zip(ids, cols.row_errors())):
             if error is not None:
                 self.dropped += 1
@@ -326,7 +327,7 @@ class TrajectoryReceiver:
                 self._send(peer, "reject", {"ids": [tid], "reason": error})
                 continue
             self.received += 1
-            if self.sink.is_stored(tid):
+            if stored[i]:
                 self.duplicates += 1
                 self._send(peer, "ack", {"ids": [tid]})
                 continue

@@ -52,7 +52,9 @@ class _Fenced(Exception):
 class _InFlight:
     """A segment handed to the sync thread: its batches (`make`), then its .tmp file and fd."""
 
-    __slots__ = ("shard", "make", "info", "tmp", "path", "fd", "ids", "parts", "bufs", "pool", "future", "settled")
+    __slots__ = (
+        "shard", "make", "info", "index", "tmp", "path", "fd", "ids", "parts", "bufs", "pool", "future", "settled",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class _InFlight:
         self.shard, self.tmp, self.path, self.fd = shard, tmp, path, -1
         self.make: tuple | None = None  # (batches, attrs, compression) for create_segment
         self.info: SegmentInfo | None = None  # set by the sync thread once filled (it holds the CRC)
+        self.index = None  # its entries of the shard's index (hpcrl.rl.store.index.IndexPart)
         # What the segment was made of (batches, loose trajectories): given back if its sync fails.
         self.ids, self.parts = ids, parts
         self.bufs = bufs  # holds the encoded loose trajectories until the segment is filled

@@ -32,9 +32,12 @@ proven durable (the directory fsync failed) or a fenced shard stops the writer f
 (WriterStopped on every call): it hands its shard over, a new writer recovers it.
 
 On start the writer recovers the shards that an earlier, dead process with the same writer
-name left open (`recover_shard`: fence, verify, finalize), and loads the ids already stored
-under that name, so a sender that resends after a crash cannot create duplicates: `append`
-drops a trajectory whose id is stored or buffered (`duplicates` counts them). Two live
+name left open (`recover_shard`: fence, verify, finalize), and opens the ids already stored
+under that name (each finalized shard's index, `hpcrl.rl.store.index`, searched in place: no
+segment is read, so a restart costs the same early and late in a run), so a sender that resends
+after a crash cannot create duplicates: `append` drops a trajectory whose id is stored or
+buffered (`duplicates` counts them). A shard's index is written before its manifest; the ids
+of the open shard are kept in memory until then. Two live
 writers must not share a name: on the same host the pid in the shard name tells, across
 hosts the OWNER.json heartbeat (refreshed at each flush and at least every lease/3 seconds;
 `store.lease_s`); one silent past its lease is fenced (`hpcrl.rl.store.layout`).
@@ -54,6 +57,7 @@ from pathlib import Path
 from hpcrl.core.config import StoreConfig
 from hpcrl.core.files import atomic_write_json, fsync_path, read_json
 from hpcrl.rl.store.columns import Columns, EncodeBuffers
+from hpcrl.rl.store.index import IndexPart, index_part, read_index
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
     OWNER_NAME,
@@ -65,8 +69,9 @@ from hpcrl.rl.store.layout import (
     is_fenced,
     new_shard_dir,
     segment_name,
+    write_index_or_warn,
 )
-from hpcrl.rl.store.lease import hold_shard, owner_alive, release_shard, stored_ids, take_over
+from hpcrl.rl.store.lease import StoredIds, hold_shard, owner_alive, release_shard, take_over
 from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
 from hpcrl.rl.trajectory import Trajectory
 
@@ -104,7 +109,7 @@ class ShardWriter:
         except OSError as exc:
             raise StoreError(f"cannot create store directory {self.store}: {exc.strerror}") from None
         self.recovered = self._recover_previous()
-        self._stored: set[str] | None = stored_ids(self.store, self.writer) if dedup else None
+        self._stored: StoredIds | None = StoredIds.load(self.store, self.writer) if dedup else None
         # The buffer, in arrival order: batches already in column form, then loose trajectories,
         # which are encoded together when the next batch arrives or at the flush.
         self._chunks: list[Columns] = []
@@ -118,6 +123,7 @@ class ShardWriter:
         self._newest = 0.0  # ... and of the newest
         self._shard: Path | None = None
         self._segments: list[SegmentInfo] = []  # durable segments of the open shard
+        self._parts: list[IndexPart] = []  # ... and their index entries (hpcrl.rl.store.index)
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
         self._seq = 0
         self._inflight: deque[_InFlight] = deque()
@@ -129,7 +135,7 @@ class ShardWriter:
         self.closed = False
         self._stopped: str | None = None  # why the writer stopped for good (WriterStopped)
         # Shards whose segments are all durable, waiting for their manifest (retried on failure).
-        self._unfinalized: list[tuple[Path, list[SegmentInfo]]] = []
+        self._unfinalized: list[tuple[Path, list[SegmentInfo], list[IndexPart]]] = []
         # Opened now, not at the first flush: from this moment the name is visibly in use.
         self._open_shard()
 
@@ -142,6 +148,12 @@ class ShardWriter:
 
     def is_stored(self, traj_id: str) -> bool:
         return self._stored is not None and traj_id in self._stored
+
+    def stored_mask(self, ids: list[str]) -> list[bool]:
+        """is_stored for many ids at once (one search of each shard index per batch)."""
+        if self._stored is None or not ids:
+            return [False] * len(ids)
+        return self._stored.mask(ids).tolist()
 
     def is_pending(self, traj_id: str) -> bool:
         return traj_id in self._pending
@@ -174,7 +186,8 @@ class ShardWriter:
         nothing); rows whose id is stored or buffered are dropped. Returns what became durable."""
         self._usable()
         ids = cols.ids()
-        keep = [i for i, tid in enumerate(ids) if tid not in self._pending and not self.is_stored(tid)]
+        stored = self.stored_mask(ids)
+        keep = [i for i, tid in enumerate(ids) if tid not in self._pending and not stored[i]]
         self.duplicates += len(ids) - len(keep)
         if not keep:
             return None
@@ -275,7 +288,7 @@ class ShardWriter:
             except OSError:
                 pass  # an empty shard without an owner: the next recovery removes it
             raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
-        self._shard, self._segments, self._shard_rows, self._seq = shard, [], 0, 0
+        self._shard, self._segments, self._parts, self._shard_rows, self._seq = shard, [], [], 0, 0
         hold_shard(shard)
         self._last_beat = time.monotonic()
 
@@ -295,18 +308,19 @@ class ShardWriter:
     def _retire(self) -> None:
         """The open shard, all of it durable, waits for its manifest; no shard is open after."""
         if self._shard is not None:
-            self._unfinalized.append((self._shard, self._segments))
-            self._shard, self._segments, self._shard_rows, self._seq = None, [], 0, 0
+            self._unfinalized.append((self._shard, self._segments, self._parts))
+            self._shard, self._segments, self._parts, self._shard_rows, self._seq = None, [], [], 0, 0
 
     def _finalize_retired(self) -> None:
         """Write the manifest of each retired shard (an empty one is removed); StoreError if one
         cannot be written: it stays retired, its segments durable and readable, and is retried."""
         while self._unfinalized:
-            shard, segments = self._unfinalized[0]
+            shard, segments, parts = self._unfinalized[0]
             if is_fenced(shard):  # a newer writer finalized it (its manifest lists our segments)
                 self._fenced(shard)
             try:
                 if segments:
+                    write_index_or_warn(shard, parts, segments)
                     finalize_shard(shard, self.writer, segments, "closed")
                 else:
                     (shard / OWNER_NAME).unlink(missing_ok=True)
@@ -326,6 +340,8 @@ class ShardWriter:
                 ) from exc
             release_shard(shard)
             self._unfinalized.pop(0)
+            if segments and self._stored is not None and (idx := read_index(shard, segments)) is not None:
+                self._stored.seal(idx.keys)  # searched in place from now on, not held in a set
 
     def _own_manifest(self, shard: Path) -> bool:
         """Whether the shard's manifest is this writer's own closing one (not a recovery's)."""
@@ -370,6 +386,7 @@ class ShardWriter:
         ids = [tid for p in parts for tid in p.ids()]
         item = _InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
         item.make = (parts, attrs, self.cfg.compression)
+        item.index = index_part(parts)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
         self._inflight.append(item)
         self._sync.hand_over(item)
@@ -420,6 +437,9 @@ class ShardWriter:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
         self._release(item)
         self._segments.append(item.info)
+        self._parts.append(item.index)
+        if self._stored is not None:  # durable: a resend of these is acknowledged at once
+            self._stored.add_keys(item.index.keys)
         self._done.append(item)
 
     def _rebuffer(self) -> None:
@@ -462,7 +482,7 @@ class ShardWriter:
             self._release(item)
             if not isinstance(item.future.exception(), _Unproven):
                 item.tmp.unlink(missing_ok=True)
-        for shard in [self._shard] + [s for s, _ in self._unfinalized]:
+        for shard in [self._shard] + [s for s, _, _ in self._unfinalized]:
             if shard is not None:
                 release_shard(shard)
         log.error("store writer %r stopped: %s; restart it (its shard is recovered then)", self.writer, reason)
@@ -478,8 +498,6 @@ class ShardWriter:
         if not done:
             return None
         ids = tuple(tid for item in done for tid in item.ids)
-        if self._stored is not None:
-            self._stored.update(ids)
         self._pending.difference_update(ids)
         self.total_rows += len(ids)
         self._heartbeat()

@@ -3,6 +3,7 @@
     sampler = TaskSampler({"arith/max2": 1.0, "code-repair": 0.1}, group_size=8, seed=0,
                           sizes={"code-repair": 164})   # domains with a finite list of tasks
     tickets = sampler.next_group()        # 8 EpisodeTickets of one task instance (a GRPO group)
+    sampler.issued()                      # {domain: episodes handed out}
 
     source = LocalTaskSource(sampler)     # what a generator pulls from when run in-process
     source.take(16); source.done(ticket); source.failed(ticket, "sandbox died")
@@ -100,6 +101,10 @@ class TaskSampler:
             "next_episode": self._next_episode,
             "next_group": self._next_group,
         }
+
+    def issued(self) -> dict[str, int]:
+        """Episodes handed out so far per domain (first attempts: groups x group_size)."""
+        return {n: i * self.group_size for n, i in self._next_index.items()}
 
     @property
     def next_numbers(self) -> tuple[int, int]:

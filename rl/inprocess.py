@@ -22,6 +22,7 @@ from pathlib import Path
 from hpcrl.core.config import Config, load_config
 from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.batch import GroupBuffer
+from hpcrl.rl.coordinator import domain_report
 from hpcrl.rl.domains import SandboxJudge, load_domains
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.learner import Learner
@@ -99,6 +100,7 @@ def train_in_process(
             m["elapsed_s"] = time.perf_counter() - t0
             m["generator_busy"] = gen.stats.busy_fraction
             m["generated"], m["filtered"] = gen.stats.trajectories, buffer.filtered
+            m["domains"] = domain_report(sampler.issued(), buffer.domain_counts())
             if evaluator is not None and evaluator.due(learner.step):
                 m.update(evaluator.run_now(learner.step, learner.version))
             history.append(m)

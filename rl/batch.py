@@ -27,7 +27,10 @@ episodes, and the groups that wait for one, however fresh most of their tokens a
 drifts toward fast episodes and fast domains. An incomplete group is never dropped for its age
 (a member still running may be fresh); a group that can never be complete (the coordinator
 gave up one of its episodes) is closed when the coordinator says so (`abandon`), and what
-arrived of it is dropped ("abandoned").
+arrived of it is dropped ("abandoned"). What the rule still measures is time since a group's
+last sample: the final environment step (a test run, a judge) and the wait for the learner. A
+domain whose final step alone outlasts max_staleness learner steps has every group dropped;
+its `dropped_stale` count says so, and max_staleness must cover that step.
 
 With `filter_zero_variance` (dynamic sampling, as in DAPO) a complete group whose rewards are
 all equal is dropped on arrival (`filtered` counts its trajectories): its advantages would all

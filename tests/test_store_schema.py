@@ -214,11 +214,14 @@ def test_traj_show_prints_each_steps_sandbox_results_and_the_fault(tmp_path, cap
     # No run config beside the store: token counts, no text; every step's command and results.
     assert "sandbox: python3 -m unittest -q  # 1.1 é -> error, exit 1, tests 1/3, 0.25 s, resumed 1x" in out
     assert out.count("  step ") == len(trajs[1].steps)
+    assert "sampled at temperature 0.7, top_p 0.95, top_k 0" in out  # steps not drawn from the model's own
     assert main(["traj", "show", str(run_dir / "trajectories"), "2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["id"] == "r/g/2" and got["truncation"] == trajs[2].truncation and "RequestTimeout 2" in got["fault"]
     assert [s["sandbox"]["tests_total"] for s in got["steps"]] == [s.sandbox.tests_total for s in trajs[2].steps]
     assert "text" not in got["steps"][0]
+    want = [{"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} for s in trajs[2].steps]
+    assert [s["sampling"] for s in got["steps"]] == want
     # Bad input: one line naming what and what to do, exit 2.
     assert main(["traj", "show", str(run_dir), "r/g/99"]) == 2
     err = capsys.readouterr().err

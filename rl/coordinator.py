@@ -58,9 +58,9 @@ from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import atomic_write_text, read_state_json
 from hpcrl.core.liveness import beat
 from hpcrl.rl.events import LEASES_NAME, TIMELINE_NAME, JsonLines
-from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
+from hpcrl.rl.tasks import EpisodeTicket, TaskSampler, domain_report
 
-__all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
+__all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status", "domain_report"]
 
 log = logging.getLogger("hpcrl.coordinator")
 STATUS_NAME = "status.json"
@@ -69,40 +69,6 @@ STATUS_NAME = "status.json"
 _RESERVE_EPISODES = 4096
 METRICS_NAME = "metrics.jsonl"
 _TELL_ABANDONED = 4096  # the most recent groups with a given-up episode named in each reply to the learner
-
-
-def domain_report(
-    issued: Mapping[str, int], learner: Mapping[str, Mapping[str, int]] | None, completed: Mapping[str, int] = {}
-) -> dict[str, dict]:
-    """Per domain: `issued` episodes (the task sampler's), `completed` (reported done by
-    generators), and from the learner's cumulative counts (rl/batch.py GroupBuffer.domain_counts):
-    `arrived` (finished episodes it read, first copies), `trained`, `dropped_stale`, `dropped`
-    (stale, filtered and abandoned: episodes never trained), the mean turns and tokens of those
-    trained and of all that finished (`started_turns_mean`, ...), and each domain's share of
-    what was issued and of what was trained."""
-    learner = learner or {}
-    names = sorted(set(issued) | set(learner))
-    total_issued = sum(issued.values()) or 1
-    total_trained = sum(int(c.get("trained", 0)) for c in learner.values()) or 1
-    out = {}
-    for d in names:
-        c = learner.get(d, {})
-        trained, arrived = int(c.get("trained", 0)), int(c.get("arrived", 0))
-        out[d] = {
-            "issued": int(issued.get(d, 0)),
-            "completed": int(completed.get(d, 0)),
-            "arrived": arrived,
-            "trained": trained,
-            "dropped_stale": int(c.get("dropped_stale", 0)),
-            "dropped": sum(int(c.get(f"dropped_{r}", 0)) for r in ("stale", "filtered", "abandoned")),
-            "trained_turns_mean": c.get("trained_turns", 0) / trained if trained else None,
-            "started_turns_mean": c.get("arrived_turns", 0) / arrived if arrived else None,
-            "trained_tokens_mean": c.get("trained_tokens", 0) / trained if trained else None,
-            "started_tokens_mean": c.get("arrived_tokens", 0) / arrived if arrived else None,
-            "issued_share": issued.get(d, 0) / total_issued,
-            "trained_share": trained / total_trained,
-        }
-    return out
 
 
 @dataclass

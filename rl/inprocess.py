@@ -22,12 +22,11 @@ from pathlib import Path
 from hpcrl.core.config import Config, load_config
 from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.batch import GroupBuffer
-from hpcrl.rl.coordinator import domain_report
 from hpcrl.rl.domains import SandboxJudge, load_domains
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.policy import Policy
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.tasks import LocalTaskSource, TaskSampler, domain_report
 from hpcrl.rl.weights import WeightStore
 
 __all__ = ["train_in_process"]

@@ -159,7 +159,12 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: str = spec("grpo", help="policy-gradient loss from the algorithm registry: grpo | reinforce", min_len=1)
+    name: str = spec(
+        "grpo",
+        help="policy-gradient loss from the algorithm registry: grpo | decoupled_ppo (clip around the proximal "
+        "policy, capped behaviour weight: stale tokens keep their gradient) | reinforce",
+        min_len=1,
+    )
     clip_low: float = spec(0.2, help="grpo: lower clip of the importance ratio, 1 - clip_low", ge=0, lt=1)
     clip_high: float = spec(0.2, help="grpo: upper clip of the importance ratio, 1 + clip_high", ge=0)
     max_ratio: float = spec(
@@ -181,7 +186,10 @@ class AlgorithmConfig:
         ge=0,
     )
     beta: float = spec(
-        0.0, help="KL penalty to the initial policy (a ZeRO-3 reference model, k3 per action token); 0: none", ge=0
+        0.0,
+        help="KL(policy || initial policy) penalty (a ZeRO-3 reference model; k2 per action token, its gradient "
+        "that KL's); 0: none",
+        ge=0,
     )
 
 
@@ -205,7 +213,12 @@ class EvalConfig:
 @dataclass(frozen=True)
 class LearnerConfig:
     lr: float = spec(5e-4, help="AdamW learning rate", gt=0)
-    max_staleness: int = spec(2, help="drop trajectories more than this many policy versions behind the learner", ge=0)
+    max_staleness: int = spec(
+        2,
+        help="drop a group whose newest action is more than this many policy versions behind the learner "
+        "(older turns are trained, corrected by importance weights)",
+        ge=0,
+    )
     algorithm: AlgorithmConfig = spec(factory=AlgorithmConfig, help="the loss and its importance-ratio clipping")
     group_size: int = spec(8, help="episodes per task instance; advantages are relative within a group", ge=2)
     batch_groups: int = spec(
@@ -305,7 +318,8 @@ class GeneratorConfig:
     explore_temperature: float = spec(
         2.0,
         help="sampling temperature for a task whose last group here had equal rewards below the domain's mean "
-        "(wrong every time: no gradient), while under a fifth of the domain's groups are; 1: off (rl/explore.py)",
+        "(wrong every time: no gradient), while under a fifth of the domain's groups are; recorded and trained "
+        "at that temperature; 1: off (rl/explore.py)",
         ge=1.0,
     )
     session_fault: Literal["resume", "reissue"] = spec(

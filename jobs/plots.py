@@ -1,7 +1,8 @@
-"""`hpcrl plot RUN`'s pictures: reward per domain, throughput, staleness and where each
-component's time went, as PNGs in RUN/plots/, from the run's own records.
+"""`hpcrl plot RUN`'s pictures: reward per domain, throughput, staleness, what each domain was
+issued and trained, and where each component's time went, as PNGs in RUN/plots/, from the run's
+own records.
 
-    paths, summary = write_plots(run_dir)          # RUN/plots/{reward,throughput,staleness,utilisation}.png
+    paths, summary = write_plots(run_dir)          # RUN/plots/{reward,throughput,staleness,domains,utilisation}.png
                                                     # (+ eval.png when learner.eval wrote pass@k)
     ivs = learner_intervals(raw_metrics_rows)       # [Interval(start, end, {state: seconds})] from metrics.jsonl
     ivs = generator_intervals(timeline_samples)     # {generator: [Interval]} from coordinator/timeline.jsonl
@@ -237,8 +238,12 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r.get("staleness_max", 0) for r in rows], color="tab:red", lw=1, label="oldest trained")
-    ax.plot(steps, [_mean_staleness(r) for r in rows], color="tab:orange", lw=1, label="mean trained")
+    for key, colour, label in (
+        ("staleness_max", "tab:red", "newest action of a group (bounded)"),
+        ("staleness_oldest_max", "tab:purple", "oldest trained step"),
+    ):
+        ax.plot(steps, [r.get(key, 0) for r in rows], color=colour, lw=1, label=label)
+    ax.plot(steps, [_mean_staleness(r) for r in rows], color="tab:orange", lw=1, label="mean, by oldest step")
     bound = _max_staleness(run_dir)
     if bound is not None:
         ax.axhline(bound, color="black", ls="--", lw=1, label=f"bound (learner.max_staleness {bound})")
@@ -255,6 +260,8 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
     ax.grid(alpha=0.3)
     ax.set_title(f"{run_dir.name}: staleness")
     paths.append(_save(fig, out_dir / "staleness.png"))
+    if any(r.get("domains") for r in rows):
+        paths.append(_domains_png(plt, run_dir, rows, out_dir / "domains.png"))
 
     timelines = {"learner": (learner_intervals(raw, t_start), LEARNER_STATES)}
     gens = generator_intervals(read_jsonl(run_dir / TIMELINE_NAME))
@@ -267,6 +274,7 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
     if evals:
         paths.append(_eval_png(plt, run_dir, evals, out_dir / "eval.png"))
     summary = {
+        "domains": rows[-1].get("domains") or {},
         "steps": len(rows),
         "last_step": rows[-1]["step"],
         "minutes": round(minutes[-1], 2),
@@ -274,6 +282,36 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     return paths, summary
+
+
+_DOMAIN_KEYS = ("trained_share", "issued_share", "trained_turns_mean", "started_turns_mean")
+
+
+def _domains_png(plt, run_dir: Path, rows: Sequence[dict], out: Path) -> Path:
+    """Per domain against the learner step: its share of the episodes trained and of those issued
+    (a slow domain trained below its issued share is being dropped), and the mean turns of the
+    episodes trained against all that finished (a gap: long episodes are dropped)."""
+    rows = [r for r in rows if r.get("domains")]
+    steps = [r["step"] for r in rows]
+    names = sorted({d for r in rows for d in r["domains"]})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    for i, d in enumerate(names):
+        colour = f"C{i % 10}"
+        series = {k: [(r["domains"].get(d) or {}).get(k) for r in rows] for k in _DOMAIN_KEYS}
+        ax.plot(steps, series["trained_share"], color=colour, lw=1.5, label=f"{d} trained")
+        ax.plot(steps, series["issued_share"], color=colour, lw=1, ls="--", label=f"{d} issued")
+        ax2.plot(steps, series["trained_turns_mean"], color=colour, lw=1.5, label=f"{d} trained")
+        ax2.plot(steps, series["started_turns_mean"], color=colour, lw=1, ls="--", label=f"{d} finished")
+    ax.set_ylabel("share of episodes (cumulative)")
+    ax.set_ylim(0, 1)
+    ax2.set_ylabel("turns per episode (mean, cumulative)")
+    ax2.set_ylim(bottom=0)
+    for a, title in ((ax, "issued and trained"), (ax2, "length of episodes trained and finished")):
+        a.set_xlabel("learner step")
+        a.legend(loc="best", fontsize=7)
+        a.grid(alpha=0.3)
+        a.set_title(f"{run_dir.name}: {title} per domain", fontsize=10)
+    return _save(fig, out)
 
 
 def _rate(rows: Sequence[dict], counts: Sequence[float], window: int = 10) -> list[float]:

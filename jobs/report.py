@@ -54,6 +54,9 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     ]
     for domain, r in sorted((status.get("reward_by_domain") or {}).items()):
         lines.append(f"  reward {domain:<28} {r:.3f}")
+    from hpcrl.jobs.slurmstatus import domain_lines
+
+    lines += domain_lines(status.get("domains") or {})
     for name, g in sorted((status.get("generators") or {}).items()):
         st = g.get("stats", {})
         lines.append(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpcrl.core.metrics import read_endpoints
 
-__all__ = ["snapshot", "snapshot_text", "recent_runs"]
+__all__ = ["snapshot", "snapshot_text", "recent_runs", "domain_lines"]
 
 _SQUEUE_FIELDS = ("job_id", "state", "nodes", "elapsed", "time_left")
 
@@ -104,6 +104,8 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         "trajectories": (status.get("counts") or {}).get("completed", 0),
         "traj_per_s": status.get("traj_per_s", 0.0),
         "reward_by_domain": status.get("reward_by_domain") or {},
+        # per domain: issued, trained, dropped_stale, trained_turns_mean, started_turns_mean, ...
+        "domains": status.get("domains") or {},
         "components": [],
     }
     urls = read_endpoints(run_dir)
@@ -190,6 +192,7 @@ def snapshot_text(snap: dict) -> str:
     ]
     for d, r in sorted(snap["reward_by_domain"].items()):
         lines.append(f"  reward {d:<28} {r:.3f}")
+    lines += domain_lines(snap.get("domains") or {})
     lines.append(
         f"{'component':<12} {'job':<10} {'state':<11} {'node':<6} {'elapsed':>9} {'left':>9} "
         f"{'restarts':>8} {'heartbeat':>9}  throughput"
@@ -213,6 +216,21 @@ def snapshot_text(snap: dict) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def domain_lines(domains: dict) -> list[str]:
+    """Per domain: episodes issued, trained, dropped, and the mean turns of those trained against
+    those that finished (a gap is a length bias in what the learner trains)."""
+    out = []
+    for d, r in sorted(domains.items()):
+        turns = {k: "-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("trained_turns_mean", "started_turns_mean")}
+        out.append(
+            f"  episodes {d:<26} issued {r.get('issued', 0)}  trained {r.get('trained', 0)} "
+            f"({100 * r.get('trained_share', 0):.0f}% of trained, {100 * r.get('issued_share', 0):.0f}% of issued)  "
+            f"dropped {r.get('dropped', 0)} (stale {r.get('dropped_stale', 0)})  "
+            f"turns trained {turns['trained_turns_mean']} / finished {turns['started_turns_mean']}"
+        )
+    return out
 
 
 def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:

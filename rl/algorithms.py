@@ -1,21 +1,36 @@
-"""Policy-gradient losses by name: GRPO-style clipped group-relative loss, and truncated-IS REINFORCE.
+"""Policy-gradient losses by name: GRPO's clipped loss, decoupled PPO, and truncated-IS REINFORCE.
 
     algo = make_algorithm(cfg.learner.algorithm)            # ALGORITHMS.get(name)(cfg)
     adv = algo.advantages(rewards, group_index)             # one value per trajectory
     loss_sum, stats = algo.token_loss(logprobs, batch, entropy)   # weighted sum over action tokens
     den = algo.denominator([action tokens of each row])     # summed over ranks: loss = loss_sum / den
 
-Samples come from generators that may run a few policy versions behind the learner, so every
-action token carries the log-probability its *behaviour* policy gave it. The ratio
+Samples come from generators that may run policy versions behind the learner (a long
+multi-turn episode's first turns many versions: rl/batch.py bounds a group by its newest
+action), so every action token carries the log-probability its *behaviour* policy gave it: of
+the distribution that drew it (temperature, top-k, top-p: rl/engine.py), and the learner's
+`logprobs` are the current policy's under the same sampling parameters. The ratio
 r = pi_theta(a) / mu(a) = exp(logprob_now - logprob_behaviour) corrects for that staleness:
 
 * `grpo`: per token -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), the PPO surrogate with
-  the behaviour policy as the old policy (as in asynchronous GRPO). The clip may be asymmetric:
+  the behaviour policy as the old policy (as in asynchronous GRPO). The clip is centred on the
+  behaviour policy, so a stale token whose ratio drifted past the clip (from staleness, not
+  from this update) gets no gradient. The clip may be asymmetric:
   clip_high > clip_low (DAPO's clip-higher) lets a token with a positive advantage gain more
   probability per update (ratio up to 1 + clip_high) than one with a negative advantage may lose
   (1 - clip_low), so rare tokens can still rise: a guard against entropy collapse. A separate upper bound
   `max_ratio` caps r for negative advantages too, where the PPO min() would let a very stale
   token's weight grow without bound.
+* `decoupled_ppo` (AReaL's decoupled PPO): the trust region and the off-policy correction
+  separated. The clip is centred on the *proximal* policy pi_prox, the learner's weights
+  before this step's update, and the behaviour policy enters as an importance weight capped at
+  max_ratio: per token -min(pi_prox / mu, max_ratio) x min(r' A, clip(r', 1 - clip_low,
+  1 + clip_high) A) with r' = pi_theta / pi_prox. The learner makes one optimizer step per
+  batch, so pi_prox is the policy its forward pass runs: its log-probabilities are that
+  pass's, detached (no second pass). r' is then 1 in value and the clip never cuts a
+  gradient: every stale token is trained, weighted by its capped behaviour ratio, where grpo
+  would zero those past the clip. (Its gradient is then that of `reinforce`; the two differ
+  only in how they would treat several updates per batch.)
 * `reinforce`: -min(r, max_ratio) A log pi_theta(a) with the weight held constant (truncated
   importance sampling), no trust region.
 
@@ -49,9 +64,12 @@ from dataclasses import dataclass
 import torch
 
 from hpcrl.core.config import AlgorithmConfig
+from hpcrl.rl.logprobs import Shaping
 from hpcrl.rl.registry import Registry
 
-__all__ = ["ALGORITHMS", "Algorithm", "GRPO", "Reinforce", "TokenBatch", "make_algorithm", "group_advantages"]
+__all__ = [
+    "ALGORITHMS", "Algorithm", "GRPO", "DecoupledPPO", "Reinforce", "TokenBatch", "make_algorithm", "group_advantages",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,8 +77,10 @@ class TokenBatch:
     """The per-token view of a micro-batch, aligned with `token_logprobs` (length T-1).
 
     `action_mask[b, t]` is 1 where token t+1 of row b is a trained action token;
-    `behaviour_logprobs` holds the generator's log-probabilities there (0 elsewhere);
-    `advantages[b]` is the row's advantage, shared by all its action tokens.
+    `behaviour_logprobs` holds the generator's log-probabilities there (0 elsewhere): of the
+    distribution the token was drawn from, whose parameters `shaping` holds per position (None:
+    every token was drawn from the model's own distribution); `advantages[b]` is the row's
+    advantage, shared by all its action tokens.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -68,6 +88,7 @@ class TokenBatch:
     action_mask: torch.Tensor  # [B, T-1] float
     behaviour_logprobs: torch.Tensor  # [B, T-1] float
     advantages: torch.Tensor  # [B] float
+    shaping: Shaping | None = None  # [B, T-1] each
 
     @property
     def n_action_tokens(self) -> int:
@@ -75,7 +96,8 @@ class TokenBatch:
 
     def to(self, device) -> TokenBatch:
         fields = (self.input_ids, self.attention_mask, self.action_mask, self.behaviour_logprobs, self.advantages)
-        return TokenBatch(*(t.to(device) for t in fields))
+        shaping = self.shaping.to(device) if self.shaping is not None else None
+        return TokenBatch(*(t.to(device) for t in fields), shaping=shaping)
 
 
 def group_advantages(
@@ -104,6 +126,10 @@ class Algorithm(abc.ABC):
     @abc.abstractmethod
     def token_losses(self, logprobs: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
         """Per-token losses [B, T-1] (masking happens in token_loss)."""
+
+    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        """Where the loss cuts or caps a token's gradient (for the clip_fraction statistic)."""
+        return ratio > self.cfg.max_ratio
 
     def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
         """Each action token's weight in the loss sum ([B, T-1]; 0 off the action tokens)."""
@@ -140,8 +166,7 @@ class Algorithm(abc.ABC):
             losses = losses - coef * entropy
         loss_sum = (losses * self.token_weights(mask)).sum()
         with torch.no_grad():
-            lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
-            clipped = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0)) | (ratio > self.cfg.max_ratio)
+            clipped = self.clipped(ratio, adv)
             on = mask > 0
             stats = {
                 "tokens": float(mask.sum()),
@@ -171,6 +196,21 @@ class GRPO(Algorithm):
         # Dual clip: with A < 0 the min() above is unbounded in r; cap the weight at max_ratio.
         capped = torch.where(adv < 0, torch.maximum(surrogate, self.cfg.max_ratio * adv), surrogate)
         return -capped
+
+    def clipped(self, ratio, adv):
+        lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
+        return ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0)) | (ratio > self.cfg.max_ratio)
+
+
+@ALGORITHMS.register("decoupled_ppo")
+class DecoupledPPO(Algorithm):
+    def token_losses(self, logprobs, ratio, adv):
+        # The proximal policy is this forward pass's (one optimizer step per batch): its
+        # log-probabilities detached. `ratio` is pi_theta / mu, so its value is pi_prox / mu.
+        behaviour_weight = ratio.detach().clamp(max=self.cfg.max_ratio)
+        r = torch.exp(logprobs - logprobs.detach())
+        lo, hi = 1.0 - self.cfg.clip_low, 1.0 + self.cfg.clip_high
+        return -behaviour_weight * torch.minimum(r * adv, r.clamp(lo, hi) * adv)
 
 
 @ALGORITHMS.register("reinforce")

@@ -10,8 +10,8 @@ Requests (transport envelopes; body -> reply body):
              -> {tickets: [[domain, task_index, episode, group, attempt]], stop, version}
              (a sync that wants work and finds none is answered when some appears, at most
              `sync_wait_s` later: the generator hears of the learner's next step at once)
-    learner  {step, version, reward, ..., trained_groups, dropped_groups}  -> {stop}
-    progress {trained_groups, dropped_groups}   -> {}   (the learner consumed data without a step)
+    learner  {step, version, reward, ..., trained_groups, dropped_groups, domains}  -> {stop, abandoned}
+    progress {trained_groups, dropped_groups, domains}   -> {abandoned}   (consumed without a step)
     stop     {}  -> {}           (the run is over: generators are told to stop)
 
 Episodes are leased to the generator that took them; each sync renews that generator's leases.
@@ -19,8 +19,16 @@ A generator silent for `lease_s` is presumed gone and its episodes are issued ag
 episode number, attempt + 1), first in line; so are episodes a generator reports failed (a
 sandbox that vanished mid-step), up to `max_attempts`. Duplicates from a generator that was
 only slow are dropped downstream by episode number. Groups are issued only while fewer than
-`max(1, max_staleness) x batch_groups` are outstanding beyond what the learner consumed:
-generators never run so far ahead that their work would arrive too stale to train.
+`max(1, max_staleness) x batch_groups` are outstanding beyond what the learner consumed
+(trained, or dropped: stale, filtered, abandoned): generators never run so far ahead that their
+work would arrive too stale to train. A group one of whose episodes was given up can never be
+complete: the learner's replies name it (`abandoned`, the most recent ones), and the learner
+closes it and counts it consumed, once.
+
+Per domain, status.json's `domains` and each metrics.jsonl line's (`domain_report`): episodes
+issued, and from the learner's counts what arrived (finished), was trained and was dropped and
+why, with the mean turns and tokens of the episodes trained and of all that finished
+(`started_*`): a rule that drops long episodes, or a slow domain's, shows as a gap there.
 
 Files in the run directory: `status.json` (rewritten every `status_every_s`: step, reward,
 trajectories/s, busy fraction per role, leases, generators), `metrics.jsonl` (one line per
@@ -50,9 +58,9 @@ from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import atomic_write_text, read_state_json
 from hpcrl.core.liveness import beat
 from hpcrl.rl.events import LEASES_NAME, TIMELINE_NAME, JsonLines
-from hpcrl.rl.tasks import EpisodeTicket, TaskSampler
+from hpcrl.rl.tasks import EpisodeTicket, TaskSampler, domain_report
 
-__all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status"]
+__all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status", "domain_report"]
 
 log = logging.getLogger("hpcrl.coordinator")
 STATUS_NAME = "status.json"
@@ -60,6 +68,7 @@ STATUS_NAME = "status.json"
 # many episodes, a few seconds of a busy run.
 _RESERVE_EPISODES = 4096
 METRICS_NAME = "metrics.jsonl"
+_TELL_ABANDONED = 4096  # the most recent groups with a given-up episode named in each reply to the learner
 
 
 @dataclass
@@ -113,8 +122,12 @@ class Coordinator:
         self.counts = collections.Counter()
         self.done_by_domain = collections.Counter()
         self.groups_issued = 0
-        self.abandoned_groups: set[int] = set()  # no episode will ever arrive: no longer outstanding
-        self._abandoned_episodes: collections.Counter[int] = collections.Counter()  # group -> episodes given up
+        # Groups counted consumed here (every episode given up), by a coordinator before the learner
+        # closed such groups itself; kept from its state.json.
+        self.abandoned_groups: set[int] = set()
+        # Groups with an episode given up: never complete; the learner is told, closes and counts them.
+        self.unfinishable: dict[int, None] = {}
+        self.learner_domains: dict = {}  # the learner's per-domain counts, as last reported
         self.stopping = False
         self.stop_requested = False  # by `hpcrl run` (the end, Ctrl-C), as opposed to max_steps reached
         self.started = time.time()
@@ -156,7 +169,7 @@ class Coordinator:
                 "groups_issued": self.groups_issued,
                 "counts": dict(self.counts),
                 "abandoned_groups": sorted(self.abandoned_groups),
-                "abandoned_episodes": {str(g): n for g, n in self._abandoned_episodes.items()},
+                "unfinishable_groups": list(self.unfinishable)[-_TELL_ABANDONED:],
                 "reserved": list(self._reserved),
                 # What the learner consumed: without it a successor's flow control counts the
                 # window full until the learner next reports, and a learner waiting for data
@@ -185,7 +198,10 @@ class Coordinator:
         self.groups_issued = int(state["groups_issued"])
         self.counts.update(state.get("counts", {}))
         self.abandoned_groups = set(state.get("abandoned_groups", []))
-        self._abandoned_episodes.update({int(g): int(n) for g, n in state.get("abandoned_episodes", {}).items()})
+        # A predecessor that counted partly given-up groups itself (abandoned_episodes) never told
+        # the learner of them: it is told now.
+        for g in [*state.get("abandoned_episodes", {}), *state.get("unfinishable_groups", [])]:
+            self.unfinishable[int(g)] = None
         # Whatever was queued or in flight when the old coordinator died is issued again.
         for row in state["outstanding"]:
             d, idx, ep, grp, att = row
@@ -207,7 +223,8 @@ class Coordinator:
                 return self._learner(body)
             if kind == "progress":
                 self.learner.update(trained_groups=body["trained_groups"], dropped_groups=body["dropped_groups"])
-                return {}
+                self.learner_domains = body.get("domains") or self.learner_domains
+                return {"abandoned": self._tell_abandoned()}
             if kind == "stop":
                 self.stopping = self.stop_requested = True
                 self.write_status()
@@ -249,13 +266,13 @@ class Coordinator:
             if (flags and flags[0] is True) or t.attempt + 1 >= self.cfg.max_attempts:
                 self.counts["abandoned"] += 1
                 event["abandoned"].append(t.episode)
-                # A group with members that did complete reaches the learner, which drops it as
-                # stale in time and reports it consumed; only a group none of whose episodes can
-                # ever arrive is the coordinator's to count (counted twice, the window would grow).
-                self._abandoned_episodes[t.group] += 1
-                if self._abandoned_episodes[t.group] >= self.group_size:
-                    del self._abandoned_episodes[t.group]
-                    self.abandoned_groups.add(t.group)
+                # Its group can never be complete. The learner, told in its replies, closes it and
+                # counts it consumed once, whatever of it arrived (the coordinator cannot know
+                # what the learner already holds: counted in both, the window would grow).
+                self.unfinishable.pop(t.group, None)
+                self.unfinishable[t.group] = None
+                while len(self.unfinishable) > 4 * _TELL_ABANDONED:  # long closed by the learner
+                    del self.unfinishable[next(iter(self.unfinishable))]
                 log.warning(
                     "episode %d (%s task %d) abandoned after %d attempts: %s",
                     t.episode,
@@ -331,14 +348,22 @@ class Coordinator:
         self.counts["issued"] += len(out)
         return out
 
+    def _tell_abandoned(self) -> list[int]:
+        return list(self.unfinishable)[-_TELL_ABANDONED:]
+
+    def domains(self) -> dict[str, dict]:
+        return domain_report(self.sampler.issued(), self.learner_domains, self.done_by_domain)
+
     def _learner(self, body: dict) -> dict:
+        self.learner_domains = body.get("domains") or self.learner_domains
+        body = dict(body, domains=self.domains())
         self.learner = dict(body, reported_at=time.time())
         row = {**body, "time": time.time(), "elapsed_s": time.time() - self.started, **self.throughput()}
         with open(self.run_dir / METRICS_NAME, "a") as f:
             f.write(json.dumps(row) + "\n")
         # A learner that restarted from an earlier checkpoint after reaching max_steps needs data again.
         self.stopping = self.stop_requested or int(body.get("step", 0)) >= self.max_steps
-        return {"stop": self.stopping}
+        return {"stop": self.stopping, "abandoned": self._tell_abandoned()}
 
     # -- housekeeping ------------------------------------------------------------------------
 
@@ -396,8 +421,11 @@ class Coordinator:
             "state": state,
             "started": self.started,
             "updated": time.time(),
-            "learner": {k: v for k, v in self.learner.items() if k not in ("reward_by_domain", "reward_by_prompt")},
+            "learner": {
+                k: v for k, v in self.learner.items() if k not in ("reward_by_domain", "reward_by_prompt", "domains")
+            },
             "reward_by_domain": self.learner.get("reward_by_domain", {}),
+            "domains": self.domains(),
             "generators": self.generators,
             "leases": len(self.leases),
             "queued": len(self.queue),
@@ -435,6 +463,10 @@ class Coordinator:
             out["generator_staleness_max"] = max(learner["version"] - int(s.get("version", 0)) for s in gens.values())
         if isinstance(learner.get("reward_by_domain"), dict):
             out["reward:domain"] = learner["reward_by_domain"]
+        with self._lock:
+            domains = self.domains()
+        for key in ("issued", "trained", "dropped"):
+            out[f"domain_{key}_total:domain"] = {d: r[key] for d, r in domains.items()}
         return out
 
     def tick(self) -> None:

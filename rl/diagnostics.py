@@ -11,7 +11,11 @@ The learner adds these to each step's metrics (and so to the run's `metrics.json
   has stopped exploring (often a token the answer needs was pushed to ~0 probability).
 * `group_reward_std`: mean over groups of the rewards' standard deviation.
 * `adv_abs_mean`, `adv_min`, `adv_max`, `adv_nonzero` (fraction of trajectories with A != 0).
-* `staleness_hist`: {policy versions behind the learner: trajectories}, by each one's oldest step.
+* `staleness_max`: the most policy versions any trained group's newest action was behind the
+  learner: what `learner.max_staleness` bounds (rl/batch.py).
+* `staleness_hist`: {policy versions behind the learner: trajectories}, by each one's oldest
+  step, and `staleness_oldest_max` its largest: how off-policy the oldest trained tokens are (a
+  long episode's first turns), which importance weights correct and nothing bounds.
 * `completion_len`: mean action tokens per trajectory; `eos_fraction`: the share whose last
   action ended with one of the model's eos ids (the rest hit the length limit or a stop string).
 * `reward_by_prompt`: {"domain:prompt": mean reward of its group}, the per-prompt success (a
@@ -55,6 +59,7 @@ def batch_diagnostics(
     trajs = [t for g in groups for t in g]
     stds = [_std([t.final_reward for t in g]) for g in groups]
     stale = collections.Counter(version - t.min_policy_version for t in trajs)
+    newest = [version - max(t.max_policy_version for t in g) for g in groups if g]
     lengths = [sum(len(s.action_tokens) for s in t.steps) for t in trajs]
     ended = sum(1 for t in trajs if len(t.steps[-1].action_tokens) and int(t.steps[-1].action_tokens[-1]) in eos_ids)
     by_prompt: dict[str, list[float]] = collections.defaultdict(list)
@@ -74,6 +79,8 @@ def batch_diagnostics(
         "adv_max": float(adv.max()) if len(adv) else 0.0,
         "adv_nonzero": float((adv.abs() > 1e-8).float().mean()) if len(adv) else 0.0,
         "staleness_hist": {str(k): v for k, v in sorted(stale.items())},
+        "staleness_max": max(newest, default=0),
+        "staleness_oldest_max": max(stale, default=0),
         "completion_len": sum(lengths) / n,
         "eos_fraction": ended / n,
         "reward_by_prompt": {k: sum(v) / len(v) for k, v in by_prompt.items()},

@@ -5,8 +5,12 @@ merged over them and checked.
     check_deepspeed_section(cfg.learner.deepspeed)                    # ConfigError naming the dotted key
 
 Defaults: ZeRO-3 with every parameter partitioned, bf16 (DeepSpeed keeps float32 master weights
-and optimizer state; the module computes in bf16) when `policy.dtype: bfloat16`, gradient
-clipping from `learner.grad_clip`, optimizer and parameter offload from `learner.offload_*`.
+and optimizer state; the module computes in bf16) when `policy.dtype: bfloat16`, with gradients
+accumulated across micro-batches and reduced across ranks in float32 (`data_types.
+grad_accum_dtype`, `communication_data_type`: DeepSpeed's recommendation for bf16, whose 8-bit
+mantissa loses a micro-batch's small contributions when summed into a large total; by default
+DeepSpeed would accumulate and reduce in the model's bf16), gradient clipping from
+`learner.grad_clip`, optimizer and parameter offload from `learner.offload_*`.
 `learner.deepspeed` is merged over that (mappings key by key, anything else replaced), so a
 site sets e.g. `{zero_optimization: {stage3_prefetch_bucket_size: 5e8}, comms_logger: {enabled:
 true}}` without restating the rest. Batch sizes are hpcrl's (`learner.micro_batch`, the batch
@@ -60,6 +64,11 @@ def deepspeed_config(cfg: LearnerConfig, policy: PolicyConfig, micro_steps: int)
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if policy.dtype == "bfloat16":
+        # ZeRO-3 keeps each rank's gradient partition in grad_accum_dtype and sums every
+        # micro-batch's gradient into it; the reduce-scatter runs in communication_data_type.
+        base["data_types"] = {"grad_accum_dtype": "fp32"}
+        base["communication_data_type"] = "fp32"
     if cfg.offload_optimizer != "none":
         # Offloaded optimizer state is stepped on the host: DeepSpeed's CPU Adam (compiled once
         # per site into TORCH_EXTENSIONS_DIR) is the one built for that.

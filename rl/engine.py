@@ -25,10 +25,16 @@ whose cache is transformers' DynamicCache of full-attention layers (Llama, Qwen2
 the engine hands it a DynamicCache whose layers are `_Slab`s.
 
 Sampling per row: temperature (0: greedy), top_p, top_k, several eos ids, stop strings
-(matched on exactly decoded text). The recorded log-probability is the model's own
-(temperature 1, untruncated): what the learner recomputes, so on-policy ratios are 1;
-temperature and truncation shape which tokens are drawn. Tokens are drawn by inverting each
-row's CDF (`_draw`), not with torch.multinomial (an exponential variate per vocabulary entry).
+(matched on exactly decoded text). `sample_tokens` is the whole of it, a pure function of the
+logits, the rows' parameters and a generator: each token is drawn from the row's sampling
+distribution q (`shaped_log_softmax`, rl/logprobs.py: logits / temperature, then top-k, then
+top-p) and its recorded log-probability is log q of that token, the distribution that drew it.
+The learner scores the current policy under the same parameters (stored with each step of the
+trajectory), so on-policy ratios are 1 and a token drawn hot or truncated enters the loss with
+the probability it was drawn with. Greedy rows (temperature 0) take the argmax and record 0.0 (a
+point mass: nothing to learn from; the generator stores such steps untrained). Tokens are drawn
+by inverting each row's CDF (`_draw`), not with torch.multinomial (an exponential variate per
+vocabulary entry).
 """
 
 from __future__ import annotations
@@ -44,15 +50,16 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from hpcrl.rl.logprobs import shaped_log_softmax
 from hpcrl.rl.policy import Policy
 
-__all__ = ["SamplingSpec", "DecodeEngine", "ContextTooLong", "Sample", "IncrementalText"]
+__all__ = ["SamplingSpec", "DecodeEngine", "ContextTooLong", "Sample", "IncrementalText", "sample_tokens"]
 
 
 @dataclass(frozen=True)
 class Sample:
     tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    logprobs: tuple[float, ...]  # log q: of the distribution each token was drawn from
     text: str
     finish: Literal["eos", "stop", "length"]
     seconds: float = 0.0  # from submission to the last token
@@ -289,32 +296,18 @@ class DecodeEngine:
         self.mask = torch.cat([_left_pad_mask(m, L - m.shape[1]) for _, _, m in parts], dim=0)
 
     def _sample(self, logits: torch.Tensor):
-        logp = torch.log_softmax(logits.float(), dim=-1)
         specs = [r.spec for r in self.rows]
         if all(s.plain for s in specs):
-            tok = _draw(logp.exp(), self.gen)
+            tok, lq = sample_tokens(logits, None, None, None, self.gen)
         else:
-            tok = self._sample_shaped(logits.float(), specs)
-        # One transfer for both (a single sync on an accelerator).
-        both = torch.stack([tok.double(), logp.gather(-1, tok[:, None]).squeeze(-1).double()]).tolist()
-        return [int(t) for t in both[0]], both[1]
-
-    def _sample_shaped(self, logits: torch.Tensor, specs) -> torch.Tensor:
-        dev = logits.device
-        temp = torch.tensor([max(s.temperature, 1e-6) for s in specs], device=dev)
-        z = logits / temp[:, None]
-        if any(s.top_k > 0 or s.top_p < 1.0 for s in specs):
-            sz, idx = torch.sort(z, dim=-1, descending=True)
-            ks = torch.tensor([s.top_k if s.top_k > 0 else z.shape[-1] for s in specs], device=dev)
-            cut = torch.arange(z.shape[-1], device=dev)[None, :] >= ks[:, None]
-            p = torch.softmax(sz, dim=-1)
+            dev = logits.device
+            temp = torch.tensor([s.temperature for s in specs], device=dev)
             top_p = torch.tensor([s.top_p for s in specs], device=dev)
-            cut |= (p.cumsum(-1) - p) > top_p[:, None]  # keep the smallest prefix reaching top_p
-            sz = sz.masked_fill(cut, float("-inf"))
-            z = torch.full_like(z, float("-inf")).scatter(-1, idx, sz)
-        tok = _draw(torch.softmax(z, dim=-1), self.gen)
-        greedy = torch.tensor([s.temperature == 0 for s in specs], device=dev)
-        return torch.where(greedy, logits.argmax(-1), tok)
+            top_k = torch.tensor([s.top_k for s in specs], device=dev)
+            tok, lq = sample_tokens(logits, temp, top_p, top_k, self.gen)
+        # One transfer for both (a single sync on an accelerator).
+        both = torch.stack([tok.double(), lq.double()]).tolist()
+        return [int(t) for t in both[0]], both[1]
 
     def _advance(self, toks: list[int], lps: list[float]):
         done, keep_idx = [], []
@@ -465,6 +458,30 @@ def _room(rows: list[_Row], n: int) -> int:
     token still to sample), but no more than max(64, n) ahead (a row that may run long but
     usually stops at eos would hold memory it never uses; _Slab grows if it does run long)."""
     return min(max((r.max_new - len(r.toks) for r in rows), default=0), max(64, n))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], log q of it [B]) for each row of `logits` [B, V], drawn from the row's sampling
+    distribution q = shaped_log_softmax(logits, temperature, top_p, top_k) (rl/logprobs.py,
+    the function the learner scores with). None for all three: the model's own distribution.
+    A row at temperature 0 is greedy: its argmax, with log q = 0 (a point mass)."""
+    logits = logits.float()
+    if temperature is None:
+        logq = torch.log_softmax(logits, dim=-1)
+        tok = _draw(logq.exp(), gen)
+        return tok, logq.gather(-1, tok[:, None]).squeeze(-1)
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logq = shaped_log_softmax(logits, temp, top_p, top_k)
+    tok = _draw(logq.exp(), gen)
+    lq = logq.gather(-1, tok[:, None]).squeeze(-1)
+    return torch.where(greedy, logits.argmax(-1), tok), torch.where(greedy, torch.zeros_like(lq), lq)
 
 
 def _draw(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -15,9 +15,14 @@ lost `0+0=` for 500 s answered it right again in 97 % of samples after 60-80 s; 
 stayed lost for minutes (docs/learning.md §4.1, §4.4). For a pretrained model with a large
 vocabulary such a temperature samples much noise beside the answer; there, keep it near 1.
 Solved tasks and tasks that already vary are sampled as the domain asks, so the end of a run
-is not capped. The recorded log-probabilities stay the model's own at temperature 1
-(rl/engine.py), so the learner's importance ratio treats the hot samples as the policy's: a
-deliberate bias toward what exploration found, confined to stuck groups.
+is not capped. A hot group is trained as what it is: its steps record the temperature and the
+log-probabilities of the hot distribution that drew them (rl/engine.py), and the learner scores
+the current policy at that temperature too, so each hot sample enters the loss with the
+probability it was drawn with (on-policy ratio 1) and its gradient is the policy gradient of
+the hot distribution's expected reward for that task: raising a rewarded answer's logit raises
+it at every temperature. No sample is trained under a distribution other than the one that
+drew it. (A hot success moves the logits about half as far as it would if scored at
+temperature 1, where it would wrongly count as a sample the policy itself had drawn.)
 
 A task comes back once per pass over its domain (rl/tasks.py: index = pass x size + position),
 so it is known by its index modulo the domain's size; a domain without a size (every index a

@@ -11,7 +11,8 @@ every episode that is waiting for the model, at most `episodes_in_flight` in one
 action to its environment. Environments that execute code (`domain.needs_executor`) step on a
 thread pool, so the generator keeps sampling for the other episodes while one waits for the
 sandbox; the rest step inline, which is cheaper than a thread hop. A finished episode becomes a `Trajectory`
-(every step tagged with the policy version that sampled it) passed to `sink`.
+(every step tagged with the policy version that sampled it and the sampling parameters it was
+drawn with; its log-probabilities are those of that distribution) passed to `sink`.
 
 Tokens: the first step's prompt is the task prompt as `policy.prompt_ids` encodes it (bos +
 text, or the chat template's turns); each observation is appended to the
@@ -81,6 +82,7 @@ class _Episode:
     prompt: list[int] = field(default_factory=list)  # this step's new context tokens
     steps: list[Step] = field(default_factory=list)
     pending: Any = None  # (Step fields) while the environment is stepping
+    spec: Any = None  # the SamplingSpec its current action is drawn with
     future: cf.Future | None = None
     ready: bool = False  # waiting for the model
     sampling: bool = False  # a row in the decode engine
@@ -253,7 +255,7 @@ class Generator:
         except ContextTooLong as exc:
             self._fail(ep, source, str(exc))
             return
-        ep.ready, ep.sampling, ep.version = False, True, self.version
+        ep.ready, ep.sampling, ep.version, ep.spec = False, True, self.version, spec
 
     def _eos_ids(self, names: tuple[str, ...]) -> frozenset[int]:
         out = set()
@@ -276,7 +278,7 @@ class Generator:
         for ep, s in finished:
             ep.sampling = False
             self.stats.action_tokens += len(s.tokens)
-            ep.pending = (ep.version, ep.prompt, s, s.seconds)
+            ep.pending = (ep.version, ep.prompt, s, s.seconds, ep.spec)
             ep.context.extend(s.tokens)
             if ep.domain.needs_executor:
                 ep.future = self.pool.submit(_timed, ep.env.step, s.text)
@@ -300,7 +302,7 @@ class Generator:
 
     def _apply_step(self, ep: _Episode, outcome, source: TaskSource, sink) -> None:
         result, env_s, exc = outcome
-        version, prompt, sample, gen_s = ep.pending
+        version, prompt, sample, gen_s, spec = ep.pending
         ep.pending = None
         if exc is not None:
             # An infrastructure fault is never the model's reward: the attempt is dropped
@@ -323,12 +325,16 @@ class Generator:
                 prompt_tokens=np.asarray(prompt, np.int32),
                 action_tokens=np.asarray(sample.tokens, np.int32),
                 action_logprobs=np.asarray(sample.logprobs, np.float32),
-                loss_mask=np.ones(n, np.uint8),
+                # A greedy action is a point mass: nothing to learn from its log-probability.
+                loss_mask=np.full(n, spec.temperature > 0, np.uint8),
                 observation_tokens=np.asarray(obs_ids, np.int32),
                 reward=float(result.reward),
                 sandbox=_outcome(fb, result.info),
                 generate_s=gen_s,
                 env_s=env_s,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                top_k=spec.top_k,
             )
         )
         self.stats.steps += 1

@@ -26,7 +26,7 @@ from hpcrl.rl.domains import SandboxJudge, load_domains
 from hpcrl.rl.generator import Generator
 from hpcrl.rl.learner import Learner
 from hpcrl.rl.policy import Policy
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.tasks import LocalTaskSource, TaskSampler, domain_report
 from hpcrl.rl.weights import WeightStore
 
 __all__ = ["train_in_process"]
@@ -99,6 +99,7 @@ def train_in_process(
             m["elapsed_s"] = time.perf_counter() - t0
             m["generator_busy"] = gen.stats.busy_fraction
             m["generated"], m["filtered"] = gen.stats.trajectories, buffer.filtered
+            m["domains"] = domain_report(sampler.issued(), buffer.domain_counts())
             if evaluator is not None and evaluator.due(learner.step):
                 m.update(evaluator.run_now(learner.step, learner.version))
             history.append(m)

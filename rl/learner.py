@@ -35,7 +35,7 @@ import torch
 
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.rl.algorithms import make_algorithm
-from hpcrl.rl.batch import collate, collate_rows, layout
+from hpcrl.rl.batch import collate, collate_rows, layout, trained_tokens
 from hpcrl.rl.checkpoints import CheckpointError, mark_complete, prune_checkpoints, resume_tag
 from hpcrl.rl.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.diagnostics import batch_diagnostics
@@ -256,7 +256,7 @@ class Learner:
             chunks = self._chunks(mine, [trajs[i].n_tokens for i in mine], [1] * len(mine))
         if self.world > 1:
             chunks += [[]] * (int(self.comm.max([float(len(chunks))])[0]) - len(chunks))
-        local_den = self.algorithm.denominator([int(sum(s.loss_mask.sum() for s in trajs[i].steps)) for i in mine])
+        local_den = self.algorithm.denominator([trained_tokens(trajs[i]) for i in mine])
         total_den = max(self.comm.sum([float(local_den)])[0], 1.0)
         lr = lr_at(self.cfg, self.step)
         set_lr(self.engine.optimizer, lr)
@@ -313,7 +313,6 @@ class Learner:
             **({"ref_kl": ref_kl_s / tok if tok else nan} if self.reference is not None else {}),
             "grad_norm": float(grad_norm) if grad_norm is not None and not skip else nan,
             "action_tokens": int(tok),
-            "staleness_max": max(int(k) for k in diag["staleness_hist"]),
             "lr": lr,
             "entropy_coef": ent_coef,
             "skipped": skip,
@@ -356,22 +355,26 @@ class Learner:
                 self.reference.logprobs(ids, torch.ones_like(ids))
             return (lp * 0.0).sum(), {"ratio_min": float("inf"), "ratio_max": float("-inf")}
         tb = collate([trajs[i] for i in chunk], adv[chunk], self.pad_id).to(self.device)
-        lp, entropy = self.engine(tb.input_ids, tb.attention_mask)
-        return self._loss(lp, entropy, tb, ent_coef)
+        return self._loss(self.engine(tb.input_ids, tb.attention_mask, shaping=tb.shaping), tb, ent_coef)
 
-    def _loss(self, lp: torch.Tensor, entropy: torch.Tensor, tb, ent_coef: float):
+    def _loss(self, out: torch.Tensor, tb, ent_coef: float):
+        """`out`: the head's (log q, entropy[, the model's own log p]); see PolicyHead.forward.
+        log q is of the sampling distribution each token was drawn from, recomputed from the
+        current logits; without shaping it is the model's own log p."""
+        lp, entropy = out[0], out[1]
+        own_lp = out[2] if len(out) > 2 else lp
         if not ent_coef:
             entropy = entropy.detach()  # measured for the diagnostics only
         loss_sum, stats = self.algorithm.token_loss(lp, tb, entropy, ent_coef)
         if self.reference is not None:
-            loss_sum, stats = self._add_reference_kl(loss_sum, stats, lp, tb)
+            loss_sum, stats = self._add_reference_kl(loss_sum, stats, own_lp, tb)
         return loss_sum, stats
 
     def _micro_step_packed(self, units: list, rows: dict, trajs: Sequence[Trajectory], adv: torch.Tensor, ent_coef):
         if not units:
             # This rank has fewer micro-batches than another: a masked dummy row through the same
             # packed pass (ZeRO-3 checks that every rank's forward visits the same modules).
-            dummy = {0: ([self.pad_id, self.pad_id], [1.0], [0.0])}
+            dummy = {0: ([self.pad_id, self.pad_id], [1.0], [0.0], None)}
             pb = pack([Unit((0,), 0, 2)], dummy, self.pad_id).to(self.device)
             lp, _ = self.engine(pb.input_ids, self._packed_mask([], pb), packed=pb)
             if self.reference is not None:
@@ -380,8 +383,8 @@ class Learner:
         members = [i for u in units for i in u.members]  # the grid's rows, in pack()'s order
         tb = collate_rows([rows[i] for i in members], adv[members], self.pad_id).to(self.device)
         pb = pack(units, rows, self.pad_id).to(self.device)
-        lp, entropy = self.engine(pb.input_ids, self._packed_mask(units, pb), packed=pb)
-        return self._loss(lp, entropy, tb, ent_coef)
+        out = self.engine(pb.input_ids, self._packed_mask(units, pb), packed=pb, shaping=pb.shaping)
+        return self._loss(out, tb, ent_coef)
 
     def _packed_mask(self, units: list, pb) -> torch.Tensor:
         """The 4-D mask when some unit shares a prefix; else plain rows, and the 2-D padding
@@ -390,12 +393,15 @@ class Learner:
             return attention_mask(pb.segment, self.attn_impl, self.dtype)
         return (pb.segment >= 0).long()
 
-    def _add_reference_kl(self, loss_sum: torch.Tensor, stats: dict, lp: torch.Tensor, tb):
-        """loss + beta x KL(pi || reference) over the micro-batch's action tokens."""
+    def _add_reference_kl(self, loss_sum: torch.Tensor, stats: dict, own_lp: torch.Tensor, tb):
+        """loss + beta x KL(pi || reference) over the micro-batch's action tokens (rl/reference.py:
+        k2, each token weighted by pi / mu, capped as the policy loss caps its weight)."""
         from hpcrl.rl.reference import kl_penalty
 
         ref_lp = self.reference.logprobs(tb.input_ids, tb.attention_mask)
-        kl_sum, kl_stats = kl_penalty(lp, ref_lp, tb.action_mask, self.algorithm.token_weights(tb.action_mask))
+        mask = tb.action_mask
+        is_weight = torch.exp((own_lp.detach() - tb.behaviour_logprobs) * mask).clamp(max=self.cfg.algorithm.max_ratio)
+        kl_sum, kl_stats = kl_penalty(own_lp, ref_lp, mask, self.algorithm.token_weights(mask), is_weight)
         return loss_sum + self.cfg.algorithm.beta * kl_sum, {**stats, **kl_stats}
 
     # -- weights and checkpoints ----------------------------------------------------------

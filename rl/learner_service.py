@@ -3,11 +3,14 @@
     run_learner(run_dir, cfg.learner, cfg.policy, seed, stop_event)   # one call per rank
 
 Rank 0 reads trajectories from the store (arrival order, exactly-once cursor), groups them
-(GroupBuffer: complete, fresh groups only) and broadcasts each batch to the other ranks, so
-every rank trains on the same groups whatever each one would have seen on the filesystem.
-After each step rank 0 announces the new policy version (PUB/SUB), reports the step to the
-coordinator and appends to `learner/trained.jsonl` which trajectories were trained and which
-were dropped (stale, duplicate, late). Every `checkpoint_every` steps, and at the end, the
+(GroupBuffer: complete groups whose newest action is fresh enough) and broadcasts each batch to
+the other ranks, so every rank trains on the same groups whatever each one would have seen on
+the filesystem. After each step rank 0 announces the new policy version (PUB/SUB), reports the
+step to the coordinator (with its per-domain counts: what arrived, was trained, was dropped and
+why, and their lengths) and appends to `learner/trained.jsonl` which trajectories were trained
+and which were dropped (stale, duplicate, late, filtered, abandoned). The coordinator's answers
+name the groups it gave an episode of up; the buffer closes them (they can never be complete).
+Every `checkpoint_every` steps, and at the end, the
 DeepSpeed checkpoint stores model, optimizer, the store cursor and the buffered trajectories;
 a restarted learner resumes from there: what it had trained since is trained again by the
 restored model (`trained.jsonl` marks the new life with `resumed_step`), and nothing is lost
@@ -135,16 +138,21 @@ class _Rank0:
         return {"trained_groups": self.trained_groups, "dropped_groups": self.buffer.dropped_groups}
 
     def _progress(self) -> None:
-        """While waiting for data, tell the coordinator what was consumed (dropped groups count):
-        its flow control issues new groups only against consumption it has heard of."""
-        counts = self._counts()
-        if counts == getattr(self, "_reported", None):
-            return
+        """While waiting for data (about once a second), tell the coordinator what was consumed
+        (dropped groups count): its flow control issues new groups only against consumption it
+        has heard of; and hear which groups it gave an episode of up, which never complete: a
+        learner that waited for those to report would wait for ever."""
         try:
-            self.coord.request("progress", counts)
-            self._reported = counts
+            reply = self.coord.request("progress", dict(self._counts(), domains=self.buffer.domain_counts()))
         except Exception as exc:  # a missing coordinator must not stop training
             log.warning("could not report progress to the coordinator: %s", exc)
+            return
+        self._abandon(reply.body)
+
+    def _abandon(self, reply) -> None:
+        groups = reply.get("abandoned") if isinstance(reply, dict) else None
+        if groups and self.buffer.abandon(groups):
+            self._progress()  # consumed: the coordinator may issue their replacements now
 
     def after_step(self, groups, m: dict, train_s: float) -> None:
         self.trained_groups += len(groups)
@@ -169,6 +177,7 @@ class _Rank0:
         m = dict(
             m,
             **self._counts(),
+            domains=self.buffer.domain_counts(),
             dropped_stale=self.buffer.dropped_stale,
             duplicates=self.buffer.duplicates,
             filtered=self.buffer.filtered,
@@ -182,10 +191,11 @@ class _Rank0:
         self.wait_total_s += self.wait_s
         self.wait_s = self.checkpoint_s = 0.0
         try:
-            self.coord.request("learner", m)
-            self._reported = self._counts()
+            reply = self.coord.request("learner", m)
         except Exception as exc:
             log.warning("could not report step %d to the coordinator: %s", m["step"], exc)
+            return
+        self._abandon(reply.body)
 
     def extra(self) -> dict[str, Any]:
         return {

@@ -29,12 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hpcrl.rl.logprobs import Shaping
+
 __all__ = ["Unit", "PackedBatch", "plan_units", "pack", "attention_mask", "MASKED_ATTENTION"]
 
 MIN_SAVED = 0.25  # pack a group only when sharing its prefix removes this share of its tokens
 MASKED_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D mask
 
-Row = tuple[list[int], list[float], list[float]]  # rl/batch.py layout(): ids, action mask, behaviour logprobs
+# rl/batch.py layout(): ids, action mask, behaviour logprobs, sampling parameters [T-1, 3] or None
+Row = tuple[list[int], list[float], list[float], "np.ndarray | None"]
 Rows = Mapping[int, Row] | Sequence[Row]  # rows by index
 
 
@@ -57,10 +60,12 @@ class PackedBatch:
     dest: torch.Tensor  # [N] flat index of that token's slot in the members' [B, T-1] grid
     members: int  # B: rows of the grid, in the order the units list them
     width: int  # T - 1: columns of the grid (the longest member's length - 1)
+    shaping: Shaping | None = None  # [N] each: the sampling parameters of each target (None: the model's own)
 
     def to(self, device) -> PackedBatch:
         fields = (self.input_ids, self.position_ids, self.segment, self.src, self.targets, self.dest)
-        return PackedBatch(*(t.to(device) for t in fields), self.members, self.width)
+        shaping = self.shaping.to(device) if self.shaping is not None else None
+        return PackedBatch(*(t.to(device) for t in fields), self.members, self.width, shaping)
 
 
 def _common_prefix(seqs: Sequence[list[int]]) -> int:
@@ -107,6 +112,8 @@ def pack(units: Sequence[Unit], rows: Rows, pad_id: int) -> PackedBatch:
     src: list[np.ndarray] = []
     targets: list[np.ndarray] = []
     dest: list[np.ndarray] = []
+    shaped = any(rows[i][3] is not None for u in units for i in u.members)
+    shapes: list[np.ndarray] = []
     grid_w = max(len(rows[i][0]) for u in units for i in u.members) - 1
     b = 0
     for r, u in enumerate(units):
@@ -117,7 +124,7 @@ def pack(units: Sequence[Unit], rows: Rows, pad_id: int) -> PackedBatch:
         at = c  # where the next member's own tokens start
         base = r * width
         for j, i in enumerate(u.members, start=1):
-            seq, mask, _ = rows[i]
+            seq, mask = rows[i][0], rows[i][1]
             own = len(seq) - c
             ids[r, at : at + own] = seq[c:]
             pos[r, at : at + own] = np.arange(c, len(seq))
@@ -128,15 +135,23 @@ def pack(units: Sequence[Unit], rows: Rows, pad_id: int) -> PackedBatch:
             src.append(base + np.where(t < c, t, at + t - c))
             targets.append(np.asarray(seq, dtype=np.int64)[t + 1])
             dest.append(b * grid_w + t)
+            if shaped:
+                shape = rows[i][3]
+                shapes.append(shape[t] if shape is not None else np.tile(np.float32([1.0, 1.0, 0.0]), (len(t), 1)))
             at += own
             b += 1
     if not any(len(x) for x in targets):
         # No action token to train (every loss mask 0): score one token anyway, into a slot the
         # mask ignores, so the loss still has a graph for backward (and ZeRO-3 its hooks).
         src, targets, dest = [np.zeros(1, np.int64)], [ids[0, :1]], [np.zeros(1, np.int64)]
+        shapes = [np.float32([[1.0, 1.0, 0.0]])]
     flat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))
     ids_t, pos_t, seg_t = (torch.from_numpy(a) for a in (ids, pos, seg))
-    return PackedBatch(ids_t, pos_t, seg_t, flat(src), flat(targets), flat(dest), b, grid_w)
+    shaping = None
+    if shaped:
+        sh = torch.from_numpy(np.concatenate(shapes).astype(np.float32))
+        shaping = Shaping(sh[:, 0].contiguous(), sh[:, 1].contiguous(), sh[:, 2].long())
+    return PackedBatch(ids_t, pos_t, seg_t, flat(src), flat(targets), flat(dest), b, grid_w, shaping)
 
 
 def attention_mask(segment: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:

@@ -3,6 +3,8 @@
     sampler = TaskSampler({"arith/max2": 1.0, "code-repair": 0.1}, group_size=8, seed=0,
                           sizes={"code-repair": 164})   # domains with a finite list of tasks
     tickets = sampler.next_group()        # 8 EpisodeTickets of one task instance (a GRPO group)
+    sampler.issued()                      # {domain: episodes handed out}
+    domain_report(sampler.issued(), learner_counts)   # per domain: issued against trained, dropped
 
     source = LocalTaskSource(sampler)     # what a generator pulls from when run in-process
     source.take(16); source.done(ticket); source.failed(ticket, "sandbox died")
@@ -28,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["EpisodeTicket", "TaskSampler", "TaskSource", "LocalTaskSource", "EpisodeFailed"]
+__all__ = ["EpisodeTicket", "TaskSampler", "TaskSource", "LocalTaskSource", "EpisodeFailed", "domain_report"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,10 @@ class TaskSampler:
             "next_episode": self._next_episode,
             "next_group": self._next_group,
         }
+
+    def issued(self) -> dict[str, int]:
+        """Episodes handed out so far per domain (first attempts: groups x group_size)."""
+        return {n: i * self.group_size for n, i in self._next_index.items()}
 
     @property
     def next_numbers(self) -> tuple[int, int]:
@@ -183,3 +189,39 @@ class LocalTaskSource:
         self._queue.appendleft(
             EpisodeTicket(ticket.domain, ticket.task_index, ticket.episode, ticket.group, ticket.attempt + 1)
         )
+
+
+def domain_report(
+    issued: Mapping[str, int],
+    learner: Mapping[str, Mapping[str, int]] | None,
+    completed: Mapping[str, int] | None = None,
+) -> dict[str, dict]:
+    """Per domain: `issued` episodes (the task sampler's), `completed` (reported done by
+    generators), and from the learner's cumulative counts (rl/batch.py GroupBuffer.domain_counts):
+    `arrived` (finished episodes it read, first copies), `trained`, `dropped_stale`, `dropped`
+    (stale, filtered and abandoned: episodes never trained), the mean turns and tokens of those
+    trained and of all that finished (`started_turns_mean`, ...), and each domain's share of
+    what was issued and of what was trained."""
+    learner, completed = learner or {}, completed or {}
+    names = sorted(set(issued) | set(learner))
+    total_issued = sum(issued.values()) or 1
+    total_trained = sum(int(c.get("trained", 0)) for c in learner.values()) or 1
+    out = {}
+    for d in names:
+        c = learner.get(d, {})
+        trained, arrived = int(c.get("trained", 0)), int(c.get("arrived", 0))
+        out[d] = {
+            "issued": int(issued.get(d, 0)),
+            "completed": int(completed.get(d, 0)),
+            "arrived": arrived,
+            "trained": trained,
+            "dropped_stale": int(c.get("dropped_stale", 0)),
+            "dropped": sum(int(c.get(f"dropped_{r}", 0)) for r in ("stale", "filtered", "abandoned")),
+            "trained_turns_mean": c.get("trained_turns", 0) / trained if trained else None,
+            "started_turns_mean": c.get("arrived_turns", 0) / arrived if arrived else None,
+            "trained_tokens_mean": c.get("trained_tokens", 0) / trained if trained else None,
+            "started_tokens_mean": c.get("arrived_tokens", 0) / arrived if arrived else None,
+            "issued_share": issued.get(d, 0) / total_issued,
+            "trained_share": trained / total_trained,
+        }
+    return out

@@ -33,10 +33,11 @@ __all__ = ["Event", "StoredCopy", "TraceError", "parse_ident", "trace"]
 
 # rl/batch.py DROP_REASONS in words; an unknown reason (a newer learner's) is printed as it is.
 _WHY = {
-    "stale": "stale: more than learner.max_staleness versions behind when read",
+    "stale": "stale: more than learner.max_staleness versions behind when read (its group's newest action)",
     "late": "late: its group had already been trained or dropped (a re-issued episode finished twice)",
     "duplicate": "duplicate: the same episode twice in one open group",
     "filtered": "filtered: every reward in its group was equal (learner.filter_groups)",
+    "abandoned": "abandoned: its group can never be complete (the coordinator gave up one of its episodes)",
     "unknown": "no reason recorded (an older learner)",
 }
 

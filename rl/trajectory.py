@@ -12,7 +12,11 @@ A trajectory is a sequence of steps; each step is one model turn: the prompt the
 (for the first step the task prompt, later the new context fed to it), the action tokens it
 sampled with their per-token log-probabilities and a loss mask over them, and the observation
 tokens the environment or sandbox returned. Each step records the policy version that sampled
-it, because with asynchronous generation one episode can straddle a weight update.
+it, because with asynchronous generation one episode can straddle a weight update, and the
+sampling parameters it was drawn with (temperature, top_p, top_k): its log-probabilities are
+those of that distribution (rl/engine.py), and the learner scores the current policy under the
+same parameters. Temperature 0 is greedy: a point mass, recorded with log-probability 0 and
+never trained (the learner masks such steps whatever their loss mask says).
 
 Every value is checked on construction; a bad one raises `TrajectoryError` naming the
 trajectory, the field and what is expected. Token arrays become read-only int32 views, so a
@@ -45,9 +49,11 @@ __all__ = [
     "Trajectory",
 ]
 
-# v2 (issue 14): per-step command, tests passed/total and session resumes; the trajectory's fault.
-# v1 records read as v2 with those fields at their defaults.
-SCHEMA_VERSION = 2
+# v2: per-step command, tests passed/total and session resumes; the trajectory's fault.
+# v3: per-step sampling parameters (temperature, top_p, top_k). Older records read as current
+# with the new fields at their defaults: v1/v2 generators recorded the model's own
+# log-probabilities (temperature 1, untruncated), which is what those defaults say.
+SCHEMA_VERSION = 3
 
 # Codes are positions in these tuples (stored as uint8). Append new names at the end only:
 # stored files keep their own copy of the tuple, so old files decode even if this one grows.
@@ -221,6 +227,9 @@ class Step:
     sandbox: SandboxOutcome = NO_SANDBOX
     generate_s: float = 0.0
     env_s: float = 0.0
+    temperature: float = 1.0  # sampling parameters the action was drawn with (0: greedy)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
 
     def __post_init__(self) -> None:
         self._check("step")
@@ -251,6 +260,15 @@ class Step:
             raise _fail(f"{where}.sandbox", f"expected a SandboxOutcome (got {type(self.sandbox).__name__})")
         put("generate_s", _float(self.generate_s, f"{where}.generate_s", ge=0.0))
         put("env_s", _float(self.env_s, f"{where}.env_s", ge=0.0))
+        put("temperature", _float(self.temperature, f"{where}.temperature", ge=0.0))
+        top_p = _float(self.top_p, f"{where}.top_p")
+        if not 0.0 < top_p <= 1.0:
+            raise _fail(f"{where}.top_p", f"must be in (0, 1] (got {top_p})")
+        put("top_p", top_p)
+        top_k = _int(self.top_k, f"{where}.top_k")
+        if top_k > _INT32_MAX:
+            raise _fail(f"{where}.top_k", f"at most {_INT32_MAX} (got {top_k})")
+        put("top_k", top_k)
 
     @classmethod
     def _trusted(
@@ -265,6 +283,9 @@ class Step:
         sandbox: SandboxOutcome,
         generate_s: float,
         env_s: float,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> Step:
         """Build without re-checking: only for values already checked (stored and checksummed
         after validation, or checked in bulk by `Columns.row_errors`). Skips ~10 checks per step."""
@@ -275,6 +296,9 @@ class Step:
             sandbox=sandbox,
             generate_s=generate_s,
             env_s=env_s,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
             prompt_tokens=prompt_tokens if not prompt_tokens.flags.writeable else _frozen(prompt_tokens),
             action_tokens=action_tokens if not action_tokens.flags.writeable else _frozen(action_tokens),
             action_logprobs=action_logprobs if not action_logprobs.flags.writeable else _frozen(action_logprobs),
@@ -289,11 +313,22 @@ class Step:
     def n_tokens(self) -> int:
         return len(self.prompt_tokens) + len(self.action_tokens) + len(self.observation_tokens)
 
+    @property
+    def greedy(self) -> bool:
+        """Sampled at temperature 0: a point mass, never trained."""
+        return self.temperature <= 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Drawn from the model's own distribution (temperature 1, no truncation)."""
+        return self.temperature == 1.0 and self.top_p >= 1.0 and self.top_k <= 0
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Step):
             return NotImplemented
         return (
             self.policy_version == other.policy_version
+            and (self.temperature, self.top_p, self.top_k) == (other.temperature, other.top_p, other.top_k)
             and self.reward == other.reward
             and self.sandbox == other.sandbox
             and self.generate_s == other.generate_s
@@ -359,7 +394,7 @@ class Trajectory:
         if not isinstance(self.fault, str):
             raise _fail(where, f"fault: expected a string (got {type(self.fault).__name__})")
         put("fault", clip_text(self.fault, MAX_FAULT_BYTES))
-        put("schema_version", SCHEMA_VERSION)  # v1 records lack only v2's defaulted fields
+        put("schema_version", SCHEMA_VERSION)  # older records lack only newer defaulted fields
 
     @classmethod
     def _trusted(cls, steps: tuple[Step, ...], **fields: Any) -> Trajectory:
@@ -422,6 +457,9 @@ class Trajectory:
                 },
                 "generate_s": s.generate_s,
                 "env_s": s.env_s,
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
             }
             for s in self.steps
         ]

@@ -84,7 +84,7 @@ def test_reinforce_truncates_the_importance_weight():
 
 def test_algorithm_registry_and_config():
     assert {"grpo", "reinforce"} <= set(ALGORITHMS.names())
-    with pytest.raises(UnknownName, match=r"unknown algorithm 'ppo'; registered: grpo, reinforce"):
+    with pytest.raises(UnknownName, match=r"unknown algorithm 'ppo'; registered: decoupled_ppo, grpo, reinforce"):
         make_algorithm(AlgorithmConfig(name="ppo"))
     cfg = load_config(None, ["learner.algorithm.name=reinforce", "learner.algorithm.max_ratio=3"])
     assert make_algorithm(cfg.learner.algorithm).cfg.max_ratio == 3.0
@@ -111,7 +111,8 @@ def traj(task: str, episode: int, reward: float, versions=(0,), domain="arith/co
 
 def test_layout_aligns_actions_with_logprob_positions():
     t = traj("a", 0, 1.0, versions=(0, 1))
-    ids, mask, behav = layout(t)
+    ids, mask, behav, shape = layout(t)
+    assert shape is None  # drawn from the model's own distribution
     # prompt [1, 10], action [20, 2], obs [30], (no prompt), action [21, 2]
     assert ids == [1, 10, 20, 2, 30, 21, 2]
     # slot k describes token k+1: tokens 20, 2 (step 1) and 21 (step 2; its eos has loss_mask 0)
@@ -131,36 +132,49 @@ def test_layout_aligns_actions_with_logprob_positions():
     assert tb.n_action_tokens == 5
 
 
-def test_group_buffer_completes_groups_and_drops_stale_ones():
+def test_group_buffer_bounds_a_group_by_its_newest_action_and_keeps_long_episodes():
     buf = GroupBuffer(group_size=2)
     buf.add(traj("t1", 0, 1.0, versions=(3,)))
-    buf.add(traj("t2", 2, 1.0, versions=(1,)))
+    buf.add(traj("t2", 2, 1.0, versions=(1, 2, 4)))  # a long episode: it started at v1
     buf.add(traj("t1", 1, 0.0, versions=(4,)))
     assert buf.complete_groups == 1 and buf.open_trajectories == 1
     buf.add(traj("t2", 2, 1.0, versions=(1,)))  # the same episode again: dropped
     assert buf.duplicates == 1 and buf.drained() == [("r/g/2", "duplicate")]
     buf.add(traj("t2", 3, 0.0, versions=(5,)))
-    buf.add(traj("t3", 4, 0.0, versions=(2,)))  # open, and already too stale to be trained
-    # Learner at version 5, staleness 2: group t2's oldest step (v1) is too old, t1's (v3) is fine.
-    assert buf.pop(2, version=5, max_staleness=2) is None
-    assert buf.dropped_stale == 3 and sorted(buf.drained()) == [
-        ("r/g/2", "stale"),
-        ("r/g/3", "stale"),
-        ("r/g/4", "stale"),
-    ]
+    buf.add(traj("t3", 4, 0.0, versions=(1,)))  # open: a member still to come may be fresh
+    buf.add(traj("t4", 6, 0.0, versions=(2,)))
+    buf.add(traj("t4", 7, 1.0, versions=(1, 3)))  # complete, newest action v3
+    # Learner at version 6, bound 2: t1 (newest v4) and t2 (newest v5, though it started at v1,
+    # five versions back) are trained; t4's newest action (v3) is too old: dropped, counted once.
+    assert buf.pop(3, version=6, max_staleness=2) is None
+    assert buf.dropped_stale == 2 and buf.dropped_groups == 1
+    assert sorted(buf.drained()) == [("r/g/6", "stale"), ("r/g/7", "stale")]
+    assert buf.open_trajectories == 1  # t3 waits: never dropped for its age while incomplete
     state = buf.state_dict()
-    groups = buf.pop(1, version=5, max_staleness=2)
-    assert [[t.episode for t in g] for g in groups] == [[0, 1]]
+    groups = buf.pop(2, version=6, max_staleness=2)
+    assert [[t.episode for t in g] for g in groups] == [[0, 1], [2, 3]]
     buf.add(traj("t1", 1, 1.0, versions=(5,)))  # a late copy (a re-issued episode) for a group already trained
     assert buf.drained() == [("r/g/1", "late")]
+    counts = buf.domain_counts()["arith/copy"]
+    assert counts["arrived"] == 7 and counts["trained"] == 4 and counts["dropped_stale"] == 2
+    assert counts["trained_turns"] == 1 + 1 + 3 + 1 and counts["arrived_turns"] == 6 + 3 + 1
+    assert counts["dropped_duplicate"] == 1 and counts["dropped_late"] == 1
 
-    # A restored buffer holds the same groups, and still refuses what was closed before.
+    # The coordinator gave up an episode of t3's group (number 2): what arrived of it is dropped,
+    # what arrives later too, and it is consumed once however often the coordinator says so.
+    assert buf.abandon([2, 0]) == 1 and buf.abandon([2]) == 0  # group 0 (t1) was trained already
+    assert buf.dropped_groups == 2 and buf.open_trajectories == 0
+    buf.add(traj("t3", 5, 1.0, versions=(6,)))
+    assert buf.drained() == [("r/g/4", "abandoned"), ("r/g/5", "abandoned")]
+
+    # A restored buffer holds the same groups and counts, and still refuses what was closed before.
     again = GroupBuffer(group_size=2)
     again.load_state_dict(json.loads(json.dumps(state)))
-    assert again.complete_groups == 1 and again.dropped_stale == 3
-    again.add(traj("t2", 3, 0.0, versions=(5,)))
-    assert again.drained() == [("r/g/3", "late")]
-    assert [[t.episode for t in g] for g in again.pop(1, version=5, max_staleness=2)] == [[0, 1]]
+    assert again.complete_groups == 2 and again.dropped_stale == 2 and again.open_trajectories == 1
+    assert again.domain_counts()["arith/copy"]["arrived"] == 7
+    again.add(traj("t4", 7, 0.0, versions=(5,)))
+    assert again.drained() == [("r/g/7", "late")]
+    assert [[t.episode for t in g] for g in again.pop(2, version=6, max_staleness=2)] == [[0, 1], [2, 3]]
 
 
 # -- the researcher's options: loss aggregation, clip-higher, entropy bonus, dynamic sampling ----
@@ -275,24 +289,25 @@ def test_copies_of_a_whole_waiting_group_are_dropped_not_swapped_in():
 
 def test_group_buffer_keeps_two_groups_of_one_task_apart_and_counts_dropped_groups_once():
     """Two groups of one task id (a site domain whose ids repeat) stay apart: a second group is
-    not taken for late copies of the first. A group dropped as stale while open is one consumed
-    group however many members came: the coordinator's flow control counts it so (counted short,
-    each such group held a place in its window for ever, and a run stalled with every issued
-    episode stored and nothing to train)."""
+    not taken for late copies of the first. A group dropped as stale is one consumed group
+    however many members came: the coordinator's flow control counts it so (counted short, each
+    such group held a place in its window for ever, and a run stalled with every issued episode
+    stored and nothing to train)."""
     buf = GroupBuffer(group_size=2)
     for episode in (0, 1, 2, 3):  # groups 0 and 1, both of task t1
         buf.add(traj("t1", episode, float(episode % 2), versions=(4,)))
     assert buf.complete_groups == 2 and buf.duplicates == 0
     assert [[t.episode for t in g] for g in buf.pop(2, version=4, max_staleness=2)] == [[0, 1], [2, 3]]
-    buf.add(traj("t2", 4, 1.0, versions=(1,)))  # group 2 open, already too stale
+    buf.add(traj("t2", 4, 1.0, versions=(1,)))
+    buf.add(traj("t2", 5, 0.0, versions=(1,)))  # group 2 complete, its newest action too old
     assert buf.pop(1, version=4, max_staleness=2) is None
-    assert buf.dropped_groups == 1 and buf.dropped_stale == 1
-    buf.add(traj("t2", 5, 0.0, versions=(1,)))  # its other member, late: refused, not counted again
+    assert buf.dropped_groups == 1 and buf.dropped_stale == 2
+    buf.add(traj("t2", 5, 0.0, versions=(1,)))  # a late copy of a member: refused, not counted again
     assert buf.pop(1, version=4, max_staleness=2) is None
     assert (
         buf.dropped_groups == 1
         and buf.duplicates == 1
-        and sorted(buf.drained()) == [("r/g/4", "stale"), ("r/g/5", "late")]
+        and sorted(buf.drained()) == [("r/g/4", "stale"), ("r/g/5", "late"), ("r/g/5", "stale")]
     )
     again = GroupBuffer(group_size=2)
     again.load_state_dict(json.loads(json.dumps(buf.state_dict())))
@@ -369,25 +384,27 @@ def test_entropy_coefficient_decay():
 
 @pytest.mark.parametrize("loss_agg", ["token", "seq", "constant"])
 def test_reference_kl_is_weighted_as_the_policy_loss(loss_agg):
-    """k3 per action token, hand-computed; the loss term weights each token as the policy loss
-    does (1/|o| per sequence under seq), so beta means the same under every loss_agg."""
+    """k2 per action token, hand-computed, each weighted by its importance weight; the loss term
+    weights each token as the policy loss does (1/|o| per sequence under seq), so beta means the
+    same under every loss_agg. The statistic is the weighted k3 (d = ref - lp)."""
     from hpcrl.rl.reference import kl_penalty
 
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.5, 0.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, -1.5, -3.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # three action tokens, then one
+    is_w = torch.tensor([[1.0, 2.0, 1.0], [0.5, 1.0, 1.0]])
     algo = make_algorithm(AlgorithmConfig(name="grpo", loss_agg=loss_agg))
-    total, stats = kl_penalty(lp, ref, mask, algo.token_weights(mask))
+    total, stats = kl_penalty(lp, ref, mask, algo.token_weights(mask), is_w)
     k3 = lambda d: math.exp(d) - d - 1  # d = ref - lp
-    row0 = [k3(-0.5), k3(1.0), k3(0.0)]
-    row1 = [k3(0.5)]
-    assert stats["ref_kl_sum"] == pytest.approx(sum(row0) + sum(row1), rel=1e-6)
+    assert stats["ref_kl_sum"] == pytest.approx(k3(-0.5) + 2 * k3(1.0) + k3(0.0) + 0.5 * k3(0.5), rel=1e-6)
+    row0, row1 = [0.5 * 0.25, 2 * 0.5 * 1.0, 0.0], [0.5 * 0.5 * 0.25]
     want = sum(row0) / 3 + sum(row1) if loss_agg == "seq" else sum(row0) + sum(row1)
     assert float(total.detach()) == pytest.approx(want, rel=1e-6)
     total.backward()
-    # d k3 / d lp = 1 - exp(ref - lp) at the action tokens, 0 off them
+    # d k2 / d lp = w (lp - ref) at the action tokens, 0 off them
     w0 = 1 / 3 if loss_agg == "seq" else 1.0
-    assert float(lp.grad[0, 1]) == pytest.approx(w0 * (1 - math.exp(1.0)), rel=1e-6)
+    assert float(lp.grad[0, 1]) == pytest.approx(w0 * 2 * (-2.0 + 1.0), rel=1e-6)
+    assert float(lp.grad[1, 0]) == pytest.approx(0.5 * (-1.0 + 0.5), rel=1e-6)
     assert float(lp.grad[1, 2]) == 0.0
 
 

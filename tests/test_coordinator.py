@@ -130,18 +130,24 @@ def test_a_permanent_failure_is_abandoned_at_once(tmp_path):
     assert c.counts["abandoned"] == 1 and got[0].episode == u.episode and got[0].attempt == 1
 
 
-def test_a_group_whose_every_episode_is_abandoned_no_longer_counts_as_outstanding(tmp_path):
+def test_a_group_with_a_given_up_episode_is_named_to_the_learner_which_counts_it_consumed(tmp_path):
+    """A group one of whose episodes was given up can never be complete; the learner never
+    drops an incomplete group for its age (a member still running may be fresh), so the
+    coordinator names such groups in its replies, and the learner closes them and reports them
+    consumed (once; counted here too, the window would grow)."""
     c = make(tmp_path, lease_s=60, max_attempts=1)
-    tickets, _ = sync(c, "g", want=4)  # one group of 4
+    tickets, _ = sync(c, "g", want=100)  # the window: 4 groups of 4
+    assert len(tickets) == 16 and sync(c, "g", want=1)[0] == []
     group = tickets[0].group
-    assert all(t.group == group for t in tickets)
-    sync(c, "g", failed=[(t.episode, "broken task") for t in tickets[:3]])
-    assert group not in c.abandoned_groups  # one member may still arrive at the learner
-    sync(c, "g", failed=[(tickets[3].episode, "broken task")])
-    assert group in c.abandoned_groups and c.counts["abandoned"] == 4
+    sync(c, "g", failed=[(tickets[0].episode, "broken task")], done=[t.episode for t in tickets[1:4]])
+    assert c.counts["abandoned"] == 1 and c._consumed() == 0  # still outstanding: the learner's to close
+    assert c.handle("progress", {"trained_groups": 0, "dropped_groups": 0})["abandoned"] == [group]
+    r = c.handle("learner", {"step": 1, "version": 1, "reward": 0.0, "trained_groups": 2, "dropped_groups": 1})
+    assert r["abandoned"] == [group] and not r["stop"]
+    assert len(sync(c, "g", want=100)[0]) == 12  # two trained, one closed: three groups' room
     c._save()  # (once a second in a run)
     again = make(tmp_path, lease_s=60, max_attempts=1)  # and after a restart
-    assert group in again.abandoned_groups
+    assert again.handle("progress", {"trained_groups": 2, "dropped_groups": 1})["abandoned"] == [group]
 
 
 def test_a_restarted_coordinator_knows_what_the_learner_consumed(tmp_path):
@@ -195,6 +201,37 @@ def test_status_metrics_stop_and_restart(tmp_path):
     fresh, _ = sync(d, "g2", want=8)
     assert min(t.episode for t in fresh) > max(t.episode for t in issued)
     assert not {(t.domain, t.task_index) for t in fresh} & {(t.domain, t.task_index) for t in issued}
+
+
+def test_per_domain_issued_trained_and_dropped_in_status_and_metrics(tmp_path):
+    """status.json's and each metrics.jsonl line's `domains`: episodes issued (the sampler's) beside
+    the learner's counts of what arrived, was trained and dropped, with lengths and shares."""
+    c = make(tmp_path, lease_s=60)
+    issued, _ = sync(c, "g", want=100)
+    learner = {
+        "arith/copy": {"arrived": 8, "arrived_turns": 8, "arrived_tokens": 80, "trained": 4, "trained_turns": 4,
+                       "trained_tokens": 40, "dropped_stale": 4},
+        "code-repair": {"arrived": 4, "arrived_turns": 12, "arrived_tokens": 400, "trained": 4, "trained_turns": 12,
+                        "trained_tokens": 400, "dropped_duplicate": 1},
+    }  # fmt: skip
+    c.handle("learner", {"step": 1, "version": 1, "reward": 0.5, "trained_groups": 2, "dropped_groups": 1,
+                         "domains": learner})  # fmt: skip
+    c.write_status()
+    by_issue = collections.Counter(t.domain for t in issued)
+    for where in (read_status(tmp_path)["domains"], json.loads((tmp_path / "metrics.jsonl").read_text())["domains"]):
+        copy, code = where["arith/copy"], where["code-repair"]
+        assert (copy["issued"], copy["trained"], copy["dropped_stale"], copy["dropped"]) == (
+            by_issue["arith/copy"],
+            4,
+            4,
+            4,
+        )
+        assert (code["issued"], code["trained"], code["dropped"]) == (by_issue["code-repair"], 4, 0)  # copies aside
+        assert code["trained_turns_mean"] == code["started_turns_mean"] == 3.0 and code["trained_tokens_mean"] == 100
+        assert copy["trained_share"] == code["trained_share"] == 0.5
+        assert copy["issued_share"] == pytest.approx(by_issue["arith/copy"] / len(issued))
+    assert "domains" not in read_status(tmp_path)["learner"]
+    assert c.metrics()["domain_trained_total:domain"] == {"arith/copy": 4, "code-repair": 4}
 
 
 def test_unknown_request_kind():

@@ -92,8 +92,10 @@ def test_sampling_parameters(policy):
     out = run_to_end(e)
     tokens = {k: out[k].tokens for k in out}
     assert tokens[0] == tokens[1] == tokens[2]  # all three are argmax decoding
-    full = token_logprobs(policy.model, torch.tensor([ctx + list(tokens[0])]))[0, len(ctx) - 1 :]
-    assert torch.allclose(full, torch.tensor(out[0].logprobs), atol=1e-4)  # the model's own logprobs
+    # ... from a point mass: greedy, or a truncation that keeps one token, draws with probability 1
+    assert out[0].logprobs == out[1].logprobs == out[2].logprobs == (0.0,) * 6
+    full = token_logprobs(policy.model, torch.tensor([ctx + list(out["free"].tokens)]))[0, len(ctx) - 1 :]
+    assert torch.allclose(full, torch.tensor(out["free"].logprobs), atol=1e-4)  # temperature 1: the model's own
     # top_k=3 only ever draws one of the 3 likeliest tokens
     e.submit("k3", ctx, max_new=1, spec=SamplingSpec(top_k=3))
     for _ in range(20):
@@ -103,6 +105,32 @@ def test_sampling_parameters(policy):
         assert t in logits.topk(3).indices.tolist()
     with pytest.raises(ValueError, match="top_p"):
         ActionSpec(4, top_p=0)
+
+
+def test_a_shaped_sample_records_the_distribution_that_drew_it_as_the_learner_scores_it(policy):
+    """Hot, cool-and-truncated, top-k: each token's recorded log-probability is log q of the
+    distribution it was drawn from, which the learner's head recomputes from the full context
+    under the same parameters (on-policy ratio 1), and not the model's own log p."""
+    from hpcrl.rl.logprobs import PolicyHead, Shaping
+
+    specs = {"hot": SamplingSpec(temperature=2.0), "cool": SamplingSpec(temperature=0.6, top_p=0.9),
+             "k": SamplingSpec(temperature=1.3, top_k=5)}  # fmt: skip
+    e = DecodeEngine(policy, seed=0)
+    ctx = policy.prompt_ids("ab")
+    for key, spec in specs.items():
+        e.submit(key, ctx, max_new=8, spec=spec)
+    out = run_to_end(e)
+    head = PolicyHead(policy.model)
+    for key, spec in specs.items():
+        ids = torch.tensor([ctx + list(out[key].tokens)])
+        n = ids.shape[1] - 1
+        shaping = Shaping(torch.full((1, n), spec.temperature), torch.full((1, n), spec.top_p),
+                          torch.full((1, n), spec.top_k))  # fmt: skip
+        with torch.no_grad():
+            lq, _, own = head(ids, shaping=shaping)
+        got = torch.tensor(out[key].logprobs)
+        assert torch.allclose(lq[0, len(ctx) - 1 :], got, atol=1e-4), key
+        assert not torch.allclose(own[0, len(ctx) - 1 :], got, atol=1e-2), key
 
 
 def test_context_longer_than_max_context_is_a_clear_error(policy):

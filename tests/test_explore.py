@@ -1,5 +1,6 @@
 """Hotter sampling for stuck tasks (rl/explore.py): which groups are hot, and that the generator
-samples exactly those at generators.explore_temperature and the rest at the domain's own."""
+samples exactly those at generators.explore_temperature and the rest at the domain's own, and
+records each step's temperature and the log-probabilities of the distribution that drew it."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
+import torch
+
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
 from hpcrl.rl.domains import PromptDomain
 from hpcrl.rl.explore import StuckTasks
 from hpcrl.rl.generator import Generator
+from hpcrl.rl.logprobs import PolicyHead, Shaping
 from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import EpisodeTicket, LocalTaskSource, TaskSampler
 
@@ -100,3 +105,19 @@ def test_the_generator_samples_a_stuck_tasks_next_group_hot():
     assert (0, first0[0]) not in hot  # nothing is known about a task before its first group ends
     assert (0, first0[-1]) in hot  # ... and by the end the share is low
     assert gen.stuck.hot_episodes == sum(1 for _, temp in seen if temp == 1.7)
+    # Each step says what it was drawn with, and its log-probabilities are that distribution's:
+    # the learner's head, scoring at the step's temperature, gives them back (ratio 1).
+    hot_trajs = [t for t in out if t.steps[0].temperature == 1.7]
+    cold = [t for t in out if t.steps[0].temperature == 1.0]
+    assert hot_trajs and cold and len(hot_trajs) + len(cold) == len(out)
+    head = PolicyHead(policy.model)
+    for t in hot_trajs[:4] + cold[:2]:
+        s = t.steps[0]
+        ids = torch.from_numpy(np.concatenate([s.prompt_tokens, s.action_tokens]).astype(np.int64))[None]
+        n = ids.shape[1] - 1
+        shaping = Shaping(torch.full((1, n), s.temperature), torch.ones(1, n), torch.zeros(1, n, dtype=torch.long))
+        with torch.no_grad():
+            lq, _, own = head(ids, shaping=shaping)
+        a = len(s.action_tokens)
+        assert torch.allclose(lq[0, -a:], torch.tensor(s.action_logprobs), atol=1e-4)
+        assert (s.temperature == 1.0) == torch.allclose(own[0, -a:], torch.tensor(s.action_logprobs), atol=1e-4)

@@ -59,6 +59,36 @@ def test_single_and_multi_step_episodes_make_valid_trajectories():
     assert policy.decode(t.steps[0].observation_tokens).startswith(" no\n")
 
 
+def test_each_step_records_its_sampling_parameters_and_greedy_steps_are_never_trained():
+    """A domain's temperature and truncation are stored with each step beside the log-probabilities
+    of that distribution; a greedy domain's steps (a point mass) carry loss mask 0 and log-probability
+    0, and the learner's layout masks them whatever their mask says."""
+    import dataclasses as dc
+
+    from hpcrl.rl.batch import layout, trained_tokens
+
+    policy = Policy.load(TINY, seed=0)
+    cool = PromptDomain("cool", [("1+1=", "2")], max_tokens=3)
+    cool.action = dc.replace(cool.action, temperature=0.7, top_p=0.9, top_k=5)
+    greedy = PromptDomain("greedy", [("2+2=", "4")], max_tokens=3)
+    greedy.action = dc.replace(greedy.action, temperature=0.0)
+    gen = Generator(GeneratorConfig(episodes_in_flight=8, explore_temperature=1.0), policy,
+                    {"cool": cool, "greedy": greedy}, run="r", name="g", seed=0)  # fmt: skip
+    trajs = collect(gen, LocalTaskSource(TaskSampler({"cool": 1.0, "greedy": 1.0}, 2, 0)), 16)
+    gen.close()
+    by = {d: [t for t in trajs if t.domain == d] for d in ("cool", "greedy")}
+    assert by["cool"] and by["greedy"]
+    for t in by["cool"]:
+        s = t.steps[0]
+        assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.9, 5) and s.loss_mask.all() and not s.plain
+        assert layout(t)[3] is not None and trained_tokens(t) == len(s.action_tokens)
+    for t in by["greedy"]:
+        s = t.steps[0]
+        assert s.greedy and not s.loss_mask.any() and not s.action_logprobs.any()
+        forced = dc.replace(t, steps=(dc.replace(s, loss_mask=np.ones_like(s.loss_mask)),))
+        assert not any(layout(forced)[1]) and trained_tokens(forced) == 0
+
+
 def test_new_weights_are_taken_between_steps(tmp_path):
     store = WeightStore(tmp_path)
     learner_side = Policy.load(TINY, seed=5)

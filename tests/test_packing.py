@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -17,10 +18,15 @@ from hpcrl.rl.packing import MIN_SAVED, Unit, attention_mask, pack, plan_units
 PAD = 0
 
 
-def row(ids: list[int], first_action: int) -> tuple[list[int], list[float], list[float]]:
-    """layout() of a one-step trajectory: tokens from `first_action` on are actions."""
+def row(ids: list[int], first_action: int, shape=None):
+    """layout() of a one-step trajectory: tokens from `first_action` on are actions, drawn with
+    sampling parameters `shape` (temperature, top_p, top_k), None: the model's own."""
     mask = [1.0 if t + 1 >= first_action else 0.0 for t in range(len(ids) - 1)]
-    return ids, mask, [-0.5 * m for m in mask]
+    arr = None
+    if shape is not None:
+        arr = np.tile(np.float32([1.0, 1.0, 0.0]), (len(mask), 1))
+        arr[np.asarray(mask) > 0] = shape
+    return ids, mask, [-0.5 * m for m in mask], arr
 
 
 def test_plan_units_packs_groups_that_share_a_prompt_and_splits_over_the_budget():
@@ -68,18 +74,20 @@ def test_pack_lays_out_prefix_members_positions_and_gather_indices():
 
 
 def _groups(rng: random.Random, vocab: int):
-    """Groups of 4 with prompts of 2-7 tokens; answers of 1-5 tokens, some alike, some repeated."""
+    """Groups of 4 with prompts of 2-7 tokens; answers of 1-5 tokens, some alike, some repeated,
+    some drawn at another temperature or truncated."""
     rows, groups = [], []
     for _ in range(6):
         prompt = [1] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 7))]
         members = []
         for _ in range(4):
             answer = [rng.randrange(3, 6) for _ in range(rng.randrange(1, 6))]
-            r = row(prompt + answer, len(prompt))
+            shape = rng.choice([None, None, (1.7, 1.0, 0), (1.0, 0.8, 0), (0.7, 0.9, 3)])
+            r = row(prompt + answer, len(prompt), shape)
             if rng.random() < 0.3:  # a token of the answer not trained (loss_mask 0)
                 mask = list(r[1])
                 mask[-1] = 0.0
-                r = (r[0], mask, r[2])
+                r = (r[0], mask, r[2], r[3])
             members.append(len(rows))
             rows.append(r)
         groups.append(members)
@@ -101,23 +109,29 @@ def test_packed_forward_matches_one_row_per_trajectory(impl):
     tb = collate_rows([rows[i] for i in members], torch.zeros(len(members)), PAD)
     on = tb.action_mask > 0
 
+    assert tb.shaping is not None and (tb.shaping.temperature[on] != 1).any()
+
     def run(packed: bool):
         head.zero_grad()
         if packed:
             pb = pack(units, rows, PAD)
-            lp, ent = head(pb.input_ids, attention_mask(pb.segment, impl, torch.float32), packed=pb)
+            lp, ent, own = head(pb.input_ids, attention_mask(pb.segment, impl, torch.float32), packed=pb,
+                                shaping=pb.shaping)  # fmt: skip
         else:
-            lp, ent = head(tb.input_ids, tb.attention_mask)
+            lp, ent, own = head(tb.input_ids, tb.attention_mask, shaping=tb.shaping)
         weights = torch.linspace(-1.0, 1.0, on.sum().item())  # a different weight per token
-        ((lp[on] * weights).sum() + 0.1 * ent[on].sum()).backward()
+        ((lp[on] * weights).sum() + 0.1 * ent[on].sum() + 0.3 * own[on].sum()).backward()
         grads = {n: p.grad.clone() for n, p in head.named_parameters()}
-        return lp.detach(), ent.detach(), grads
+        return lp.detach(), ent.detach(), own.detach(), grads
 
-    lp_p, ent_p, g_p = run(True)
-    lp_r, ent_r, g_r = run(False)
+    lp_p, ent_p, own_p, g_p = run(True)
+    lp_r, ent_r, own_r, g_r = run(False)
     torch.testing.assert_close(lp_p[on], lp_r[on], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent_p[on], ent_r[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(own_p[on], own_r[on], atol=1e-5, rtol=1e-5)
     assert (lp_p[~on] == 0).all() and (ent_p[~on] == 0).all()
+    shaped = on & (tb.shaping.temperature != 1)
+    assert (lp_r[shaped] != own_r[shaped]).all()  # scored under the distribution that drew them
     for name in g_r:
         torch.testing.assert_close(g_p[name], g_r[name], atol=1e-5, rtol=1e-4, msg=name)
 
@@ -150,7 +164,7 @@ def test_a_micro_batch_without_action_tokens_still_backpropagates():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=True)  # fmt: skip
     head = PolicyHead(LlamaForCausalLM(cfg).float())
-    rows = [([1, 4, 5, 6], [0.0] * 3, [0.0] * 3), ([1, 4, 5, 7], [0.0] * 3, [0.0] * 3)]
+    rows = [([1, 4, 5, 6], [0.0] * 3, [0.0] * 3, None), ([1, 4, 5, 7], [0.0] * 3, [0.0] * 3, None)]
     units = plan_units(rows, [[0, 1]])
     pb = pack(units, rows, PAD)
     lp, _ = head(pb.input_ids, attention_mask(pb.segment, "sdpa", torch.float32), packed=pb)

@@ -90,6 +90,13 @@ def test_hpcrl_run_learns_and_hpcrl_status_reports(tmp_path):
     text = finish(stat, 300)
     assert stat.returncode == 0, text
     assert "step 150" in text and "trajectories/s" in text and "arith/copy" in text and "gen-0" in text
+    # Per domain: what was issued, trained and dropped, and the length of what was trained.
+    stat = hpcrl("status", str(run_dir), "--json")
+    domains = json.loads(finish(stat, 300))["domains"]
+    assert set(domains) == {"arith/copy", "arith/add1-mod10", "arith/max2"}, domains
+    keys = {"issued", "trained", "dropped_stale", "trained_turns_mean", "started_turns_mean"}
+    assert all(keys <= set(d) and d["trained"] > 0 and d["trained_turns_mean"] == 1.0 for d in domains.values())
+    assert sum(d["trained"] for d in domains.values()) == 150 * 256
     no_processes_left(run_dir)
 
 
@@ -178,7 +185,7 @@ def _plot_and_trace_a_redone_step(run_dir: Path, saved: int) -> None:
     text = finish(plot, 300)
     assert plot.returncode == 0, text
     summary = json.loads(text)
-    names = ("reward", "throughput", "staleness", "utilisation")
+    names = ("reward", "throughput", "staleness", "domains", "utilisation")
     assert summary["plots"] == [str(run_dir / "plots" / f"{n}.png") for n in names]
     assert all(Path(p).stat().st_size > 10_000 for p in summary["plots"])
     learner = summary["share"]["learner"]

@@ -1,6 +1,8 @@
-"""Trajectory schema v2 (issue 14): per-step sandbox command, tests passed/total and session resumes,
-and the trajectory's fault message, through the record, the wire's columns and real HDF5 segments;
-segments written under schema v1 (narrower tables) still read, the new fields at their defaults.
+"""Trajectory schema v2: per-step sandbox command, tests passed/total and session resumes, and the
+trajectory's fault message; v3: per-step sampling parameters (temperature, top_p, top_k). Through
+the record, the wire's columns and real HDF5 segments; segments written under schemas v1 and v2
+(narrower tables) still read, the new fields at their defaults (temperature 1, top_p 1, top_k 0:
+what their generators' recorded log-probabilities were of).
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ V1_TRAJ_NUMERIC = [
 
 
 def _with_results(t: Trajectory, i: int) -> Trajectory:
-    """`t` with v2's fields set: every step ran a command, some resumed, the record has a fault."""
+    """`t` with v2's and v3's fields set: every step ran a command, some resumed, the record has a
+    fault; steps drawn at various temperatures and truncations."""
+    sampling = [(1.0, 1.0, 0), (0.7, 0.95, 0), (2.0, 1.0, 40), (0.0, 1.0, 0)]
     steps = tuple(
         dataclasses.replace(
             s,
             sandbox=SandboxOutcome(
                 "error" if j % 2 else "ok", j % 3, 0.25 * j, f"python3 -m unittest -q  # {i}.{j} é", j, j + 2, j % 2
             ),
+            **dict(zip(("temperature", "top_p", "top_k"), sampling[(i + j) % 4])),
         )
         for j, s in enumerate(t.steps)
     )
@@ -87,7 +92,7 @@ def _segment(tmp_path, cols: Columns, seq: int):
 
 def test_per_step_results_and_the_fault_round_trip_through_dict_wire_and_hdf5(tmp_path):
     trajs = _trajs()
-    assert trajs[0].schema_version == SCHEMA_VERSION == 2
+    assert trajs[0].schema_version == SCHEMA_VERSION == 3
     assert [Trajectory.from_dict(t.to_dict()) for t in trajs] == trajs
     cols = Columns.encode(trajs)
     body, arrays = cols.to_wire()
@@ -102,6 +107,7 @@ def test_per_step_results_and_the_fault_round_trip_through_dict_wire_and_hdf5(tm
     s = got[2].steps[1].sandbox
     assert (s.command, s.tests_passed, s.tests_total, s.resumes) == ("python3 -m unittest -q  # 2.1 é", 1, 3, 1)
     assert got[2].fault.endswith("RequestTimeout 2")
+    assert [(s.temperature, s.top_p, s.top_k) for s in got[1].steps[:2]] == [(0.7, 0.95, 0), (2.0, 1.0, 40)]
 
 
 def test_a_schema_v1_segment_reads_with_the_new_fields_at_their_defaults(tmp_path):
@@ -126,6 +132,41 @@ def test_a_schema_v1_segment_reads_with_the_new_fields_at_their_defaults(tmp_pat
     # An old segment and a new one go on together (compaction concatenates stored columns).
     both = Columns.concat([back, Columns.encode(_trajs(2))])
     assert both.row_errors() == [None] * 7
+
+
+def test_a_schema_v2_segment_reads_as_sampled_from_the_models_own_distribution(tmp_path):
+    """v2 generators recorded the model's own log-probabilities (temperature 1, untruncated),
+    whatever they sampled with: their steps read with exactly those parameters, and the learner
+    scores them the same way."""
+    trajs = _trajs(4)
+    new = Columns.encode(trajs)
+    v3_only = ("temperature", "top_p", "top_k")
+    v2 = np.dtype([(n, new.steps.dtype[n]) for n in new.steps.dtype.names if n not in v3_only])
+    steps = np.zeros(len(new.steps), v2)
+    for name in v2.names:
+        steps[name] = new.steps[name]
+    traj = new.traj.copy()
+    traj["schema_version"] = 2
+    path, info = _segment(tmp_path, Columns(traj, steps, new.tokens, new.logprobs, new.loss_mask), 1)
+    back = read_segment(path, info)
+    got = [back.trajectory(i, trusted=trusted) for i in range(back.rows) for trusted in (False, True)]
+    assert all((s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0) and s.plain for t in got for s in t.steps)
+    assert [t.steps[0].action_logprobs.tolist() for t in got[::2]] == [
+        t.steps[0].action_logprobs.tolist() for t in trajs
+    ]
+
+
+def test_bad_sampling_parameters_are_refused_by_the_record_and_the_columns():
+    step = _trajs(1)[0].steps[0]
+    for field, value, msg in (("top_p", 0.0, "top_p: must be in"), ("temperature", -1.0, "temperature: must be >= 0"),
+                              ("top_k", -2, "top_k: must be >= 0")):  # fmt: skip
+        with pytest.raises(TrajectoryError, match=msg):
+            dataclasses.replace(step, **{field: value})
+    cols = Columns.encode(_trajs(2))
+    steps = cols.steps.copy()
+    steps["top_p"][0] = 1.5
+    errors = Columns(cols.traj, steps, cols.tokens, cols.logprobs, cols.loss_mask).row_errors()
+    assert errors[1] is None and "top_p: must be in (0, 1]" in errors[0]
 
 
 def test_long_texts_are_cut_and_bad_counts_are_refused():
@@ -173,11 +214,14 @@ def test_traj_show_prints_each_steps_sandbox_results_and_the_fault(tmp_path, cap
     # No run config beside the store: token counts, no text; every step's command and results.
     assert "sandbox: python3 -m unittest -q  # 1.1 é -> error, exit 1, tests 1/3, 0.25 s, resumed 1x" in out
     assert out.count("  step ") == len(trajs[1].steps)
+    assert "sampled at temperature 0.7, top_p 0.95, top_k 0" in out  # steps not drawn from the model's own
     assert main(["traj", "show", str(run_dir / "trajectories"), "2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["id"] == "r/g/2" and got["truncation"] == trajs[2].truncation and "RequestTimeout 2" in got["fault"]
     assert [s["sandbox"]["tests_total"] for s in got["steps"]] == [s.sandbox.tests_total for s in trajs[2].steps]
     assert "text" not in got["steps"][0]
+    want = [{"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} for s in trajs[2].steps]
+    assert [s["sampling"] for s in got["steps"]] == want
     # Bad input: one line naming what and what to do, exit 2.
     assert main(["traj", "show", str(run_dir), "r/g/99"]) == 2
     err = capsys.readouterr().err

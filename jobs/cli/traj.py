@@ -361,6 +361,8 @@ def run_show(args: argparse.Namespace) -> int:
                     "duration_s": sb.duration_s,
                     "resumes": sb.resumes,
                 },
+                # what the action was drawn with (its log-probabilities are that distribution's)
+                "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k},
             }
             if decode is not None:
                 step["text"] = {k2: decode(getattr(s, f"{k2}_tokens")) for k2 in ("prompt", "action", "observation")}
@@ -369,6 +371,7 @@ def run_show(args: argparse.Namespace) -> int:
             lines.append(
                 f"  step {k + 1}  policy v{s.policy_version}  reward {s.reward:g}  "
                 f"tokens {n['prompt']}+{n['action']}+{n['observation']}"
+                + ("" if s.plain else f"  sampled at temperature {s.temperature:g}, top_p {s.top_p:g}, top_k {s.top_k}")
             )
             if sb.status != "none" or sb.command:
                 tests = f", tests {sb.tests_passed}/{sb.tests_total}" if sb.tests_total else ""

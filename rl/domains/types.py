@@ -34,7 +34,8 @@ class ActionSpec:
     """How one action is sampled: its length limit, the strings that end it early (kept in the
     action), extra end-of-sequence tokens (by name, beyond the model's own), and the sampling
     parameters (temperature 0: greedy; top_p 1 and top_k 0: no truncation). The recorded
-    log-probabilities stay the model's own, so these shape exploration, not the loss."""
+    log-probabilities are those of the distribution these make, and the learner scores the
+    policy under the same ones (rl/engine.py); greedy actions are never trained."""
 
     max_tokens: int
     stop: tuple[str, ...] = ()

@@ -161,6 +161,9 @@ class Columns:
                         s.sandbox.tests_passed,
                         s.sandbox.tests_total,
                         s.sandbox.resumes,
+                        s.temperature,
+                        s.top_p,
+                        s.top_k,
                     )
                 )
                 tok_parts += (s.prompt_tokens, s.action_tokens, s.observation_tokens)
@@ -308,6 +311,9 @@ class Columns:
             and _times_ok(s["env_s"])
             and (s["tests_passed"] >= 0).all()
             and (s["tests_passed"] <= s["tests_total"]).all()
+            and (np.isfinite(s["temperature"]) & (s["temperature"] >= 0)).all()
+            and ((s["top_p"] > 0) & (s["top_p"] <= 1)).all()
+            and (s["top_k"] >= 0).all()
             and (not len(self.tokens) or self.tokens.min() >= 0)
             and (not len(self.logprobs) or (np.isfinite(self.logprobs).all() and self.logprobs.max() <= _LOGPROB_SLACK))
             and (not len(self.loss_mask) or self.loss_mask.max() <= 1)
@@ -492,6 +498,9 @@ class Columns:
             passed,
             total,
             resumes,
+            temp,
+            top_p,
+            top_k,
         ) in enumerate(rows):
             extra = (cmd.decode(errors="replace"), passed, total, resumes)
             try:
@@ -514,6 +523,9 @@ class Columns:
                         ),
                         gen_s,
                         env_s,
+                        temp,
+                        top_p,
+                        top_k,
                     )
                 )
             except TrajectoryError as exc:

@@ -3,7 +3,7 @@ version, the order of a segment's arrays, and the upgrade of an older version's 
 
     traj_dtype(widths)          # the trajectory table, string fields `widths` bytes wide
     STEP_DTYPE                  # one row per step: offsets into the flat arrays, outcome, timings
-    upgrade_tables(traj, steps) # v1 tables (read from old files) in these dtypes, new fields at defaults
+    upgrade_tables(traj, steps) # older tables (read from old files) in these dtypes, new fields at defaults
 
 `columns` builds and checks batches in these dtypes; `segment_read` upgrades what it reads.
 """
@@ -39,8 +39,14 @@ STEP_DTYPE = np.dtype(
         ("tests_passed", "<i4"),
         ("tests_total", "<i4"),
         ("resumes", "u1"),
+        # Schema v3: the sampling parameters the action was drawn with (older tables: 1, 1, 0).
+        ("temperature", "<f8"),
+        ("top_p", "<f8"),
+        ("top_k", "<i4"),
     ]
 )
+# What an upgraded table's new step fields hold where 0 is not the default.
+_STEP_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 TRAJ_NUMERIC = [
     ("episode", "<i8"),
@@ -67,10 +73,13 @@ def traj_dtype(widths: Sequence[int]) -> np.dtype:
 
 
 def upgrade_tables(traj: np.ndarray, steps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Tables of an older schema (v1 files) in this one's dtypes: fields they lack take their
-    defaults (0, ""). Tables already current are returned as they are, uncopied."""
+    """Tables of an older schema (v1, v2 files) in this one's dtypes: fields they lack take their
+    defaults (0, "", and temperature 1, top_p 1: what their generators sampled log-probabilities
+    under). Tables already current are returned as they are, uncopied."""
     if steps is not None and steps.dtype != STEP_DTYPE and steps.dtype.names:
         new = np.zeros(len(steps), STEP_DTYPE)
+        for name, value in _STEP_DEFAULTS.items():
+            new[name] = value
         for name in steps.dtype.names:
             if name in STEP_DTYPE.names:
                 new[name] = steps[name]

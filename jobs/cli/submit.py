@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from hpcrl.jobs.rundir import check_run_id, create_run_dir
     from hpcrl.jobs.supervise import submit_run
 
-    cfg, search, domains = load_experiment(args, "submit", slurm=True)
+    # Partitions, GRES, CPUs, memory and time limits are checked against the cluster (not for
+    # --dry-run, whose scripts may be read anywhere).
+    cfg, search, domains = load_experiment(args, "submit", slurm=True, cluster=not args.dry_run)
     if args.dry_run:
         # Scripts name the run directory a submission would create; nothing is created or queued.
         run_dir = Path(cfg.experiment.run_root) / (args.run_id or "RUN_ID")

@@ -27,11 +27,13 @@ import psutil
 from hpcrl.core.config import Config
 from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
+from hpcrl.core.schema import to_dict
+from hpcrl.core.sinks import MetricSinks
 from hpcrl.jobs.components import LAUNCHER_ENV
 from hpcrl.jobs.launch import SUPERVISOR, Role, component_jobs, link_logs, make_executor
 from hpcrl.jobs.restarts import Watch
 from hpcrl.jobs.supervise import RunFailed, error_line, failed_twice, stop_coordinator, verdict, why_ended
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator import METRICS_NAME, read_status
 
 __all__ = ["LocalRun", "live_procs", "pids", "STOP_STAGE_S"]
 
@@ -69,6 +71,7 @@ class LocalRun:
         self.rollouts = None  # backfill rollout processes (jobs/rollout_plan.py), when configured
         # Job ids a resumed run's components had under the launcher before this one (`hpcrl logs --all`).
         self._earlier: dict[str, list[str]] = component_jobs(self.run_dir) or {}
+        self.sinks: MetricSinks | None = None  # TensorBoard / W&B (metrics.tensorboard, metrics.wandb)
 
     def role(self, name: str) -> Role:
         return next(r for r in self.roles if r.name == name)
@@ -89,6 +92,7 @@ class LocalRun:
         os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
         serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
         provide(self.metrics)
+        self.sinks = MetricSinks(self.run_dir, self.cfg.metrics, self.run_dir / METRICS_NAME, to_dict(self.cfg))
         from hpcrl.jobs.rollout_plan import rollout_planner
 
         self.rollouts = rollout_planner(self.cfg, self.run_dir, self.roles)
@@ -110,6 +114,8 @@ class LocalRun:
         self.watch.publish(states)
         if self.rollouts is not None and not self.finished:
             self.rollouts.tick()
+        if self.sinks is not None:
+            self.sinks.pump()
 
     def _check_role(self, role: Role, now: float) -> str:
         name = role.name
@@ -233,6 +239,8 @@ class LocalRun:
                 if not r.job.done():
                     log.warning("%s did not stop within %.0f s; killing it", r.name, grace_s)
                     self._kill(r)
+        if self.sinks is not None:
+            self.sinks.close()  # the coordinator wrote its last row
 
     def stop_role(self, role: Role) -> None:
         """Ask a role to finish cleanly: SIGTERM (local), scancel on Slurm (which sends SIGTERM

@@ -49,6 +49,8 @@ from hpcrl.core.config import Config
 from hpcrl.core.liveness import beat
 from hpcrl.core.metrics import provide
 from hpcrl.core.rpc import RequestClient
+from hpcrl.core.schema import to_dict
+from hpcrl.core.sinks import MetricSinks
 from hpcrl.core.transport import Node
 from hpcrl.jobs.components import finish_job, start_component
 from hpcrl.jobs.launch import (
@@ -62,6 +64,7 @@ from hpcrl.jobs.launch import (
     write_jobs,
 )
 from hpcrl.jobs.restarts import Watch
+from hpcrl.rl.coordinator import METRICS_NAME
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
@@ -269,20 +272,26 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
                 },
             }
         )
-        while not stop.is_set():
-            beat()
-            if (self.run_dir / CANCEL_NAME).exists():
-                self.stop_rollouts()
-                return "cancelled"
-            try:
-                done = self.check(record)
-            except SlurmCommandError as exc:  # the controller is busy or restarting: try again next poll
-                log.warning("%s", exc)
-                done = None
-            if done:
-                return done
-            self.between_polls(stop)
-        return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
+        # TensorBoard / W&B from metrics.jsonl (metrics.tensorboard, metrics.wandb): one writer, here.
+        sinks = MetricSinks(self.run_dir, self.cfg.metrics, self.run_dir / METRICS_NAME, to_dict(self.cfg))
+        try:
+            while not stop.is_set():
+                beat()
+                if (self.run_dir / CANCEL_NAME).exists():
+                    self.stop_rollouts()
+                    return "cancelled"
+                try:
+                    done = self.check(record)
+                except SlurmCommandError as exc:  # the controller is busy or restarting: try again next poll
+                    log.warning("%s", exc)
+                    done = None
+                if done:
+                    return done
+                sinks.pump()
+                self.between_polls(stop)
+            return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
+        finally:
+            sinks.close()
 
     def between_polls(self, stop) -> None:
         """Wait poll_s; meanwhile rollout jobs give way as soon as a job in their partitions ends

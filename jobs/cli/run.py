@@ -158,6 +158,10 @@ def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
         print(f"reward curve: {png}")
     if diag:
         print(f"learner diagnostics: {diag}")
+    if cfg.metrics.tensorboard:
+        print(f"TensorBoard: tensorboard --logdir {_cmd_path(run_dir / 'tensorboard')}")
+    if cfg.metrics.wandb.mode == "offline":
+        print(f"W&B (offline): wandb sync {_cmd_path(run_dir / 'wandb')}/offline-run-*")
     if not ok:
         where = f"at step {rows[-1]['step']} of {cfg.learner.max_steps}" if rows else "before its first step"
         why = "failed" if failed else "interrupted" if interrupted else "timed out"

@@ -5,8 +5,9 @@
 
 `checks` is what `validate`, `run` and `submit` check before anything starts (model, sandbox,
 run_root, optional packages, Slurm partitions and GRES); `components` are the picklable
-callables each job runs (store, coordinator, sandbox server, learner, generator); `launch` knows a run's roles and turns each into Slurm options and a
-submitit executor (the one translation); `boot` is the first thing every job's python runs (it
+callables each job runs (store, coordinator, sandbox server, learner, generator); `launch`
+knows a run's roles and turns each into Slurm options and a submitit executor (the one
+translation), and links each job's logs by component name; `boot` is the first thing every job's python runs (it
 holds an early SIGUSR2 until the component can drain on it); `supervise` watches the jobs and
 restarts what dies, on Slurm (`SupervisorComponent`) and, through `localrun`, on this machine
 (`LocalRun`), deciding as `restarts` says (budgets that refill, backoff, hangs from heartbeats,

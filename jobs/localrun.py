@@ -177,13 +177,14 @@ class LocalRun:
         self._signal(role, signal.SIGKILL, tree=True)
 
     def _signal(self, role: Role, sig: int, tree: bool = False) -> None:
-        """`sig` to a local job: its registered processes (procs/) and submitit's controller, which
-        passes SIGTERM on to the tasks still starting (no procs/ record yet); with `tree`, every
-        process below the controller as well. Not submitit's cancel: that is SIGINT, which a run
-        started in the background (`hpcrl run ... &`) hands its jobs ignored."""
+        """`sig` to a local job, once per process: to its registered processes (procs/), or, while
+        none has registered (still starting), to submitit's controller, which passes SIGTERM on to
+        its tasks; with `tree`, to the controller and every process below it as well. Not
+        submitit's cancel: that is SIGINT, which a run started in the background (`hpcrl run ...
+        &`) hands its jobs ignored."""
         procs = set(pids(self.run_dir, role.name))
         ctl = getattr(role.job, "_process", None)
-        if ctl is not None and ctl.poll() is None:
+        if ctl is not None and ctl.poll() is None and (tree or not procs):
             procs.add(ctl.pid)
             if tree:
                 try:

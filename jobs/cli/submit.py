@@ -36,15 +36,14 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
+    from hpcrl.jobs.checks import RunCheckError, check_cluster
     from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
     from hpcrl.jobs.rollout_plan import check_rollout_partition, rollout_summary
     from hpcrl.jobs.rundir import check_run_id, create_run_dir
     from hpcrl.jobs.supervise import submit_run
 
-    # Partitions, GRES, CPUs, memory and time limits are checked against the cluster (not for
-    # --dry-run, whose scripts may be read anywhere).
-    cfg, search, domains = load_experiment(args, "submit", slurm=True, cluster=not args.dry_run)
+    cfg, search, domains = load_experiment(args, "submit", slurm=True)
     if args.dry_run:
         # Scripts name the run directory a submission would create; nothing is created or queued.
         run_dir = Path(cfg.experiment.run_root) / (args.run_id or "RUN_ID")
@@ -54,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     # The cluster is asked before the run directory exists, so one that does not answer leaves
     # nothing behind; a bad --run-id is still refused first, without asking it.
     check_run_id(cfg, args.run_id)
+    # Partitions, GRES, CPUs, memory, nodes and time limits against the cluster (jobs/checks.py).
+    why = check_cluster(cfg, domains)
+    if why:
+        raise RunCheckError(why)
     check_rollout_partition(cfg)  # one Slurm would not preempt: refused, nothing created
     warnings = preflight(cfg)
     run_dir = create_run_dir(cfg, args.run_id)

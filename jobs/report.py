@@ -30,6 +30,7 @@ __all__ = [
     "LearningSignal",
     "learning_signal",
     "signal_lines",
+    "next_steps",
     "NO_SIGNAL_STEPS",
 ]
 
@@ -157,6 +158,15 @@ def signal_lines(sig: LearningSignal) -> list[str]:
     return lines
 
 
+def next_steps(run_dir: str | os.PathLike, component: str | None = None) -> str:
+    """The two lines an interrupted or failed run ends with: how to continue it, where its logs are."""
+    ref = os.path.relpath(run_dir)
+    ref = ref if not ref.startswith("..") else str(run_dir)
+    return f"continue it with:  hpcrl resume {ref}\nits components' logs:  hpcrl logs {ref}" + (
+        f" {component}" if component else ""
+    )
+
+
 def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     """A multi-line summary for `hpcrl status`."""
     run_dir = Path(run_dir)
@@ -186,6 +196,8 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     png = run_dir / "reward.png"
     if png.exists():
         lines.append(f"reward curve {png}")
+    if status.get("state") == "stopped":  # stopped before learner.max_steps: interrupted, or it failed
+        lines.append(next_steps(run_dir))
     return "\n".join(lines)
 
 

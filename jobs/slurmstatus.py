@@ -220,6 +220,11 @@ def snapshot_text(snap: dict) -> str:
                 else ""
             )
         )
+    if snap["state"] in ("failed", "cancelled"):
+        from hpcrl.jobs.report import next_steps
+
+        first = (snap.get("message") or "").split(" ", 1)[0]  # "gen-0 failed twice at start: ..."
+        lines.append(next_steps(snap["run_dir"], first if first in {c["name"] for c in snap["components"]} else None))
     return "\n".join(lines)
 
 

@@ -54,7 +54,8 @@ def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
-        help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4)",
+        help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4); "
+        "anywhere after CONFIG, flags included",
     )
     if run_id:
         p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")

@@ -91,7 +91,7 @@ def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
     from hpcrl.jobs.diagnostics import write_diagnostics_png
     from hpcrl.jobs.launch import plan
     from hpcrl.jobs.localrun import LocalRun
-    from hpcrl.jobs.report import MetricsFollower, progress_line, write_reward_png
+    from hpcrl.jobs.report import MetricsFollower, next_steps, progress_line, write_reward_png
     from hpcrl.jobs.supervise import RunFailed
 
     jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains, search))
@@ -165,11 +165,6 @@ def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
     if not ok:
         where = f"at step {rows[-1]['step']} of {cfg.learner.max_steps}" if rows else "before its first step"
         why = "failed" if failed else "interrupted" if interrupted else "timed out"
-        ref = _cmd_path(run_dir)
-        component = f" {failed.component}" if failed is not None and failed.component else ""
-        print(
-            f"run {why} {where}; continue it with:  hpcrl resume {ref}\n"
-            f"its components' logs:  hpcrl logs {ref}{component}",
-            file=sys.stderr,
-        )
+        steps = next_steps(run_dir, failed.component if failed is not None else None)
+        print(f"run {why} {where}; {steps}", file=sys.stderr)
     return 0 if ok else 1

@@ -31,6 +31,7 @@ __all__ = [
     "learning_signal",
     "signal_lines",
     "next_steps",
+    "typed_path",
     "NO_SIGNAL_STEPS",
 ]
 
@@ -158,10 +159,15 @@ def signal_lines(sig: LearningSignal) -> list[str]:
     return lines
 
 
+def typed_path(path: str | os.PathLike) -> str:
+    """A path as the user would type it: relative to here when it is below here."""
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else str(path)
+
+
 def next_steps(run_dir: str | os.PathLike, component: str | None = None) -> str:
     """The two lines an interrupted or failed run ends with: how to continue it, where its logs are."""
-    ref = os.path.relpath(run_dir)
-    ref = ref if not ref.startswith("..") else str(run_dir)
+    ref = typed_path(run_dir)
     return f"continue it with:  hpcrl resume {ref}\nits components' logs:  hpcrl logs {ref}" + (
         f" {component}" if component else ""
     )

@@ -21,7 +21,6 @@ learner.max_steps.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -80,18 +79,12 @@ def stop_on_signals() -> list[int]:
     return out
 
 
-def _cmd_path(run_dir) -> str:
-    """The run directory as the user would type it: relative to here when it is below here."""
-    rel = os.path.relpath(run_dir)
-    return rel if not rel.startswith("..") else str(run_dir)
-
-
 def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
     """Run (or resume) the run's jobs on this machine until the learner is done; the summary."""
     from hpcrl.jobs.diagnostics import write_diagnostics_png
     from hpcrl.jobs.launch import plan
     from hpcrl.jobs.localrun import LocalRun
-    from hpcrl.jobs.report import MetricsFollower, next_steps, progress_line, write_reward_png
+    from hpcrl.jobs.report import MetricsFollower, next_steps, progress_line, typed_path, write_reward_png
     from hpcrl.jobs.supervise import RunFailed
 
     jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir, domains, search))
@@ -159,9 +152,9 @@ def drive(cfg, run_dir, search, domains, args: argparse.Namespace) -> int:
     if diag:
         print(f"learner diagnostics: {diag}")
     if cfg.metrics.tensorboard:
-        print(f"TensorBoard: tensorboard --logdir {_cmd_path(run_dir / 'tensorboard')}")
+        print(f"TensorBoard: tensorboard --logdir {typed_path(run_dir / 'tensorboard')}")
     if cfg.metrics.wandb.mode == "offline":
-        print(f"W&B (offline): wandb sync {_cmd_path(run_dir / 'wandb')}/offline-run-*")
+        print(f"W&B (offline): wandb sync {typed_path(run_dir / 'wandb')}/offline-run-*")
     if not ok:
         where = f"at step {rows[-1]['step']} of {cfg.learner.max_steps}" if rows else "before its first step"
         why = "failed" if failed else "interrupted" if interrupted else "timed out"

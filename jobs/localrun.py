@@ -173,27 +173,21 @@ class LocalRun:
         self._due[role.name] = when
 
     def _kill(self, role: Role) -> None:
-        """A hung job, whole: SIGKILL reaches a stopped or deadlocked process; SIGTERM may not."""
-        self._signal(role, signal.SIGKILL, tree=True)
-
-    def _signal(self, role: Role, sig: int, tree: bool = False) -> None:
-        """`sig` to a local job, once per process: to its registered processes (procs/), or, while
-        none has registered (still starting), to submitit's controller, which passes SIGTERM on to
-        its tasks; with `tree`, to the controller and every process below it as well. Not
-        submitit's cancel: that is SIGINT, which a run started in the background (`hpcrl run ...
-        &`) hands its jobs ignored."""
+        """A job, whole: SIGKILL to its registered processes and to submitit's controller and every
+        process below it (one still starting has no procs/ record). SIGKILL reaches a stopped or
+        deadlocked process; SIGTERM may not, and submitit's cancel is SIGINT, which a run started
+        in the background (`hpcrl run ... &`) hands its jobs ignored."""
         procs = set(pids(self.run_dir, role.name))
         ctl = getattr(role.job, "_process", None)
-        if ctl is not None and ctl.poll() is None and (tree or not procs):
+        if ctl is not None and ctl.poll() is None:
             procs.add(ctl.pid)
-            if tree:
-                try:
-                    procs |= {c.pid for c in psutil.Process(ctl.pid).children(recursive=True)}
-                except psutil.Error:
-                    pass
+            try:
+                procs |= {c.pid for c in psutil.Process(ctl.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
         for proc in procs:
             try:
-                os.kill(proc, sig)
+                os.kill(proc, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -251,7 +245,17 @@ class LocalRun:
         if self.cfg.executor != "local":
             role.job.cancel()
             return
-        self._signal(role, signal.SIGTERM)
+        procs = pids(self.run_dir, role.name)
+        if not procs:
+            # Still starting: it holds nothing to hand back yet, and submitit passes SIGTERM over
+            # until the component has installed its own handlers (it would run on for the stage).
+            self._kill(role)
+            return
+        for proc in procs:  # once each: a second signal must not arrive inside the first's handler
+            try:
+                os.kill(proc, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
 
 def live_procs(run_dir: str | Path) -> list[dict]:

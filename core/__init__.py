@@ -9,6 +9,8 @@
 sandboxed execution among them); `transport` is the message layer (envelopes, keys, endpoint
 files, sockets) and `rpc` the patterns on it (RequestServer/RequestClient, VersionPublisher/
 VersionSubscriber); `files` writes the run directory's state atomically and durably;
-`liveness` has the heartbeats components write and the supervisor's supervision.json.
+`liveness` has the heartbeats components write and the supervisor's supervision.json;
+`metrics` serves each component's Prometheus endpoint and `sinks` writes each learner step's
+metrics to TensorBoard and Weights & Biases under the same names.
 Everything above imports downwards only (tests/test_architecture.py keeps it so).
 """

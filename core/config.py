@@ -483,6 +483,16 @@ class SuperviseConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    mode: Literal["disabled", "offline", "online"] = spec(
+        "disabled",
+        help="Weights & Biases: online; offline writes RUN/wandb for `wandb sync` later (no network); disabled",
+    )
+    project: str = spec("hpcrl", help="W&B project the run is logged to", min_len=1)
+    entity: str | None = spec(None, help="W&B team or user; null: the account's default")
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = spec(
         True, help="components keep Prometheus metrics: a textfile each (see textfile_dir), an endpoint with bind_host"
@@ -498,6 +508,10 @@ class MetricsConfig:
         help="write hpcrl_<run>_<component>.prom here (node_exporter's textfile collector); null: the run's metrics/",
     )
     textfile_every_s: float = spec(15.0, help="how often the textfiles are rewritten, seconds", gt=0)
+    tensorboard: bool = spec(
+        False, help="also write each learner step's metrics as TensorBoard event files in RUN/tensorboard"
+    )
+    wandb: WandbConfig = spec(factory=WandbConfig, help="also log each learner step's metrics to Weights & Biases")
 
 
 @dataclass(frozen=True)
@@ -529,7 +543,8 @@ class Config:
         factory=SuperviseConfig, help="restart budgets and backoff, and hang detection from heartbeats"
     )
     metrics: MetricsConfig = spec(
-        factory=MetricsConfig, help="Prometheus metrics of the components: textfiles, an endpoint only if asked"
+        factory=MetricsConfig,
+        help="Prometheus metrics of the components (textfiles, an endpoint only if asked); TensorBoard and W&B",
     )
 
     def validate(self):

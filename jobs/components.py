@@ -55,6 +55,19 @@ class _Stop(threading.Event):
 
     requeue = False
     signalled_at: float | None = None  # time.time() of the first SIGTERM/SIGINT
+    _setting = False
+
+    def set(self) -> None:
+        # A signal handler calls this, and another signal (Ctrl-C reaches every process of the
+        # terminal's group as the runner's SIGTERM arrives) may run a second handler inside the
+        # first one's set(), which would wait forever for the lock the first one holds.
+        if self._setting:
+            return
+        self._setting = True
+        try:
+            super().set()
+        finally:
+            self._setting = False
 
 
 LAUNCHER_ENV = "HPCRL_LAUNCHER"  # "pid:create_time" of the `hpcrl run` that owns these local jobs

@@ -15,7 +15,10 @@ Each component goes to its role's partition: store writer and coordinator on
 `slurm.coordinator`, the learner on `slurm.learner`, generators on `slurm.generator`, sandbox
 servers on `slurm.sandbox` as one job array. `<run>/jobs.json` (written atomically) maps
 component -> current job id, earlier job ids and restarts; `hpcrl status/cancel/logs` and the
-supervisor (jobs/supervise.py) read it.
+supervisor (jobs/supervise.py) read it. A local run, which has no jobs.json, keeps the same
+map of its job ids in `<run>/logs/index.json` (`component_jobs` reads either). Every (re)submitted
+job's output is also named after its component: `<run>/logs/<component>.out` and `.err` link to
+its current job's files in `<run>/submitit/` (`tail -F` follows them across restarts).
 """
 
 from __future__ import annotations
@@ -54,12 +57,15 @@ __all__ = [
     "preflight",
     "read_jobs",
     "write_jobs",
+    "link_logs",
+    "component_jobs",
     "check_slurm",
     "JOBS_NAME",
     "SUPERVISOR",
 ]
 
 JOBS_NAME = "jobs.json"
+LOGS_DIR = "logs"  # <component>.out/.err links, and a local run's index.json
 # Every job's python runs hpcrl.jobs.boot first, which holds an early SIGUSR2 until the component
 # can drain on it (see jobs/boot.py); submitit appends "-u -m submitit.core._submit FOLDER".
 BOOT_PYTHON = f"{shlex.quote(sys.executable)} -u -m hpcrl.jobs.boot"
@@ -78,6 +84,7 @@ class Role:
     history: list = field(default_factory=list)
     started: float = 0.0  # when its current job was submitted (time.time())
     restart_times: list = field(default_factory=list)  # when each restart was submitted, for the budget
+    start_failure: str | None = None  # the error its last job ended with before its main loop, if it did
 
 
 def plan(
@@ -232,6 +239,46 @@ def write_jobs(run_dir: str | os.PathLike, record: dict) -> None:
     """Atomically and durably: readers (status, cancel) never see half a file; the record it
     replaces stays as jobs.json.prev for read_jobs."""
     atomic_write_json(Path(run_dir) / JOBS_NAME, record, keep_previous=True)
+
+
+def link_logs(run_dir: str | os.PathLike, name: str, job: Any, history: Sequence[str] | None = None) -> None:
+    """Point logs/<name>.out and .err at `job`'s files (relative links: the run directory may be
+    moved or mounted elsewhere); with `history` (a local run's job ids of `name`, oldest first),
+    also record them in logs/index.json. Best effort: a log link is never worth a component."""
+    folder = Path(run_dir) / LOGS_DIR
+    try:
+        folder.mkdir(exist_ok=True)
+        for ext, target in (("out", job.paths.stdout), ("err", job.paths.stderr)):
+            tmp = folder / f".{name}.{ext}.tmp"
+            tmp.unlink(missing_ok=True)
+            os.symlink(os.path.relpath(target, folder), tmp)
+            os.replace(tmp, folder / f"{name}.{ext}")
+        if history is not None:
+            index = read_state_json(folder / "index.json", check=_check_index) or {}
+            index[name] = [str(j) for j in history]
+            atomic_write_json(folder / "index.json", index, keep_previous=True)
+    except (OSError, ValueError) as exc:
+        import logging
+
+        logging.getLogger("hpcrl.launch").warning("%s: cannot link its logs into %s: %s", name, folder, exc)
+
+
+def _check_index(index) -> None:
+    if not isinstance(index, dict) or not all(isinstance(v, list) for v in index.values()):
+        raise ValueError("not a log index (an object of job id lists)")
+
+
+def component_jobs(run_dir: str | os.PathLike) -> dict[str, list[str]] | None:
+    """{component: its job ids, oldest first} of a run, Slurm's (jobs.json, the supervisor
+    included) or local (logs/index.json); None when the run recorded neither."""
+    jobs = read_jobs(run_dir)
+    if jobs is not None:
+        out = {n: [str(j) for j in c.get("history") or [c["job_id"]]] for n, c in jobs["components"].items()}
+        sup = jobs.get("supervisor")
+        if sup:
+            out["supervisor"] = [str(j) for j in sup.get("history") or [sup["job_id"]]]
+        return out
+    return read_state_json(Path(run_dir) / LOGS_DIR / "index.json", check=_check_index)
 
 
 def slurm_executor(cfg: Config, run_dir: Path, slurm_role: str, name: str) -> submitit.Executor:

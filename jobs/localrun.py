@@ -27,15 +27,20 @@ import psutil
 from hpcrl.core.config import Config
 from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
+from hpcrl.core.schema import to_dict
+from hpcrl.core.sinks import MetricSinks
 from hpcrl.jobs.components import LAUNCHER_ENV
-from hpcrl.jobs.launch import SUPERVISOR, Role, make_executor
+from hpcrl.jobs.launch import SUPERVISOR, Role, component_jobs, link_logs, make_executor
 from hpcrl.jobs.restarts import Watch
-from hpcrl.jobs.supervise import RunFailed, stop_coordinator, verdict, why_ended
-from hpcrl.rl.coordinator import read_status
+from hpcrl.jobs.supervise import RunFailed, error_line, failed_twice, stop_coordinator, verdict, why_ended
+from hpcrl.rl.coordinator import METRICS_NAME, read_status
 
-__all__ = ["LocalRun", "live_procs", "pids"]
+__all__ = ["LocalRun", "live_procs", "pids", "STOP_STAGE_S"]
 
 log = logging.getLogger("hpcrl.supervise")
+# How long each of shutdown's three stages may take before what is left of it is killed: a run
+# asked to stop (Ctrl-C, SIGTERM) is gone within 3 x this.
+STOP_STAGE_S = 60.0
 
 
 def _no_result(job) -> BaseException | None:
@@ -64,6 +69,9 @@ class LocalRun:
         self._ended: set[str] = set()
         self._due: dict[str, float] = {}  # component -> when its restart is due (backing off)
         self.rollouts = None  # backfill rollout processes (jobs/rollout_plan.py), when configured
+        # Job ids a resumed run's components had under the launcher before this one (`hpcrl logs --all`).
+        self._earlier: dict[str, list[str]] = component_jobs(self.run_dir) or {}
+        self.sinks: MetricSinks | None = None  # TensorBoard / W&B (metrics.tensorboard, metrics.wandb)
 
     def role(self, name: str) -> Role:
         return next(r for r in self.roles if r.name == name)
@@ -75,6 +83,7 @@ class LocalRun:
         role.started = time.time()
         role.job = ex.submit(role.component)
         role.history.append(role.job.job_id)
+        link_logs(self.run_dir, role.name, role.job, self._earlier.get(role.name, []) + role.history)
         log.info("submitted %s as job %s", role.name, role.job.job_id)
 
     def start(self) -> None:
@@ -83,6 +92,7 @@ class LocalRun:
         os.environ[LAUNCHER_ENV] = f"{me.pid}:{me.create_time()}"
         serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
         provide(self.metrics)
+        self.sinks = MetricSinks(self.run_dir, self.cfg.metrics, self.run_dir / METRICS_NAME, to_dict(self.cfg))
         from hpcrl.jobs.rollout_plan import rollout_planner
 
         self.rollouts = rollout_planner(self.cfg, self.run_dir, self.roles)
@@ -104,6 +114,8 @@ class LocalRun:
         self.watch.publish(states)
         if self.rollouts is not None and not self.finished:
             self.rollouts.tick()
+        if self.sinks is not None:
+            self.sinks.pump()
 
     def _check_role(self, role: Role, now: float) -> str:
         name = role.name
@@ -121,7 +133,7 @@ class LocalRun:
                 return "running" if up else "starting"
             log.warning("%s is hung: %s; killing it", name, why)
             self._kill(role)
-            self._ended_badly(role, f"hung: {why}", now)
+            self._ended_badly(role, f"hung: {why}", now, at_start=False)
             return "starting"
         if name != "learner" and (self.finished or name in self._ended):
             return "ended"
@@ -138,18 +150,21 @@ class LocalRun:
         if what == "ended":
             self._ended.add(name)
             return "ended"
-        self._ended_badly(role, why_ended(name, result, self.cfg.learner.max_steps), now)
+        at_start = not self.watch.running(name, role.job.job_id, role.started, role.slurm_role)
+        self._ended_badly(role, why_ended(name, result, self.cfg.learner.max_steps), now, at_start)
         return "starting"
 
-    def _ended_badly(self, role: Role, why: str, now: float) -> None:
-        """Schedule the restart of a role that died or hung, within its budget, or fail the run."""
-        last = why.strip().splitlines()[-1] if why.strip() else "?"
-        when = self.watch.schedule(role.name, role.restart_times, last, now)
+    def _ended_badly(self, role: Role, why: str, now: float, at_start: bool) -> None:
+        """Schedule the restart of a role that died or hung, within its budget, or fail the run:
+        the budget is spent, or it failed before its main loop the same way as the time before."""
+        line = error_line(why)
+        log_path = role.job.paths.stderr
+        if at_start and role.start_failure == line:
+            raise RunFailed(failed_twice(role.name, line, log_path), role.name)
+        role.start_failure = line if at_start else None
+        when = self.watch.schedule(role.name, role.restart_times, line, now)
         if when is None:
-            raise RunFailed(
-                f"{self.watch.spent(role.name, role.restart_times, why)} "
-                f"(logs: {self.run_dir / 'submitit'}/{role.job.job_id}_*)"
-            )
+            raise RunFailed(f"{self.watch.spent(role.name, role.restart_times, line)} (log: {log_path})", role.name)
         if role.name == "learner" and self._ended:
             # Generators that were told the run is over are needed again by a resumed learner.
             for other in sorted(self._ended):
@@ -158,13 +173,23 @@ class LocalRun:
         self._due[role.name] = when
 
     def _kill(self, role: Role) -> None:
-        """A hung job, whole: SIGKILL reaches a stopped or deadlocked process; SIGTERM may not."""
-        for proc in pids(self.run_dir, role.name):
+        """A job, whole: SIGKILL to its registered processes and to submitit's controller and every
+        process below it (one still starting has no procs/ record). SIGKILL reaches a stopped or
+        deadlocked process; SIGTERM may not, and submitit's cancel is SIGINT, which a run started
+        in the background (`hpcrl run ... &`) hands its jobs ignored."""
+        procs = set(pids(self.run_dir, role.name))
+        ctl = getattr(role.job, "_process", None)
+        if ctl is not None and ctl.poll() is None:
+            procs.add(ctl.pid)
+            try:
+                procs |= {c.pid for c in psutil.Process(ctl.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        for proc in procs:
             try:
                 os.kill(proc, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        role.job.cancel()
 
     def wait(
         self,
@@ -183,8 +208,10 @@ class LocalRun:
         on_status(read_status(self.run_dir))
         return True
 
-    def shutdown(self, grace_s: float = 60.0) -> None:
-        """Stop generators (the coordinator tells them; cancel if they linger), then the services."""
+    def shutdown(self, grace_s: float = STOP_STAGE_S) -> None:
+        """Stop generators and the learner (the coordinator tells generators; the learner
+        checkpoints), then the sandboxes, then coordinator and store; each stage gets `grace_s`,
+        after which what still runs of it is killed. So a run stops within 3 x grace_s."""
         self.watch.publish({r.name: "ended" for r in self.roles})  # no client waits for a peer any more
         coord = self.role("coordinator").job
         if coord is not None and not coord.done():
@@ -205,27 +232,30 @@ class LocalRun:
                 time.sleep(0.2)
             for r in group:
                 if not r.job.done():
-                    log.warning("%s did not stop within %.0f s; cancelling it", r.name, grace_s)
-                    r.job.cancel()
+                    log.warning("%s did not stop within %.0f s; killing it", r.name, grace_s)
+                    self._kill(r)
+        if self.sinks is not None:
+            self.sinks.close()  # the coordinator wrote its last row
 
     def stop_role(self, role: Role) -> None:
-        """Ask a role to finish cleanly: SIGTERM to its processes (local), scancel on Slurm
-        (which sends SIGTERM and waits KillWait). submitit's local cancel would SIGKILL after ~1 s."""
+        """Ask a role to finish cleanly: SIGTERM (local), scancel on Slurm (which sends SIGTERM
+        and waits KillWait). submitit's local cancel would SIGKILL after ~1 s."""
         if role.job is None or role.job.done():
             return
         if self.cfg.executor != "local":
             role.job.cancel()
             return
-        for proc in pids(self.run_dir, role.name):
+        procs = pids(self.run_dir, role.name)
+        if not procs:
+            # Still starting: it holds nothing to hand back yet, and submitit passes SIGTERM over
+            # until the component has installed its own handlers (it would run on for the stage).
+            self._kill(role)
+            return
+        for proc in procs:  # once each: a second signal must not arrive inside the first's handler
             try:
                 os.kill(proc, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-    def cancel_all(self) -> None:
-        for r in self.roles:
-            if r.job is not None and not r.job.done():
-                r.job.cancel()
 
 
 def live_procs(run_dir: str | Path) -> list[dict]:

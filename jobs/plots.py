@@ -10,23 +10,32 @@ own records.
 
 The learner's timeline comes from its per-step report (metrics.jsonl): between two reports it
 trained for `step_s`, gathered weights for the generators for `publish_s`, checkpointed for
-`checkpoint_s` and waited for a batch for `wait_s`; the rest (reading and assembling the batch,
-reporting) is "other". The first report's interval starts at the coordinator's start, and what
-its parts leave is "starting" (model and DeepSpeed set-up). A restarted learner's gap (from its
-last report to its new life's first) is "down". A generator's
-timeline comes from the coordinator's samples of its cumulative counters (busy_s sampling,
-weights_s loading weights, source_s coordinating, env_wait_s waiting on environment steps with
-nothing to decode, idle_s with no episode to run, wall_s inside its loop); the difference of two
-samples is one interval (the first sample's reaches back to the loop's start); when the
-sample's `life` changed (or, in an older run, a counter went down) the generator restarted, so
-the interval is down until the new process's loop began and its counters are all there is.
-Time outside a generator's loop is "down". Backfill lending is not live yet (issue 12), so no
-state "lent" appears.
+`checkpoint_s` and waited for a batch for `wait_s`; the rest is "reporting & bookkeeping" (its
+audit log, fsynced each step, the report to the coordinator, handing the batch to the other
+ranks). The first report's interval starts at the coordinator's start, and what its parts leave
+is "starting" (model and DeepSpeed set-up). A restarted learner's gap (from its last report to
+its new life's first) is "down". A generator's timeline comes from the coordinator's samples of
+its cumulative counters (busy_s sampling, weights_s loading weights, source_s coordinating,
+env_wait_s waiting on environment steps with nothing to decode, idle_s with no episode to run,
+wall_s inside its loop); what its loop spent on none of those is "env steps & tokenizing"
+(environments that run in the generator's own thread, such as arith's, tokenizing prompts and
+observations, assembling episodes). The difference of two samples is one interval (the first
+sample's reaches back to the loop's start); when the sample's `life` changed (or, in an older
+run, a counter went down) the generator restarted, so the interval is down until the new
+process's loop began and its counters are all there is. Time outside a generator's loop is
+"down". Every state has a colour of its own.
+
+throughput.png breaks its lines where the learner was down (a new life, or no report for far
+longer than steps take) and shades that time; staleness.png draws the oldest and the mean
+staleness so that one never hides the other, and the trajectories dropped as stale in a panel
+of their own.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +48,8 @@ __all__ = [
     "Interval",
     "LEARNER_STATES",
     "GENERATOR_STATES",
+    "COLOURS",
+    "downtime",
     "learner_intervals",
     "generator_intervals",
     "binned",
@@ -46,21 +57,28 @@ __all__ = [
     "write_plots",
 ]
 
-LEARNER_STATES = ("training", "syncing weights", "checkpointing", "waiting for data", "other", "starting", "down")
-GENERATOR_STATES = ("generating", "syncing weights", "coordination", "waiting for sandbox", "idle", "other", "down")
+LEARNER_REST = "reporting & bookkeeping"  # between reports, outside the measured parts (see above)
+GENERATOR_REST = "env steps & tokenizing"  # in the loop, outside the measured counters (see above)
+LEARNER_STATES = (
+    "training", "syncing weights", "checkpointing", "waiting for data", LEARNER_REST, "starting", "down"
+)  # fmt: skip
+GENERATOR_STATES = (
+    "generating", "syncing weights", "coordination", "waiting for sandbox", "idle", GENERATOR_REST, "down"
+)  # fmt: skip
 _COUNTERS = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # rl/generator.py GeneratorStats
-_COLOURS = {
-    "training": "tab:green",
-    "generating": "tab:green",
-    "syncing weights": "tab:blue",
-    "checkpointing": "tab:purple",
-    "coordination": "tab:orange",
-    "waiting for sandbox": "tab:pink",
-    "idle": "tab:red",
-    "waiting for data": "tab:red",
-    "other": "lightgrey",
-    "starting": "dimgrey",
-    "down": "black",
+COLOURS = {  # one colour per state, none shared: a legend entry names exactly one thing
+    "training": "#2ca02c",  # green
+    "generating": "#17becf",  # cyan
+    "syncing weights": "#1f77b4",  # blue
+    "checkpointing": "#9467bd",  # purple
+    "coordination": "#ff7f0e",  # orange
+    "waiting for sandbox": "#e377c2",  # pink
+    "waiting for data": "#d62728",  # red
+    "idle": "#ffd92f",  # yellow
+    LEARNER_REST: "#8c564b",  # brown
+    GENERATOR_REST: "#bcbd22",  # olive
+    "starting": "#c7c7c7",  # light grey
+    "down": "#000000",
 }
 
 
@@ -113,9 +131,9 @@ def learner_intervals(rows: Sequence[dict], started_at: float | None = None) -> 
             # A new life: what it spent on this step is at the end of the gap; the rest was down.
             busy = min(t - prev_t, sum(max(0.0, float(s)) for _, s in parts))
             out.append(_interval(prev_t, t - busy, [], "down"))
-            out.append(_interval(t - busy, t, parts, "other"))
+            out.append(_interval(t - busy, t, parts, LEARNER_REST))
         else:  # before the first step, what is not accounted for is loading the model and engine
-            out.append(_interval(prev_t, t, parts, "starting" if n == 0 else "other"))
+            out.append(_interval(prev_t, t, parts, "starting" if n == 0 else LEARNER_REST))
         prev_t, prev_life = t, r.get("life", 1)
     return [iv for iv in out if iv.end > iv.start]
 
@@ -149,12 +167,12 @@ def generator_intervals(samples: Iterable[dict]) -> dict[str, list[Interval]]:
                 ("idle", d["idle_s"]),
             ]
             loop_s = min(t - t_prev, max(0.0, d["wall_s"]))
-            other = loop_s - sum(max(0.0, x) for _, x in parts)  # in the loop: environment steps, bookkeeping
+            rest = loop_s - sum(max(0.0, x) for _, x in parts)  # in the loop: inline env steps, tokenizing
             ivs = out.setdefault(name, [])
             if restarted:  # down until the new process's loop began, then what it did
                 ivs.append(_interval(t_prev, t - loop_s, [], "down"))
                 t_prev = t - loop_s
-            ivs.append(_interval(t_prev, t, [*parts, ("other", other)], "down"))
+            ivs.append(_interval(t_prev, t, [*parts, (GENERATOR_REST, rest)], "down"))
     return {n: [iv for iv in ivs if iv.end > iv.start] for n, ivs in out.items()}
 
 
@@ -224,42 +242,8 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
     t_start = float(raw[0]["time"]) - float(raw[0].get("elapsed_s", 0.0))
     minutes = [(float(r["time"]) - t_start) / 60 for r in rows]
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    ax.plot(minutes, [r.get("traj_per_s", 0.0) for r in rows], color="tab:green", label="generated (coordinator)")
-    trained = [sum((r.get("staleness_hist") or {}).values()) for r in rows]
-    ax.plot(minutes, _rate(rows, trained), color="tab:blue", label="trained (learner, 10-step mean)")
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel("trajectories per second")
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_title(f"{run_dir.name}: throughput")
-    paths.append(_save(fig, out_dir / "throughput.png"))
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    steps = [r["step"] for r in rows]
-    for key, colour, label in (
-        ("staleness_max", "tab:red", "newest action of a group (bounded)"),
-        ("staleness_oldest_max", "tab:purple", "oldest trained step"),
-    ):
-        ax.plot(steps, [r.get(key, 0) for r in rows], color=colour, lw=1, label=label)
-    ax.plot(steps, [_mean_staleness(r) for r in rows], color="tab:orange", lw=1, label="mean, by oldest step")
-    bound = _max_staleness(run_dir)
-    if bound is not None:
-        ax.axhline(bound, color="black", ls="--", lw=1, label=f"bound (learner.max_staleness {bound})")
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("staleness (policy versions behind)")
-    ax.set_ylim(bottom=0)
-    ax2 = ax.twinx()
-    ax2.plot(steps, [r.get("dropped_stale", 0) for r in rows], color="grey", lw=1, ls=":", label="dropped as stale")
-    ax2.set_ylabel("trajectories dropped as stale (cumulative)")
-    ax2.set_ylim(bottom=0, top=max(1, max(r.get("dropped_stale", 0) for r in rows)) * 1.05)
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_title(f"{run_dir.name}: staleness")
-    paths.append(_save(fig, out_dir / "staleness.png"))
+    paths.append(_save(_throughput_fig(plt, run_dir.name, rows, t_start), out_dir / "throughput.png"))
+    paths.append(_save(_staleness_fig(plt, run_dir.name, rows, _max_staleness(run_dir)), out_dir / "staleness.png"))
     if any(r.get("domains") for r in rows):
         paths.append(_domains_png(plt, run_dir, rows, out_dir / "domains.png"))
 
@@ -314,13 +298,109 @@ def _domains_png(plt, run_dir: Path, rows: Sequence[dict], out: Path) -> Path:
     return _save(fig, out)
 
 
-def _rate(rows: Sequence[dict], counts: Sequence[float], window: int = 10) -> list[float]:
-    """Per row, counts per second over the last `window` steps (the first row has no interval)."""
-    out = [0.0]
+def downtime(rows: Sequence[dict]) -> list[int]:
+    """Indices i of rows (one per step, in order) where the learner was down between rows i-1
+    and i: a new life, or a silence ten times the median interval between reports (and over a
+    minute). A line drawn across such a gap would show throughput that never happened."""
+    times = [float(r["time"]) for r in rows]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    typical = gaps[len(gaps) // 2] if gaps else 0.0
+    return [
+        i
+        for i in range(1, len(rows))
+        if rows[i].get("life", 1) != rows[i - 1].get("life", 1) or times[i] - times[i - 1] > max(60.0, 10 * typical)
+    ]
+
+
+def _broken(xs: Sequence[float], ys: Sequence[float], breaks: Sequence[int]) -> tuple[list[float], list[float]]:
+    """xs, ys with a NaN point before each break: matplotlib lifts the pen there."""
+    bx, by = list(xs), list(ys)
+    for i in sorted(breaks, reverse=True):
+        bx.insert(i, math.nan)
+        by.insert(i, math.nan)
+    return bx, by
+
+
+def _throughput_fig(plt, name: str, rows: Sequence[dict], t_start: float):
+    minutes = [(float(r["time"]) - t_start) / 60 for r in rows]
+    breaks = downtime(rows)
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    gen = [r.get("traj_per_s") or 0.0 for r in rows]
+    trained = [sum((r.get("staleness_hist") or {}).values()) for r in rows]
+    ax.plot(*_broken(minutes, gen, breaks), color="tab:green", label="generated (coordinator)")
+    ax.plot(
+        *_broken(minutes, _rate(rows, trained, breaks=breaks), breaks),
+        color="tab:blue",
+        label="trained (learner, 10-step mean)",
+    )
+    for k, i in enumerate(breaks):
+        ax.axvspan(
+            minutes[i - 1], minutes[i], color="lightgrey", alpha=0.6, lw=0, label="learner down" if k == 0 else None
+        )
+    ax.set_xlabel("minutes since the run started")
+    ax.set_ylabel("trajectories per second")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{name}: throughput")
+    return fig
+
+
+def _staleness_fig(plt, name: str, rows: Sequence[dict], bound: int | None):
+    steps = [r["step"] for r in rows]
+    newest = [r.get("staleness_max") or 0 for r in rows]
+    oldest = [r.get("staleness_oldest_max") or 0 for r in rows]
+    mean = [_mean_staleness(r) for r in rows]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 5.5), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    # The wide pale lines under the thin ones, so where they are equal (often: all fresh) each
+    # still shows; the floor sits below 0 so a line at 0 is not drawn on the axis.
+    ax.plot(
+        steps,
+        oldest,
+        color="tab:purple",
+        lw=6,
+        alpha=0.25,
+        drawstyle="steps-mid",
+        label="oldest trained step",
+        zorder=2,
+    )
+    ax.plot(
+        steps,
+        newest,
+        color="tab:red",
+        lw=3,
+        alpha=0.45,
+        drawstyle="steps-mid",
+        label="newest action of a group (bounded)",
+        zorder=3,
+    )
+    ax.plot(steps, mean, color="tab:orange", lw=1.2, marker=".", ms=3, label="mean, by oldest step", zorder=4)
+    top = max([*oldest, *newest, bound or 0, 1])
+    if bound is not None:
+        ax.axhline(bound, color="black", ls="--", lw=1, label=f"bound (learner.max_staleness {bound})", zorder=1)
+    ax.set_ylim(-0.05 * top - 0.1, top * 1.1 + 0.1)
+    ax.set_ylabel("policy versions behind")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{name}: staleness of the trajectories each step trained")
+    dropped = [r.get("dropped_stale") or 0 for r in rows]
+    ax2.plot(steps, dropped, color="grey", lw=1.2, label="dropped as stale (cumulative)")
+    ax2.set_ylim(-0.05 * max(1, *dropped), max(1, *dropped) * 1.1)
+    ax2.set_xlabel("learner step")
+    ax2.set_ylabel("dropped")
+    ax2.legend(loc="upper left", fontsize=8)
+    ax2.grid(alpha=0.3)
+    return fig
+
+
+def _rate(rows: Sequence[dict], counts: Sequence[float], window: int = 10, breaks: Sequence[int] = ()) -> list[float]:
+    """Per row, counts per second over the last `window` steps, never reaching back across a
+    break (downtime); NaN (no point) where there is no interval yet: the first row, a break's."""
+    out = [math.nan]
     for i in range(1, len(rows)):
-        j = max(0, i - window)
+        j = max([0, i - window, *(b for b in breaks if b <= i)])
         dt = float(rows[i]["time"]) - float(rows[j]["time"])
-        out.append(sum(counts[j + 1 : i + 1]) / dt if dt > 0 else 0.0)
+        out.append(sum(counts[j + 1 : i + 1]) / dt if dt > 0 else math.nan)
     return out
 
 
@@ -333,7 +413,8 @@ def _mean_staleness(row: dict) -> float:
 def _utilisation_png(plt, run_dir: Path, timelines: dict, t0: float, out: Path) -> Path:
     t1 = max((iv.end for ivs, _ in timelines.values() for iv in ivs), default=t0 + 1)
     bins = 120
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.3 + 1.1 * len(timelines)), dpi=100, sharex=True)
+    height = 1.3 + 1.1 * len(timelines) + 0.25 * 3  # the legend's rows below
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, height), dpi=100, sharex=True)
     axes = [axes] if len(timelines) == 1 else list(axes)
     xs = [(t0 + (b + 0.5) * (t1 - t0) / bins - t0) / 60 for b in range(bins)]
     for ax, (name, (ivs, states)) in zip(axes, timelines.items()):
@@ -341,7 +422,7 @@ def _utilisation_png(plt, run_dir: Path, timelines: dict, t0: float, out: Path) 
         if name == "generators":  # several timelines summed into one row: shares of their sum
             frac = [{k: v / max(1e-9, sum(f.values())) for k, v in f.items()} for f in frac]
         ax.stackplot(
-            xs, *[[f[s] for f in frac] for s in states], labels=states, colors=[_COLOURS[s] for s in states], step="mid"
+            xs, *[[f[s] for f in frac] for s in states], labels=states, colors=[COLOURS[s] for s in states], step="mid"
         )
         ax.set_ylim(0, 1)
         ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
@@ -353,8 +434,10 @@ def _utilisation_png(plt, run_dir: Path, timelines: dict, t0: float, out: Path) 
             handles.setdefault(lab, h)
     labels = list(handles)
     axes[0].set_title(f"{run_dir.name}: where each component's time went", fontsize=10)
-    fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    ncol = min(4, len(labels))
+    fig.legend([handles[k] for k in labels], labels, loc="lower center", ncol=ncol, fontsize=8)
+    legend_in = 0.25 * -(-len(labels) // ncol) + 0.15
+    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
     return _save(fig, out, tight=False)
 
 

@@ -1,17 +1,118 @@
 """What a run shows: the one-line progress, the status summary, and reward.png.
 
-line = progress_line(read_status(run_dir), max_steps=300)
-write_reward_png(run_dir)       # reward against step, overall and per domain, from metrics.jsonl
+    follower = MetricsFollower(run_dir)            # metrics.jsonl, read as it grows
+    line = progress_line(read_status(run_dir), 300, follower.poll())
+    signal = learning_signal(run_dir)              # skipped steps, and a warning when nothing is learnt
+    write_reward_png(run_dir)       # reward against step, overall and per domain, from metrics.jsonl
+
+A step without learning signal is one where every group's rewards were equal (every advantage
+0): the learner skips its update (`skipped`, with learner.skip_empty_steps) or trains on nothing
+but the entropy bonus. The progress line and `hpcrl status` count skipped steps, and warn when
+the last NO_SIGNAL_STEPS steps in a row had no signal: the task is out of the model's reach (every
+reward 0) or solved (every reward 1), and more steps will not change it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["progress_line", "status_text", "read_metrics", "write_reward_png"]
+__all__ = [
+    "progress_line",
+    "status_text",
+    "read_metrics",
+    "write_reward_png",
+    "MetricsFollower",
+    "LearningSignal",
+    "learning_signal",
+    "signal_lines",
+    "next_steps",
+    "typed_path",
+    "NO_SIGNAL_STEPS",
+]
+
+NO_SIGNAL_STEPS = 20  # steps in a row without learning signal before the run warns
+
+
+@dataclass(frozen=True)
+class LearningSignal:
+    steps: int = 0  # learner steps reported (a step redone after a restart counts once)
+    skipped: int = 0  # of them, steps whose update was skipped: every advantage 0
+    streak: int = 0  # the latest steps in a row without learning signal
+    flat_reward: float | None = None  # the one reward every trajectory of those steps had, if one
+
+    @property
+    def warning(self) -> str | None:
+        if self.streak < NO_SIGNAL_STEPS:
+            return None
+        if self.flat_reward is not None:
+            return f"no learning signal: every reward {self.flat_reward:g} for {self.streak} steps"
+        return f"no learning signal: no group's rewards differed for {self.streak} steps (every advantage 0)"
+
+
+def _no_signal(row: dict) -> bool:
+    zero_var = row.get("zero_var_groups")
+    return row.get("skipped") is True or (isinstance(zero_var, (int, float)) and zero_var >= 1.0)
+
+
+def _flat_value(row: dict) -> float | None:
+    """The reward every trajectory of a step without signal had, when its groups agree on one."""
+    values = list((row.get("reward_by_prompt") or {}).values()) or [row.get("reward")]
+    if not values or not all(isinstance(v, (int, float)) for v in values):
+        return None
+    return values[0] if max(values) - min(values) < 1e-9 else None
+
+
+class MetricsFollower:
+    """metrics.jsonl read as it grows: each poll parses only the whole lines appended since."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._offset = 0
+        self._by_step: dict[int, dict] = {}
+
+    def _read(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        cut = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self._offset += cut
+        for line in data[:cut].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                self._by_step[row["step"]] = row  # a restarted learner's report of a step replaces the first
+
+    def rows(self) -> list[dict]:
+        """One row per step, in step order (the later report of a step a restart redid)."""
+        self._read()
+        return [self._by_step[k] for k in sorted(self._by_step)]
+
+    def poll(self) -> LearningSignal:
+        self._read()
+        steps = sorted(self._by_step)
+        flats: list[float | None] = []  # the latest steps without signal, newest first
+        for k in reversed(steps):
+            if not _no_signal(self._by_step[k]):
+                break
+            flats.append(_flat_value(self._by_step[k]))
+        first = flats[0] if flats else None
+        same = first is not None and all(v is not None and abs(v - first) < 1e-9 for v in flats)
+        skipped = sum(1 for k in steps if self._by_step[k].get("skipped") is True)
+        return LearningSignal(len(steps), skipped, len(flats), first if same else None)
+
+
+def learning_signal(run_dir: str | os.PathLike) -> LearningSignal:
+    return MetricsFollower(run_dir).poll()
 
 
 def _busy(status: dict) -> str:
@@ -19,7 +120,11 @@ def _busy(status: dict) -> str:
     return " ".join(f"{k} {100 * float(v):3.0f}%" for k, v in b.items())
 
 
-def progress_line(status: dict | None, max_steps: int) -> str:
+def _skipped(sig: LearningSignal | None) -> str:
+    return f"  skipped {sig.skipped}/{sig.steps}" if sig is not None and sig.skipped else ""
+
+
+def progress_line(status: dict | None, max_steps: int, signal: LearningSignal | None = None) -> str:
     if not status:
         return "starting: waiting for the coordinator's first status"
     ln = status.get("learner") or {}
@@ -29,10 +134,42 @@ def progress_line(status: dict | None, max_steps: int) -> str:
             f"warming up: {c.get('completed', 0)} episodes done, {status.get('traj_per_s', 0):.0f} traj/s, "
             f"busy {_busy(status)}"
         )
-    return (
-        f"step {ln['step']:>4}/{max_steps}  reward {ln.get('reward', 0):.3f}  v{ln.get('version', 0)}  "
-        f"{status.get('traj_per_s', 0):6.0f} traj/s  busy {_busy(status)}  "
+    line = (
+        f"step {ln['step']:>4}/{max_steps}  reward {_num(ln.get('reward'), '.3f')}{_skipped(signal)}  "
+        f"v{ln.get('version', 0)}  {status.get('traj_per_s', 0):6.0f} traj/s  busy {_busy(status)}  "
         f"stale-dropped {ln.get('dropped_stale', 0)}"
+    )
+    if signal is not None and signal.warning:
+        line = f"{line}  | {signal.warning}"
+    return line
+
+
+def _num(v, fmt: str) -> str:
+    """A metric for display: '-' when the run has none (null in metrics.jsonl, not yet reported)."""
+    return format(v, fmt) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else "-"
+
+
+def signal_lines(sig: LearningSignal) -> list[str]:
+    """`hpcrl status`'s words on skipped steps and a missing learning signal (none when all is well)."""
+    lines = []
+    if sig.skipped:
+        lines.append(f"skipped    {sig.skipped} of {sig.steps} steps (every advantage 0: no update)")
+    if sig.warning:
+        lines.append(f"WARNING    {sig.warning}")
+    return lines
+
+
+def typed_path(path: str | os.PathLike) -> str:
+    """A path as the user would type it: relative to here when it is below here."""
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else str(path)
+
+
+def next_steps(run_dir: str | os.PathLike, component: str | None = None) -> str:
+    """The two lines an interrupted or failed run ends with: how to continue it, where its logs are."""
+    ref = typed_path(run_dir)
+    return f"continue it with:  hpcrl resume {ref}\nits components' logs:  hpcrl logs {ref}" + (
+        f" {component}" if component else ""
     )
 
 
@@ -46,8 +183,9 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     lines = [
         f"run        {run_dir.name}  ({status.get('state')}, status {age:.0f} s old)",
         f"learner    step {ln.get('step', '-')}  version {ln.get('version', '-')}  "
-        f"reward {ln.get('reward', float('nan')):.3f}  loss {ln.get('loss', float('nan')):+.4f}  "
+        f"reward {_num(ln.get('reward'), '.3f')}  loss {_num(ln.get('loss'), '+.4f')}  "
         f"life {ln.get('life', 1)}",
+        *signal_lines(learning_signal(run_dir)),
         f"throughput {status.get('traj_per_s', 0):.1f} trajectories/s  busy {_busy(status)}",
         "episodes   " + "  ".join(f"{k} {v}" for k, v in sorted(status.get("counts", {}).items())),
         f"in flight  {status.get('leases', 0)} leased, {status.get('queued', 0)} queued",
@@ -67,19 +205,15 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     png = run_dir / "reward.png"
     if png.exists():
         lines.append(f"reward curve {png}")
+    if status.get("state") == "stopped":  # stopped before learner.max_steps: interrupted, or it failed
+        lines.append(next_steps(run_dir))
     return "\n".join(lines)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # A restarted learner repeats steps: the later report of a step is the one the run kept.
-    by_step = {}
-    for r in rows:
-        by_step[r["step"]] = r
-    return [by_step[k] for k in sorted(by_step)]
+    """metrics.jsonl, one row per step: a restarted learner repeats steps, and the later report
+    of a step is the one the run kept."""
+    return MetricsFollower(run_dir).rows()
 
 
 def write_reward_png(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path | None:

@@ -90,7 +90,7 @@ class Watch:
             log.warning(
                 "%s ended (%s); restarting it in %.0f s (%d restart(s) in the last %.0f s, %d allowed)",
                 component,
-                why[:300],
+                why[:600],
                 when - now,
                 sum(now - t < self.cfg.supervise.restart_window_s for t in times),
                 self.cfg.supervise.restart_window_s,
@@ -103,11 +103,11 @@ class Watch:
         return sum(time.time() - t < self.cfg.supervise.restart_window_s for t in times)
 
     def spent(self, component: str, times: Sequence[float], why: str) -> str:
-        """The run's failure message when `component` has no restart left."""
+        """The run's failure message when `component` has no restart left (`why`: one line)."""
         s = self.cfg.supervise
         return (
             f"{component} ended and has used its {s.restarts} restart(s) in the last {s.restart_window_s:.0f} s "
-            f"(supervise.restarts, supervise.restart_window_s); last: {why[-800:]}"
+            f"(supervise.restarts, supervise.restart_window_s); last: {why[-600:]}"
         )
 
     def hung(self, component: str, slurm_role: str, job_id: str, since: float, now: float | None = None) -> str | None:

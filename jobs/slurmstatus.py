@@ -1,6 +1,6 @@
 """One snapshot of a run for `hpcrl status`: its components' Slurm jobs joined with status.json.
 
-    snap = snapshot(run_dir)          # {"run", "state", "step", ..., "components": [{"name", "job_id", "state", ...}]}
+    snap = snapshot(run_dir)          # {"run", "state", "step", ..., "warning", "components": [{"name", ...}]}
     print(snapshot_text(snap))
     runs = recent_runs(run_root)      # [{"run", "state", "step", "updated"}], newest first
 
@@ -108,6 +108,10 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         "domains": status.get("domains") or {},
         "components": [],
     }
+    from hpcrl.jobs.report import learning_signal
+
+    sig = learning_signal(run_dir)  # skipped steps and a missing learning signal, from metrics.jsonl
+    snap.update(skipped_steps=sig.skipped, no_signal_steps=sig.streak, warning=sig.warning)
     urls = read_endpoints(run_dir)
     if jobs is None:
         from hpcrl.jobs.localrun import pids
@@ -190,6 +194,10 @@ def snapshot_text(snap: dict) -> str:
         f"reward {_num(snap['reward'], '.3f')}  trajectories {snap['trajectories']}  "
         f"{snap['traj_per_s']:.1f} traj/s  (status {_num(snap['status_age_s'], '.0f', '?')} s old)",
     ]
+    if snap.get("skipped_steps"):
+        lines.append(f"skipped    {snap['skipped_steps']} steps (every advantage 0: no update)")
+    if snap.get("warning"):
+        lines.append(f"WARNING    {snap['warning']}")
     for d, r in sorted(snap["reward_by_domain"].items()):
         lines.append(f"  reward {d:<28} {r:.3f}")
     lines += domain_lines(snap.get("domains") or {})
@@ -215,6 +223,11 @@ def snapshot_text(snap: dict) -> str:
                 else ""
             )
         )
+    if snap["state"] in ("failed", "cancelled"):
+        from hpcrl.jobs.report import next_steps
+
+        first = (snap.get("message") or "").split(" ", 1)[0]  # "gen-0 failed twice at start: ..."
+        lines.append(next_steps(snap["run_dir"], first if first in {c["name"] for c in snap["components"]} else None))
     return "\n".join(lines)
 
 

@@ -6,7 +6,9 @@
 Both decide alike (`verdict`, and jobs/restarts.py): a component whose job ended before the
 run is over, or whose heartbeats say it hangs (then it is killed first), is submitted again
 after a backoff, within a budget of `supervise.restarts` per `supervise.restart_window_s`
-that refills as old restarts age out; the learner's return value says whether the run is done
+that refills as old restarts age out; one that fails twice in a row before reaching its main
+loop with the same error (`error_line`: a missing model, a bad install) stops the run at once,
+naming that error and its log; the learner's return value says whether the run is done
 (it reached learner.max_steps), and a generator that returns "stopped by the coordinator" was
 told the run is over and is not restarted. Every poll writes supervision.json, from which a
 generator learns that the coordinator or store it cannot reach is on its way back, and waits.
@@ -47,16 +49,29 @@ from hpcrl.core.config import Config
 from hpcrl.core.liveness import beat
 from hpcrl.core.metrics import provide
 from hpcrl.core.rpc import RequestClient
+from hpcrl.core.schema import to_dict
+from hpcrl.core.sinks import MetricSinks
 from hpcrl.core.transport import Node
 from hpcrl.jobs.components import finish_job, start_component
-from hpcrl.jobs.launch import SUPERVISOR, Role, check_slurm, plan, read_jobs, slurm_executor, write_jobs
+from hpcrl.jobs.launch import (
+    SUPERVISOR,
+    Role,
+    check_slurm,
+    link_logs,
+    plan,
+    read_jobs,
+    slurm_executor,
+    write_jobs,
+)
 from hpcrl.jobs.restarts import Watch
+from hpcrl.rl.coordinator import METRICS_NAME
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
 __all__ = [
     "RunFailed",
     "SupervisorComponent",
+    "error_line",
     "submit_run",
     "verdict",
     "queue_states",
@@ -86,6 +101,28 @@ TERMINAL = {
 
 class RunFailed(RuntimeError):
     """A role kept failing; the message names it and points at its log."""
+
+    def __init__(self, message: str, component: str | None = None):
+        super().__init__(message)
+        self.component = component
+
+
+def error_line(why: str) -> str:
+    """The one line that says why a component ended: a traceback's exception line (submitit puts
+    the job's traceback between dashed lines and its own advice after them), else the last line."""
+    text = str(why)
+    if "----------------------\n" in text:
+        text = text.split("----------------------\n")[1]
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):  # a traceback ends with its final exception, unindented
+        if not ln.startswith((" ", "\t", "Traceback ", "During handling", "The above exception")):
+            return ln[:600]
+    return lines[-1].strip()[:600] if lines else "ended without saying why"
+
+
+def failed_twice(name: str, line: str, log_path) -> str:
+    """The run's failure message for a component that failed twice at start with `line`."""
+    return f"{name} failed twice at start: {line} (log: {log_path})"
 
 
 def verdict(name: str, result: Any, max_steps: int) -> Literal["finished", "ended", "died"]:
@@ -174,31 +211,33 @@ def submit_run(
         "components": {},
     }
 
-    def note(role: Role, job_id: str) -> None:
+    def note(role: Role, job) -> None:
         record["components"][role.name] = {
             "role": role.slurm_role,
-            "job_id": job_id,
-            "history": [job_id],
+            "job_id": job.job_id,
+            "history": [job.job_id],
             "restarts": 0,
             "restart_times": [],
         }
+        link_logs(run_dir, role.name, job)
 
     sandboxes = [r for r in roles if r.slurm_role == "sandbox"]
     for role in roles:
         if role.slurm_role == "sandbox":
             continue
-        note(role, slurm_executor(cfg, run_dir, role.slurm_role, role.name).submit(role.component).job_id)
+        note(role, slurm_executor(cfg, run_dir, role.slurm_role, role.name).submit(role.component))
         if role.name == "coordinator" and sandboxes:
             # One job array for all sandbox servers (a restarted one comes back as a plain job).
             ex = slurm_executor(cfg, run_dir, "sandbox", "sandbox")
             with ex.batch():
                 array = [ex.submit(r.component) for r in sandboxes]
             for r, job in zip(sandboxes, array):
-                note(r, job.job_id)
+                note(r, job)
     write_jobs(run_dir, record)
     sup = slurm_executor(cfg, run_dir, "coordinator", SUPERVISOR).submit(
         SupervisorComponent(run_dir, cfg, tuple(search_path))
     )
+    link_logs(run_dir, SUPERVISOR, sup)
     record["supervisor"] = {"job_id": sup.job_id, "history": [sup.job_id]}
     record["state"] = "running"
     write_jobs(run_dir, record)
@@ -233,20 +272,26 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
                 },
             }
         )
-        while not stop.is_set():
-            beat()
-            if (self.run_dir / CANCEL_NAME).exists():
-                self.stop_rollouts()
-                return "cancelled"
-            try:
-                done = self.check(record)
-            except SlurmCommandError as exc:  # the controller is busy or restarting: try again next poll
-                log.warning("%s", exc)
-                done = None
-            if done:
-                return done
-            self.between_polls(stop)
-        return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
+        # TensorBoard / W&B from metrics.jsonl (metrics.tensorboard, metrics.wandb): one writer, here.
+        sinks = MetricSinks(self.run_dir, self.cfg.metrics, self.run_dir / METRICS_NAME, to_dict(self.cfg))
+        try:
+            while not stop.is_set():
+                beat()
+                if (self.run_dir / CANCEL_NAME).exists():
+                    self.stop_rollouts()
+                    return "cancelled"
+                try:
+                    done = self.check(record)
+                except SlurmCommandError as exc:  # the controller is busy or restarting: try again next poll
+                    log.warning("%s", exc)
+                    done = None
+                if done:
+                    return done
+                sinks.pump()
+                self.between_polls(stop)
+            return finish_job(stop, "stopped")  # at its own time limit: requeued, it re-reads jobs.json
+        finally:
+            sinks.close()
 
     def between_polls(self, stop) -> None:
         """Wait poll_s; meanwhile rollout jobs give way as soon as a job in their partitions ends
@@ -304,9 +349,12 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
                 states[name] = "ended"
                 write_jobs(self.run_dir, record)
                 continue
-            why = why_ended(name, result, self.cfg.learner.max_steps)
-            why = f"job {c['job_id']} {state or 'left the queue'}: {why}"
-            self.ended_badly(record, name, why, now)
+            line = error_line(why_ended(name, result, self.cfg.learner.max_steps))
+            role = self.components[name].slurm_role
+            # Slurm job ids are not reused: every beat of this id is this job's.
+            at_start = not self.watch.running(name, c["job_id"], 0.0, role)
+            why = f"job {c['job_id']} {state or 'left the queue'}: {line}"
+            self.ended_badly(record, name, why, now, at_start, line)
         self.watch.publish(states)
         if self.rollouts is not None:
             self.rollouts.tick()  # reap ended rollout jobs, submit new ones into a window
@@ -326,14 +374,22 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
             except SlurmCommandError as exc:  # the run ends anyway; their own deadlines end them
                 log.warning("could not cancel rollout jobs: %s", exc)
 
-    def ended_badly(self, record: dict, name: str, why: str, now: float) -> None:
-        """Schedule the restart of a component that died or hung, or fail the run (budget spent)."""
+    def ended_badly(
+        self, record: dict, name: str, why: str, now: float, at_start: bool = False, line: str | None = None
+    ) -> None:
+        """Schedule the restart of a component that died or hung, or fail the run: its budget is
+        spent, or it failed before its main loop with the same error (`line`) as the time before."""
         comps = record["components"]
         c = comps[name]
         times = c.setdefault("restart_times", [])
+        log_path = submitit.SlurmJob(folder=self.run_dir / "submitit", job_id=c["job_id"]).paths.stderr
+        line = line or error_line(why)
+        if at_start and c.get("start_failure") == line:
+            self.fail(record, failed_twice(name, line, log_path), name)
+        c["start_failure"] = line if at_start else None
         when = self.watch.schedule(name, times, why, now)
         if when is None:
-            self.fail(record, self.watch.spent(name, times, why))
+            self.fail(record, f"{self.watch.spent(name, times, why)} (log: {log_path})", name)
         if name == "learner":
             for other, oc in comps.items():  # generators told to stop are needed by the resumed learner
                 if oc.pop("ended", False):
@@ -348,16 +404,17 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         c["job_id"] = job.job_id
         c["history"].append(job.job_id)
         write_jobs(self.run_dir, record)
+        link_logs(self.run_dir, name, job)
 
     def _cancel_all(self, record: dict) -> None:
         queries.cancel([c["job_id"] for c in record["components"].values()])
 
-    def fail(self, record: dict, message: str) -> None:
+    def fail(self, record: dict, message: str, component: str | None = None) -> None:
         record.update(state="failed", message=message, ended=time.time())
         write_jobs(self.run_dir, record)
         self.stop_rollouts()
         self._cancel_all(record)  # free the nodes
-        raise RunFailed(message)
+        raise RunFailed(message, component)
 
     def finish(self, record: dict, grace_s: float = 30.0) -> None:
         stop_coordinator(self.run_dir, "hpcrl-supervisor")

@@ -360,7 +360,8 @@ class Coordinator:
         self.learner = dict(body, reported_at=time.time())
         row = {**body, "time": time.time(), "elapsed_s": time.time() - self.started, **self.throughput()}
         with open(self.run_dir / METRICS_NAME, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            # Strict JSON: a statistic with no value this step (a skipped update's ratio) is null, not NaN.
+            f.write(json.dumps(_finite(row), allow_nan=False) + "\n")
         # A learner that restarted from an earlier checkpoint after reaching max_steps needs data again.
         self.stopping = self.stop_requested or int(body.get("step", 0)) >= self.max_steps
         return {"stop": self.stopping, "abandoned": self._tell_abandoned()}
@@ -552,6 +553,17 @@ class Coordinator:
                 self._sample_timeline()
                 self.lease_log.close()
                 self.timeline.close()
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float (at any depth) replaced by None."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _ticket_row(t: EpisodeTicket) -> tuple:

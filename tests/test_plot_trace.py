@@ -7,7 +7,18 @@ import json
 
 import pytest
 
-from hpcrl.jobs.plots import binned, generator_intervals, learner_intervals, shares
+from hpcrl.jobs.plots import (
+    COLOURS,
+    GENERATOR_REST,
+    GENERATOR_STATES,
+    LEARNER_REST,
+    LEARNER_STATES,
+    binned,
+    downtime,
+    generator_intervals,
+    learner_intervals,
+    shares,
+)
 from hpcrl.rl.events import LEASES_NAME, JsonLines, read_jsonl
 from hpcrl.rl.trace import TraceError, parse_ident, trace
 
@@ -26,7 +37,7 @@ def test_learner_timeline_accounts_every_second_between_reports():
     ivs = learner_intervals(rows)
     assert ivs[0].start == 100.0  # the first report reaches back to the run's start (time - elapsed_s)
     assert ivs[0].parts == {"waiting for data": 2.0, "training": 1.0, "syncing weights": 0.5, "starting": 6.5}
-    assert ivs[1].parts == {"waiting for data": 0.5, "checkpointing": 0.25, "training": 1.0, "other": 0.25}
+    assert ivs[1].parts == {"waiting for data": 0.5, "checkpointing": 0.25, "training": 1.0, LEARNER_REST: 0.25}
     # The new life's gap: what it spent on step 3 is at the end, the rest is down.
     assert (ivs[2].start, ivs[2].end, ivs[2].parts) == (112.0, 128.0, {"down": 16.0})
     assert ivs[3].parts == {"waiting for data": 1.0, "training": 1.0}
@@ -57,14 +68,49 @@ def test_generator_timeline_from_cumulative_samples_with_a_restart():
     ivs = generator_intervals([s for s in samples if isinstance(s, dict)])["gen-0"]
     # The first sample reaches back to the loop's start; an unchanged `seen` adds nothing.
     assert [(iv.start, iv.end) for iv in ivs] == [(10, 20), (20, 30), (30, 46), (46, 50), (50, 74), (74, 80)]
-    assert ivs[4].parts == {"down": 24} and ivs[5].parts == {"generating": 2, "other": 4}
+    assert ivs[4].parts == {"down": 24} and ivs[5].parts == {"generating": 2, GENERATOR_REST: 4}
     ivs = ivs[:4]
-    assert ivs[0].parts == {"generating": 4, "idle": 3, "other": 3}
-    assert ivs[1].parts == {"generating": 5, "waiting for sandbox": 2, "other": 3}
-    assert ivs[2].parts == {"down": 16} and ivs[3].parts == {"generating": 1, "other": 3}
-    frac = binned(ivs, ("generating", "waiting for sandbox", "idle", "other", "down"), 10, 50, 4)
+    assert ivs[0].parts == {"generating": 4, "idle": 3, GENERATOR_REST: 3}
+    assert ivs[1].parts == {"generating": 5, "waiting for sandbox": 2, GENERATOR_REST: 3}
+    assert ivs[2].parts == {"down": 16} and ivs[3].parts == {"generating": 1, GENERATOR_REST: 3}
+    frac = binned(ivs, ("generating", "waiting for sandbox", "idle", GENERATOR_REST, "down"), 10, 50, 4)
     assert all(_close(sum(f.values()), 1.0) for f in frac)  # every bin of [10, 50] is covered
     assert _close(frac[0]["generating"], 0.4) and _close(frac[3]["down"], 0.6) and _close(frac[3]["generating"], 0.1)
+
+
+def test_every_state_has_a_colour_of_its_own_and_none_is_left_unnamed():
+    states = set(LEARNER_STATES) | set(GENERATOR_STATES)
+    assert set(COLOURS) == states and "other" not in states
+    assert len(set(COLOURS.values())) == len(COLOURS), "two states share a colour"
+
+
+def test_throughput_breaks_where_the_learner_was_down():
+    rows = [{"step": k, "time": 100.0 + 2 * k, "life": 1} for k in range(1, 11)]
+    rows += [{"step": 11, "time": 125.0, "life": 2}]  # restarted: a new life, however soon
+    rows += [{"step": k, "time": 125.0 + 2 * (k - 11), "life": 2} for k in range(12, 15)]
+    rows += [{"step": 15, "time": 400.0, "life": 2}]  # no report for 4.5 min where steps take 2 s
+    assert downtime(rows) == [10, 14]
+    assert downtime(rows[:10]) == []
+
+
+def test_staleness_lines_never_hide_each_other(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpcrl.jobs.plots import _staleness_fig
+
+    rows = [{"step": k, "staleness_max": 0, "staleness_hist": {"0": 8}, "dropped_stale": 0} for k in range(1, 6)]
+    fig = _staleness_fig(plt, "r", rows, 2)
+    top, bottom = fig.axes
+    oldest, mean = top.get_lines()[:2]
+    # All fresh: the two lines coincide at 0, so the lower is wider and paler, and 0 is above the axis.
+    assert list(oldest.get_ydata()) == list(mean.get_ydata()) == [0] * 5
+    assert oldest.get_linewidth() > 2 * mean.get_linewidth() and oldest.get_alpha() < 1
+    assert oldest.get_zorder() < mean.get_zorder() and top.get_ylim()[0] < 0
+    assert [ln.get_label() for ln in bottom.get_lines()] == ["dropped as stale (cumulative)"]  # a panel of its own
+    plt.close(fig)
 
 
 def test_binned_leaves_unrecorded_time_empty():

@@ -193,9 +193,11 @@ def test_cancel_logs_status_of_unknown_or_local_runs_exit_2(tmp_path):
     local = tmp_path / "local"
     local.mkdir()
     (local / "config.resolved.yaml").write_text("executor: local\n")
-    for verb in ("cancel", "logs"):
-        out = hpcrl(verb, str(local))
-        assert out.returncode == 2 and "not a Slurm run" in out.stderr, (verb, out.stderr)
+    out = hpcrl("cancel", str(local))
+    assert out.returncode == 2 and "not a Slurm run" in out.stderr, out.stderr
+    # `hpcrl logs` reads a local run's logs/index.json (tests/test_run.py); without one it says where they are.
+    out = hpcrl("logs", str(local))
+    assert out.returncode == 2 and "recorded no jobs" in out.stderr and str(local / "submitit") in out.stderr
 
 
 def fake_run(root: Path, name: str, jobs: dict | None, status: dict | None = None) -> Path:

@@ -5,18 +5,22 @@
 
 Each verb lives in its own module here with a `register(subparsers)` function; the module
 imports nothing heavy at import time so `hpcrl --help` stays fast. Exit codes: 0 success,
-1 the operation failed, 2 bad input (config, arguments).
+1 the operation failed, 2 bad input (config, arguments). KEY=VALUE overrides may come anywhere
+after CONFIG, between flags too (`hpcrl run config.yaml --run-id x learner.lr=1e-4`); any other
+argument a verb does not know is one line naming the verb's flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
 from hpcrl import __version__
 from hpcrl.core.files import StateFileError
 from hpcrl.core.schema import ConfigError
+from hpcrl.jobs.checks import RunCheckError
 from hpcrl.jobs.rundir import RunDirError, private_umask
 from hpcrl.slurm.command import SlurmCommandError
 
@@ -50,7 +54,8 @@ def add_config_args(p: argparse.ArgumentParser, *, run_id: bool = False) -> None
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
-        help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4)",
+        help="dotted overrides through the same schema, values parsed as YAML (e.g. learner.lr=3e-4); "
+        "anywhere after CONFIG, flags included",
     )
     if run_id:
         p.add_argument("--run-id", help="name of the run directory (default: <name>-<time>-<random>)")
@@ -71,13 +76,16 @@ class UsageError(Exception):
     """Bad command-line input that argparse cannot catch; exits 2 with the message."""
 
 
-def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
+def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False, cluster: bool = False):
     """Config + overrides of a config-driven verb, its domains loaded (once: the launch plan
-    takes them) and checked before anything is created. Returns (config, [config folder] as the
-    domain search path, {name: Domain})."""
+    takes them), and everything a component would otherwise find only when it starts checked
+    (jobs/checks.py; the Slurm cluster too with `cluster`), before anything is created. Returns
+    (config, [config folder] as the domain search path, {name: Domain})."""
     from pathlib import Path
 
     from hpcrl.core.config import load_config
+    from hpcrl.jobs.checks import check_run
+    from hpcrl.rl.alphabet import resolve_charset
     from hpcrl.rl.domains import DomainError, load_domains
 
     cfg = load_config(args.config, args.overrides)
@@ -92,9 +100,9 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False):
         domains = load_domains(cfg.domains, search)
     except DomainError as exc:
         raise UsageError(str(exc)) from None
-    from hpcrl.rl.alphabet import resolve_charset
-
-    return resolve_charset(cfg, domains), search, domains
+    cfg = resolve_charset(cfg, domains)
+    check_run(cfg, domains, cluster=cluster)
+    return cfg, search, domains
 
 
 def check_experiment(cfg) -> None:
@@ -118,19 +126,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, argparse.ArgumentParser]:
+    """("run", its parser), or ("traj show", ...) for a verb with verbs of its own, as `args` chose."""
+    words, cur = [], parser
+    while True:
+        subs = [a for a in cur._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen not in (subs[0].choices if subs else {}):
+            return " ".join(words), cur
+        words.append(chosen)
+        cur = subs[0].choices[chosen]
+
+
+def take_extras(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Overrides placed after a flag (argparse leaves them over) join the others in the order
+    given; CONFIG must come before any override. UsageError for anything else left over."""
+    config = getattr(args, "config", None)
+    if hasattr(args, "overrides"):
+        if config is not None and "=" in config and not config.startswith(("/", ".")):
+            from pathlib import Path
+
+            if not Path(config).exists():
+                raise UsageError(
+                    f"{config!r} stands where CONFIG goes: give the config file first, then KEY=VALUE "
+                    f"overrides anywhere after it, e.g. `hpcrl {args.verb} config.yaml {config}`"
+                )
+        keep = [a for a in extras if "=" in a and not a.startswith("-")]
+        args.overrides = [*args.overrides, *keep]
+        extras = [a for a in extras if a not in keep]
+    if not extras:
+        return
+    bad = extras[0]
+    command, sub = _command(parser, args)
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    close = difflib.get_close_matches(bad.split("=")[0], flags, n=1) if bad.startswith("-") else []
+    hint = f"did you mean {close[0]}? " if close else ""
+    where = " (KEY=VALUE overrides go after CONFIG)" if hasattr(args, "overrides") else ""
+    raise UsageError(
+        f"unrecognized argument {bad!r}; {hint}`hpcrl {command}` takes {', '.join(flags) or 'no flags'}{where}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     private_umask()  # whatever a verb creates (run directories, scripts, jobs' logs) is the user's alone
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
+        if extras:
+            print(f"hpcrl: error: unrecognized argument {extras[0]!r}; see `hpcrl --help`", file=sys.stderr)
+        else:
+            parser.print_help()
         return 2
     try:
+        take_extras(parser, args, extras)
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except (UsageError, RunDirError) as exc:
+    except (UsageError, RunDirError, RunCheckError) as exc:
         print(f"hpcrl {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except StateFileError as exc:  # a run's state file and its previous copy are both unreadable

@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
+    from hpcrl.jobs.checks import check_run
     from hpcrl.jobs.cli import UsageError
-    from hpcrl.jobs.cli.run import drive
+    from hpcrl.jobs.cli.run import drive, stop_on_signals
     from hpcrl.jobs.cli.status import resolve_run_dir
     from hpcrl.jobs.resume import (
         RunLocked,
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from hpcrl.rl.domains import DomainError, load_domains
 
+    stop_on_signals()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run_dir = resolve_run_dir(args.run, args.config)
     if (run_dir / "jobs.json").exists():
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         domains = load_domains(cfg.domains, search)
     except DomainError as exc:
         raise UsageError(f"{exc} (search path {search} from {run_dir}/launch.json)") from None
+    check_run(cfg, domains, run_root=False)  # what changed on this machine since: a moved model, a sandbox
     try:
         with run_lock(run_dir):
             why = local_resume_check(run_dir, cfg)

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
+    from hpcrl.jobs.checks import RunCheckError, check_cluster
     from hpcrl.jobs.cli import load_experiment
     from hpcrl.jobs.launch import dry_run_scripts, plan, preflight
     from hpcrl.jobs.rollout_plan import check_rollout_partition, rollout_summary
@@ -52,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     # The cluster is asked before the run directory exists, so one that does not answer leaves
     # nothing behind; a bad --run-id is still refused first, without asking it.
     check_run_id(cfg, args.run_id)
+    # Partitions, GRES, CPUs, memory, nodes and time limits against the cluster (jobs/checks.py).
+    why = check_cluster(cfg, domains)
+    if why:
+        raise RunCheckError(why)
     check_rollout_partition(cfg)  # one Slurm would not preempt: refused, nothing created
     warnings = preflight(cfg)
     run_dir = create_run_dir(cfg, args.run_id)

@@ -192,8 +192,6 @@ def status_text(run_dir: str | os.PathLike, status: dict | None) -> str:
     ]
     for domain, r in sorted((status.get("reward_by_domain") or {}).items()):
         lines.append(f"  reward {domain:<28} {r:.3f}")
-    from hpcrl.jobs.slurmstatus import domain_lines
-
     lines += domain_lines(status.get("domains") or {})
     for name, g in sorted((status.get("generators") or {}).items()):
         st = g.get("stats", {})
@@ -214,6 +212,21 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """metrics.jsonl, one row per step: a restarted learner repeats steps, and the later report
     of a step is the one the run kept."""
     return MetricsFollower(run_dir).rows()
+
+
+def domain_lines(domains: dict) -> list[str]:
+    """Per domain: episodes issued, trained, dropped, and the mean turns of those trained against
+    those that finished (a gap is a length bias in what the learner trains)."""
+    out = []
+    for d, r in sorted(domains.items()):
+        turns = {k: "-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("trained_turns_mean", "started_turns_mean")}
+        out.append(
+            f"  episodes {d:<26} issued {r.get('issued', 0)}  trained {r.get('trained', 0)} "
+            f"({100 * r.get('trained_share', 0):.0f}% of trained, {100 * r.get('issued_share', 0):.0f}% of issued)  "
+            f"dropped {r.get('dropped', 0)} (stale {r.get('dropped_stale', 0)})  "
+            f"turns trained {turns['trained_turns_mean']} / finished {turns['started_turns_mean']}"
+        )
+    return out
 
 
 def write_reward_png(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path | None:

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from hpcrl.core.metrics import read_endpoints
+from hpcrl.jobs.report import domain_lines, learning_signal, next_steps
 
-__all__ = ["snapshot", "snapshot_text", "recent_runs", "domain_lines"]
+__all__ = ["snapshot", "snapshot_text", "recent_runs"]
 
 _SQUEUE_FIELDS = ("job_id", "state", "nodes", "elapsed", "time_left")
 
@@ -108,8 +109,6 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
         "domains": status.get("domains") or {},
         "components": [],
     }
-    from hpcrl.jobs.report import learning_signal
-
     sig = learning_signal(run_dir)  # skipped steps and a missing learning signal, from metrics.jsonl
     snap.update(skipped_steps=sig.skipped, no_signal_steps=sig.streak, warning=sig.warning)
     urls = read_endpoints(run_dir)
@@ -224,26 +223,9 @@ def snapshot_text(snap: dict) -> str:
             )
         )
     if snap["state"] in ("failed", "cancelled"):
-        from hpcrl.jobs.report import next_steps
-
         first = (snap.get("message") or "").split(" ", 1)[0]  # "gen-0 failed twice at start: ..."
         lines.append(next_steps(snap["run_dir"], first if first in {c["name"] for c in snap["components"]} else None))
     return "\n".join(lines)
-
-
-def domain_lines(domains: dict) -> list[str]:
-    """Per domain: episodes issued, trained, dropped, and the mean turns of those trained against
-    those that finished (a gap is a length bias in what the learner trains)."""
-    out = []
-    for d, r in sorted(domains.items()):
-        turns = {k: "-" if r.get(k) is None else f"{r[k]:.1f}" for k in ("trained_turns_mean", "started_turns_mean")}
-        out.append(
-            f"  episodes {d:<26} issued {r.get('issued', 0)}  trained {r.get('trained', 0)} "
-            f"({100 * r.get('trained_share', 0):.0f}% of trained, {100 * r.get('issued_share', 0):.0f}% of issued)  "
-            f"dropped {r.get('dropped', 0)} (stale {r.get('dropped_stale', 0)})  "
-            f"turns trained {turns['trained_turns_mean']} / finished {turns['started_turns_mean']}"
-        )
-    return out
 
 
 def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:

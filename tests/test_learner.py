@@ -47,7 +47,9 @@ OVERRIDES = [
     "generators.episodes_in_flight=16",
     "domains=[{name: arith/copy}, {name: arith/max3-retry2}]",
 ]
-TIMEOUT_S = 120
+# A hang guard, not a speed check: a rank takes ~1-2 min on an idle 2-core machine, several
+# times that on a loaded one; a rank stuck in a collective never ends.
+TIMEOUT_S = 900
 
 
 def write_config(tmp: Path) -> Path:

@@ -104,11 +104,16 @@ def test_staleness_lines_never_hide_each_other(tmp_path):
     rows = [{"step": k, "staleness_max": 0, "staleness_hist": {"0": 8}, "dropped_stale": 0} for k in range(1, 6)]
     fig = _staleness_fig(plt, "r", rows, 2)
     top, bottom = fig.axes
-    oldest, mean = top.get_lines()[:2]
-    # All fresh: the two lines coincide at 0, so the lower is wider and paler, and 0 is above the axis.
-    assert list(oldest.get_ydata()) == list(mean.get_ydata()) == [0] * 5
-    assert oldest.get_linewidth() > 2 * mean.get_linewidth() and oldest.get_alpha() < 1
-    assert oldest.get_zorder() < mean.get_zorder() and top.get_ylim()[0] < 0
+    lines = {ln.get_label(): ln for ln in top.get_lines()}
+    oldest, newest, mean = (
+        lines[k] for k in ("oldest trained step", "newest action of a group (bounded)", "mean, by oldest step")
+    )
+    # All fresh: the three lines coincide at 0, so each lower one is wider and paler, and 0 is above the axis.
+    assert list(oldest.get_ydata()) == list(newest.get_ydata()) == list(mean.get_ydata()) == [0] * 5
+    for under, over in ((oldest, newest), (newest, mean)):
+        assert under.get_linewidth() >= 2 * over.get_linewidth() and under.get_alpha() < (over.get_alpha() or 1)
+        assert under.get_zorder() < over.get_zorder()
+    assert top.get_ylim()[0] < 0
     assert [ln.get_label() for ln in bottom.get_lines()] == ["dropped as stale (cumulative)"]  # a panel of its own
     plt.close(fig)
 

@@ -257,13 +257,12 @@ def _sandbox_client(config: str | None):
 
     from hpcrl.core.config import load_config
     from hpcrl.core.transport import Node
-    from hpcrl.jobs.launch import server_sandbox_config
     from hpcrl.sandbox.client import SandboxClient
     from hpcrl.sandbox.result import SandboxError
     from hpcrl.sandbox.server import serve
 
     cfg = load_config(config, [])
-    sandbox = server_sandbox_config(cfg.sandbox, cfg.sandbox.servers)  # not a live run's slot uids
+    sandbox = cfg.sandbox  # the server claims free slot uids of the host's pool, as a run's does
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     with tempfile.TemporaryDirectory(prefix="hpcrl-check-") as run_dir:

@@ -95,6 +95,16 @@ class PendingJob:
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    job_id: str
+    partition: str
+    name: str
+    nodes: tuple[str, ...]
+    gpus: int  # over all its nodes
+    end: dt.datetime | None  # when Slurm plans it to end (start + time limit); None: no limit
+
+
+@dataclass(frozen=True)
 class JobRecord:
     """One finished-or-running job as accounting (sacct) knows it."""
 
@@ -136,9 +146,10 @@ def nodes() -> list[NodeState]:
     return result
 
 
-def partitions() -> list[PartitionState]:
-    """Every partition with total, allocated and idle CPUs and GPUs (GRES) on its nodes."""
-    by_name = {n.name: n for n in nodes()}
+def partitions(node_states: list[NodeState] | None = None) -> list[PartitionState]:
+    """Every partition with total, allocated and idle CPUs and GPUs (GRES) on its nodes
+    (`node_states`: the nodes when the caller has just read them)."""
+    by_name = {n.name: n for n in (nodes() if node_states is None else node_states)}
     out = run_slurm(["scontrol", "-o", "show", "partition"])
     result = []
     for rec in parse.parse_scontrol_records(out.stdout):
@@ -204,6 +215,23 @@ def pending_jobs(partition: str | None = None) -> list[PendingJob]:
     ]
     far = dt.datetime.max
     return sorted(jobs, key=lambda j: (j.expected_start or far, j.job_id))
+
+
+def running_jobs() -> list[RunningJob]:
+    """Running jobs of every partition with their nodes and planned ends (`squeue -t RUNNING`)."""
+    argv = ["squeue", "-h", "-t", "RUNNING", "-o", "%i|%P|%D|%b|%N|%e|%j"]
+    fields = ("job_id", "partition", "nodes", "tres", "nodelist", "end", "name")
+    return [
+        RunningJob(
+            job_id=r["job_id"],
+            partition=r["partition"],
+            name=r["name"],
+            nodes=tuple(parse.expand_hostlist(r["nodelist"])),
+            gpus=parse.gpus_in_gres(r["tres"]) * int(r["nodes"]),
+            end=None if r["end"] == "NONE" else parse.parse_timestamp(r["end"]),  # NONE: no time limit
+        )
+        for r in parse.parse_delimited(run_slurm(argv).stdout, fields)
+    ]
 
 
 def expected_start(sbatch_args: list[str], script: str | None = None) -> parse.TestOnlyEstimate:

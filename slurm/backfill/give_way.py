@@ -1,24 +1,46 @@
 """Which of the run's rollout jobs give their GPUs back to another user's pending job (pure).
 
-    blocking = rollout_jobs_to_yield(pending, idle_by_node, ours_by_node, members, now)
-    since, give = overdue(blocking, since, now_s, after_s)   # blocking for after_s or more
+    give = jobs_to_give_way(snap, records, own_ids, rollout_partition)   # {our job: the job it blocks}
+    since, due = overdue(give, since, now_s, after_s)                    # blocking for after_s or more
     every_s = give_way_interval_s(configured_s, scheduler_parameters)   # how often to look
 
-`RolloutPlanner`'s give-way (jobs/rollout_plan.py) asks Slurm for the pending jobs, idle GPUs
-and where its rollout jobs run, and cancels what these rules name: the backfill contract is
-that a rollout job delays no one's start, including a job whose start moved earlier because
-another ended before its limit.
+The backfill contract is that a rollout job delays no one's start, including a job whose start
+moved earlier because another ended before its limit. The run's planner (book.py `SlurmRollouts`,
+for the live run and the simulator alike) cancels what these rules name.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from hpcrl.slurm.backfill.planner import backfill_parameters
+from hpcrl.slurm.backfill.snapshot import QueueSnapshot, backfill_parameters
 
-__all__ = ["rollout_jobs_to_yield", "overdue", "give_way_interval_s"]
+__all__ = ["jobs_to_give_way", "rollout_jobs_to_yield", "overdue", "give_way_interval_s"]
 
 _WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
+
+
+def jobs_to_give_way(snap: QueueSnapshot, records: dict, own_ids, rollout_partition: str = "") -> dict[str, str]:
+    """{our running rollout job: the pending job it keeps from starting} on `snap` (pure).
+
+    `records`: the run's rollout jobs (book.py records, by name); `own_ids`: the run's other
+    jobs. Pending jobs of the run itself, jobs without GPUs and jobs of the rollout partition
+    (Slurm plans those below ours) are no one to give way to."""
+    running = {r["job_id"]: r for r in records.values() if r["state"] == "active" and not r.get("pending")}
+    if not running:
+        return {}
+    own = set(own_ids) | {r["job_id"] for r in records.values()}
+    pending = [j for j in snap.pending if j.job_id not in own and j.gpus > 0 and j.partition != rollout_partition]
+    if not pending:
+        return {}
+    members = {part.name: part.nodes for part in snap.partitions}
+    idle = {n.name: n.gpus_idle for n in snap.nodes}
+    ours: dict[str, list[tuple[str, int]]] = {}
+    for job in snap.running:
+        if job.job_id in running:
+            where = job.nodes[0] if len(job.nodes) == 1 else ",".join(job.nodes)
+            ours.setdefault(where, []).append((job.job_id, running[job.job_id]["gpus"]))
+    return rollout_jobs_to_yield(pending, idle, ours, members, snap.now)
 
 
 def rollout_jobs_to_yield(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from dataclasses import dataclass
 
 from hpcrl.slurm import parse
@@ -46,7 +47,7 @@ class NodeState:
     real_memory_mb: int
     alloc_memory_mb: int
 
-    @property
+    @functools.cached_property  # asked for every GPU and CPU count of every node in a decision
     def usable(self) -> bool:
         return not any(flag in self.state.upper() for flag in _UNUSABLE)
 

@@ -204,3 +204,81 @@ def test_one_reap_withdraws_and_gives_way_on_one_snapshot_and_counts_as_the_benc
         "ended_in_window": 1,
     }
     assert rollout_job_counts(jobs, {"r0": 16.0}, {"r0": 501.0})["ended_in_window"] == 0
+
+
+# ------------------------------------------------------------------------------ give-way at scale
+def _yield_by_scanning(pending, idle_by_node, ours_by_node, members, now=None):
+    """The plain reading of rollout_jobs_to_yield's rule: every node of the partition looked at
+    for every job, in priority order (the oracle for the indexed version)."""
+    waiting = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
+    idle = dict(idle_by_node)
+    ours = {n: list(js) for n, js in ours_by_node.items()}
+    out, held = {}, []
+    for _, job in sorted(enumerate(pending), key=lambda ij: (-ij[1].priority, ij[0])):
+        if job.nodes < 1 or job.gpus < 1 or job.reason.startswith(waiting):
+            continue
+        per_node = -(-job.gpus // job.nodes)
+        end = None
+        if now is not None:
+            end = now + dt.timedelta(seconds=job.time_limit_s) if job.time_limit_s is not None else dt.datetime.max
+        nodes = [
+            n
+            for n in members.get(job.partition, ())
+            if n in idle and not (end is not None and any(n in ns and s < end for s, ns in held))
+        ]
+        ready = sorted((n for n in nodes if idle[n] >= per_node), key=lambda n: idle[n])
+        could = sorted(
+            (n for n in nodes if idle[n] < per_node <= idle[n] + sum(g for _, g in ours.get(n, []))),
+            key=lambda n: -idle[n],
+        )
+        short = max(job.nodes - len(ready), 0)
+        if short > len(could):
+            if job.expected_start is not None and job.sched_nodes:
+                held.append((job.expected_start, frozenset(job.sched_nodes)))
+            continue
+        for n in could[:short]:
+            ours[n].sort(key=lambda jg: jg[1])
+            while idle[n] < per_node:
+                job_id, gpus = ours[n].pop()
+                out[job_id] = job.job_id
+                idle[n] += gpus
+        for n in ready[: job.nodes - short] + could[:short]:
+            idle[n] -= per_node
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_indexed_give_way_decides_exactly_like_the_plain_scan(seed):
+    import random
+
+    from hpcrl.slurm.backfill.give_way import rollout_jobs_to_yield
+
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(rng.randint(1, 12))]
+    members = {"gpu": tuple(names), "big": tuple(names[: max(1, len(names) // 2)])}
+    idle = {n: rng.choice([0, 0, 0, 1, 2, 4]) for n in names}
+    ours = {n: [(f"r{n}-{k}", rng.choice([1, 1, 2])) for k in range(rng.randint(0, 3))] for n in names}
+    pending = []
+    for i in range(rng.randint(0, 40)):
+        nodes = rng.choice([1, 1, 1, 2])
+        start = NOW + dt.timedelta(seconds=rng.randint(0, 900)) if rng.random() < 0.7 else None
+        pending.append(
+            PendingJob(
+                f"j{i}",
+                rng.choice(["gpu", "gpu", "big"]),
+                "other",
+                "x",
+                nodes,
+                1,
+                nodes * rng.choice([1, 2, 4, 8]),
+                rng.choice([60, 600, 3600, None]),
+                start,
+                rng.choice(["Resources", "Priority", "Priority", "JobHeldUser"]),
+                rng.randint(0, 5),
+                tuple(rng.sample(names, k=min(len(names), nodes))) if start and rng.random() < 0.8 else (),
+            )
+        )
+    for now in (NOW, None):
+        assert rollout_jobs_to_yield(pending, idle, ours, members, now) == _yield_by_scanning(
+            pending, idle, ours, members, now
+        )

@@ -12,6 +12,7 @@ for the live run and the simulator alike) cancels what these rules name.
 from __future__ import annotations
 
 import datetime as dt
+import heapq
 
 from hpcrl.slurm.backfill.snapshot import QueueSnapshot, backfill_parameters
 
@@ -64,43 +65,64 @@ def rollout_jobs_to_yield(
     then may not start there (Slurm's backfill does not delay it; squeue says reason Priority),
     so ours are not given back for it on those nodes. Without a plan (no nodes or no start
     known) nothing is held, and ours are given back as before. CPUs and memory are not weighed:
-    a rollout job holds little of either."""
+    a rollout job holds little of either.
+
+    Linear in the pending jobs and the nodes with idle GPUs or ours: only those can start a job
+    on ours, the jobs are taken from a heap in priority order, and once no such node is left the
+    jobs after it need no look (tests/test_scheduler_backfill.py checks it against the plain
+    scan over every node for every job). Jobs without GPUs take none."""
     idle = dict(idle_by_node)
-    ours = {n: list(js) for n, js in ours_by_node.items()}
+    # ours per node, fewest GPUs first: popped from the end, the largest go first
+    ours = {n: sorted(js, key=lambda jg: jg[1]) for n, js in ours_by_node.items() if js and n in idle}
+    if not ours:
+        return {}
+    lend = {n: sum(g for _, g in js) for n, js in ours.items()}
+    cands = {n for n, free in idle.items() if free > 0 or n in ours}  # nodes where a job could start on ours
+    bound = max(idle[n] + lend.get(n, 0) for n in cands)  # only shrinks: an upper bound throughout
     out: dict[str, str] = {}
-    held: list[tuple[dt.datetime, frozenset[str]]] = []  # (from when, nodes) of blocked higher ones
-    for _, job in sorted(enumerate(pending), key=lambda ij: (-ij[1].priority, ij[0])):
-        if job.nodes < 1 or job.reason.startswith(_WAITING_ON_OTHERS):
+    held_from: dict[str, dt.datetime] = {}  # node -> earliest start of a blocked higher job planned there
+    positions: dict[str, dict[str, int]] = {}
+    heap = [(-job.priority, i) for i, job in enumerate(pending)]
+    heapq.heapify(heap)
+    while heap and cands:
+        job = pending[heapq.heappop(heap)[1]]
+        if job.nodes < 1 or job.gpus < 1 or job.reason.startswith(_WAITING_ON_OTHERS):
             continue
         per_node = -(-job.gpus // job.nodes)
-        nodes = [n for n in members.get(job.partition, ()) if n in idle and not _held_for(job, n, held, now)]
-        ready = sorted((n for n in nodes if idle[n] >= per_node), key=lambda n: idle[n])
-        lendable = lambda n: idle[n] + sum(g for _, g in ours.get(n, []))
-        could = sorted((n for n in nodes if idle[n] < per_node <= lendable(n)), key=lambda n: -idle[n])
+        ready: list[str] = []
+        could: list[str] = []
+        if per_node <= bound:
+            pos = positions.get(job.partition)
+            if pos is None:
+                pos = positions[job.partition] = {n: k for k, n in enumerate(members.get(job.partition, ()))}
+            end = None
+            if now is not None and held_from:
+                end = now + dt.timedelta(seconds=job.time_limit_s) if job.time_limit_s is not None else dt.datetime.max
+            nodes = sorted(
+                (n for n in cands if n in pos and (end is None or not held_from.get(n, dt.datetime.max) < end)),
+                key=pos.__getitem__,
+            )
+            ready = sorted((n for n in nodes if idle[n] >= per_node), key=idle.__getitem__)
+            could = sorted((n for n in nodes if idle[n] < per_node <= idle[n] + lend.get(n, 0)), key=lambda n: -idle[n])
         short = max(job.nodes - len(ready), 0)
         if short > len(could):
             # It waits for others' GPUs too: giving ours back would not start it. It holds its plan.
-            if job.expected_start is not None and job.sched_nodes:
-                held.append((job.expected_start, frozenset(job.sched_nodes)))
+            if job.expected_start is not None:
+                for n in job.sched_nodes:
+                    if job.expected_start < held_from.get(n, dt.datetime.max):
+                        held_from[n] = job.expected_start
             continue
         for n in could[:short]:
-            ours[n].sort(key=lambda jg: jg[1])
             while idle[n] < per_node:
                 job_id, gpus = ours[n].pop()
                 out[job_id] = job.job_id
                 idle[n] += gpus
+                lend[n] -= gpus
         for n in ready[: job.nodes - short] + could[:short]:
             idle[n] -= per_node  # it takes these: not for the jobs after it
+            if idle[n] <= 0 and not ours.get(n):
+                cands.discard(n)
     return out
-
-
-def _held_for(job, node: str, held: list[tuple[dt.datetime, frozenset[str]]], now: dt.datetime | None) -> bool:
-    """Whether a higher-priority job's plan keeps `job` off `node`: it holds the node from a time
-    before `job`, started now, would end (a job without a time limit never ends in time)."""
-    if now is None:
-        return False
-    end = now + dt.timedelta(seconds=job.time_limit_s) if job.time_limit_s is not None else dt.datetime.max
-    return any(node in nodes and start < end for start, nodes in held)
 
 
 def overdue(blocking: dict[str, str], since: dict[str, float], now: float, after_s: float) -> tuple[dict, dict]:

@@ -39,6 +39,7 @@ from collections import deque
 from hpcrl.slurm.backfill.lending import episodes_to_take
 from hpcrl.slurm.sim.backfill import coordinator_max_ahead
 from hpcrl.slurm.sim.engine import Episode, EventLoop, SandboxPool, TrainingLedger
+from hpcrl.slurm.sim.replay import SimInputError
 from hpcrl.slurm.sim.trace import Trace, World
 
 __all__ = ["compare", "format_comparison"]
@@ -289,15 +290,15 @@ def _run(traces: list[Trace], shared: bool, efficiency: float, horizon: float | 
 def compare(traces: list[Trace], efficiency: float = 0.9, hours: float | None = None) -> dict:
     """Shared against split, side by side (see the module doc); JSON-able."""
     if len(traces) < 2:
-        raise ValueError("--experiments needs at least two traces")
+        raise SimInputError("--experiments needs at least two traces")
     if not 0 < efficiency <= 1:
-        raise ValueError(f"--share-efficiency must be in (0, 1] (got {efficiency})")
+        raise SimInputError(f"--share-efficiency must be in (0, 1] (got {efficiency})")
     names = [t.name for t in traces]
     if len(set(names)) != len(names):
-        raise ValueError(f"--experiments: two traces are named alike ({', '.join(names)}); give each its own name")
+        raise SimInputError(f"--experiments: two traces are named alike ({', '.join(names)}); give each its own name")
     horizon = hours * 3600.0 if hours is not None else None
     if horizon is not None and not horizon > 0:
-        raise ValueError(f"--hours must be > 0 (got {hours})")
+        raise SimInputError(f"--hours must be > 0 (got {hours})")
     end, split, split_pool = _run(traces, False, efficiency, horizon)
     _, shared, shared_pool = _run(traces, True, efficiency, end)
     n = len(traces)

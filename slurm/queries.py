@@ -93,6 +93,7 @@ class PendingJob:
     # Nodes Slurm's backfill has planned it on (squeue %Y), empty when it has none yet: a job that
     # cannot start now holds these from expected_start, and backfill keeps lower ones off them.
     sched_nodes: tuple[str, ...] = ()
+    mem_mb: int = 0  # memory it asks per node (squeue %m; 0: not given)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class RunningJob:
     nodes: tuple[str, ...]
     gpus: int  # over all its nodes
     end: dt.datetime | None  # when Slurm plans it to end (start + time limit); None: no limit
+    cpus: int = 0  # over all its nodes
+    mem_mb: int = 0  # per node (squeue %m)
 
 
 @dataclass(frozen=True)
@@ -188,12 +191,13 @@ _PENDING_FIELDS = (
     "reason",
     "sched_nodes",
     "name",
+    "mem",
 )
 
 
 def pending_jobs(partition: str | None = None) -> list[PendingJob]:
     """Pending jobs with Slurm's expected start times (`squeue --start`), earliest first."""
-    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%Y|%j"]
+    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%Y|%j|%m"]
     if partition:
         argv += ["-p", partition]
     rows = parse.parse_delimited(run_slurm(argv).stdout, _PENDING_FIELDS)
@@ -211,6 +215,7 @@ def pending_jobs(partition: str | None = None) -> list[PendingJob]:
             reason=r["reason"],
             priority=int(r["priority"] or 0),
             sched_nodes=tuple(parse.expand_hostlist(r["sched_nodes"])),
+            mem_mb=round(parse.parse_mem_mb(r["mem"]) or 0),
         )
         for r in rows
     ]
@@ -220,8 +225,8 @@ def pending_jobs(partition: str | None = None) -> list[PendingJob]:
 
 def running_jobs() -> list[RunningJob]:
     """Running jobs of every partition with their nodes and planned ends (`squeue -t RUNNING`)."""
-    argv = ["squeue", "-h", "-t", "RUNNING", "-o", "%i|%P|%D|%b|%N|%e|%j"]
-    fields = ("job_id", "partition", "nodes", "tres", "nodelist", "end", "name")
+    argv = ["squeue", "-h", "-t", "RUNNING", "-o", "%i|%P|%D|%b|%N|%e|%j|%C|%m"]
+    fields = ("job_id", "partition", "nodes", "tres", "nodelist", "end", "name", "cpus", "mem")
     return [
         RunningJob(
             job_id=r["job_id"],
@@ -230,6 +235,8 @@ def running_jobs() -> list[RunningJob]:
             nodes=tuple(parse.expand_hostlist(r["nodelist"])),
             gpus=parse.gpus_in_gres(r["tres"]) * int(r["nodes"]),
             end=None if r["end"] == "NONE" else parse.parse_timestamp(r["end"]),  # NONE: no time limit
+            cpus=int(r["cpus"] or 0),
+            mem_mb=round(parse.parse_mem_mb(r["mem"]) or 0),
         )
         for r in parse.parse_delimited(run_slurm(argv).stdout, fields)
     ]

@@ -16,9 +16,10 @@ import heapq
 
 from hpcrl.slurm.backfill.snapshot import QueueSnapshot, backfill_parameters
 
-__all__ = ["jobs_to_give_way", "rollout_jobs_to_yield", "overdue", "give_way_interval_s"]
+__all__ = ["jobs_to_give_way", "rollout_jobs_to_yield", "overdue", "give_way_interval_s", "WAITING_ON_OTHERS"]
 
-_WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
+# Reasons of a pending job that no scheduling pass would start now, whatever is free.
+WAITING_ON_OTHERS = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
 
 
 def jobs_to_give_way(snap: QueueSnapshot, records: dict, own_ids, rollout_partition: str = "") -> dict[str, str]:
@@ -86,7 +87,7 @@ def rollout_jobs_to_yield(
     heapq.heapify(heap)
     while heap and cands:
         job = pending[heapq.heappop(heap)[1]]
-        if job.nodes < 1 or job.gpus < 1 or job.reason.startswith(_WAITING_ON_OTHERS):
+        if job.nodes < 1 or job.gpus < 1 or job.reason.startswith(WAITING_ON_OTHERS):
             continue
         per_node = -(-job.gpus // job.nodes)
         ready: list[str] = []

@@ -37,6 +37,7 @@ import datetime as dt
 import math
 from collections.abc import Callable
 
+from hpcrl.slurm.backfill.give_way import WAITING_ON_OTHERS
 from hpcrl.slurm.backfill.snapshot import QueueSnapshot
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob, RunningJob
 
@@ -83,6 +84,7 @@ class SimJob:
         "on_end",
         "_token",
         "_shown",
+        "held",
     )
 
     def __init__(
@@ -97,13 +99,15 @@ class SimJob:
         run_s: float | None = None,
         time_min_s: float | None = None,
         nice: bool = False,
+        priority: int | None = None,
         on_start: Callable[[SimJob, float], None] | None = None,
         on_end: Callable[[SimJob, float, str], None] | None = None,
     ):
         self.name, self.kind = name, kind  # kind: "other", "own" (the run's fixed jobs) or "rollout"
         self.gpus, self.cpus, self.mem_mb = gpus, cpus, mem_mb
         self.limit_s, self.time_min_s, self.run_s = limit_s, time_min_s, run_s  # run_s None: until it ends itself
-        self.priority = 0 if nice else 1
+        # higher first; None: first come first served (set at submission); --nice: below everyone
+        self.priority = 0 if nice else priority
         self.job_id, self.order, self.state = "", 0, "PENDING"
         self.node: SimNode | None = None
         self.submit = self.start = self.planned_end = self.end = math.nan
@@ -113,6 +117,7 @@ class SimJob:
         self.on_start, self.on_end = on_start, on_end
         self._token = 0
         self._shown = None  # (what it showed as, the PendingJob / RunningJob squeue would print)
+        self.held = False  # held or waiting on a dependency: no scheduling pass starts it
 
 
 class SimNode:
@@ -134,10 +139,13 @@ class SimNode:
 class SimSlurm:
     """The simulated controller on `loop` (engine.EventLoop); `spec` is a trace's SlurmSpec."""
 
-    def __init__(self, loop, spec):
+    def __init__(self, loop, spec, epoch_s: float = BASE_TS, nodes: list[SimNode] | None = None):
         self.loop, self.spec = loop, spec
+        self.epoch_s = epoch_s  # the controller's clock (epoch seconds) at simulated time 0
         mem = round(spec.mem_gb_per_node * 1024)
-        self.nodes = [SimNode(f"n{i + 1:04d}", spec.gpus_per_node, spec.cpus_per_node, mem) for i in range(spec.nodes)]
+        self.nodes = nodes or [
+            SimNode(f"n{i + 1:04d}", spec.gpus_per_node, spec.cpus_per_node, mem) for i in range(spec.nodes)
+        ]
         self.jobs: dict[str, SimJob] = {}
         self.pending: list[SimJob] = []  # in priority order
         self.running: set[SimJob] = set()
@@ -149,6 +157,59 @@ class SimSlurm:
         self.views = 0  # changes whenever anything squeue or scontrol shows changes (passes update reasons, starts)
         self._snap_version = -1
         self._snap: tuple = ()
+
+    @classmethod
+    def from_snapshot(cls, snap: QueueSnapshot, ours: frozenset[str] | set[str] = frozenset()) -> SimSlurm:
+        """This controller in the state a (live) snapshot shows, simulated time 0 being snap.now:
+        its usable nodes, the running jobs releasing what they hold at their planned ends, and the
+        pending jobs in priority order without estimates; `backfill_pass(0.0)` then plans them as
+        this simulator's Slurm does. `ours`: job ids to show as rollout jobs. Every job is taken as
+        one partition's (a pending job of another partition on these nodes competes the same way).
+        Multi-node pending jobs are not modelled: NotImplementedError."""
+        from hpcrl.slurm.sim.engine import EventLoop
+        from hpcrl.slurm.sim.trace import SlurmSpec
+
+        nodes = [SimNode(n.name, n.gpus_total, n.cpus_total, n.real_memory_mb) for n in snap.nodes if n.usable]
+        spec = SlurmSpec(
+            nodes=max(len(nodes), 1),
+            gpus_per_node=max((n.gpus for n in nodes), default=1) or 1,
+            bf_interval_s=snap.bf_interval_s,
+            bf_resolution_s=snap.bf_resolution_s,
+        )
+        ctl = cls(EventLoop(), spec, epoch_s=snap.now.timestamp(), nodes=nodes)
+        by_name = {n.name: n for n in nodes}
+        for r in snap.running:
+            n = len(r.nodes)
+            end = math.inf if r.end is None else r.end.timestamp() - ctl.epoch_s
+            for name in r.nodes:
+                node = by_name.get(name)
+                if node is None:
+                    continue
+                job = SimJob(
+                    r.name, "rollout" if r.job_id in ours else "other", r.gpus // n, r.cpus // n, r.mem_mb, end
+                )
+                ctl._register(job, 0.0, r.job_id)
+                ctl._start(job, node, 0.0, end)
+        for state in snap.nodes:  # what the running list did not account for (a job that just ended, ...)
+            node = by_name.get(state.name)
+            if node is not None:
+                rest = (state.gpus_alloc - node.gpus_alloc, state.cpus_alloc - node.cpus_alloc)
+                mem = state.alloc_memory_mb - node.mem_alloc
+                if max(*rest, mem) > 0:
+                    job = SimJob("unaccounted", "other", max(rest[0], 0), max(rest[1], 0), max(mem, 0), NO_LIMIT)
+                    ctl._register(job, 0.0)
+                    ctl._start(job, node, 0.0, NO_LIMIT)
+        for p in sorted(snap.pending, key=lambda p: (-p.priority, _job_order(p.job_id))):
+            if p.nodes != 1:
+                raise NotImplementedError(f"pending job {p.job_id} spans {p.nodes} nodes: not modelled")
+            limit = math.inf if p.time_limit_s is None else float(p.time_limit_s)
+            kind = "rollout" if p.job_id in ours else "other"
+            job = SimJob(p.name, kind, p.gpus, p.cpus, p.mem_mb, limit, priority=p.priority)
+            job.held = p.reason.startswith(WAITING_ON_OTHERS)
+            job.reason = p.reason if job.held else "None"
+            ctl._register(job, 0.0, p.job_id)
+            ctl.pending.append(job)
+        return ctl
 
     # ---------------------------------------------------------------- jobs
     def place_run(self, learner_gpus: int, generator_gpus: int, learner_shape, generator_shape) -> list[str]:
@@ -174,8 +235,10 @@ class SimSlurm:
             self._start(job, node, self.loop.now, NO_LIMIT)
         return [j.job_id for j in jobs]
 
-    def _register(self, job: SimJob, now: float) -> None:
-        job.job_id, job.order, job.submit = str(self._next_id), self._next_id, now
+    def _register(self, job: SimJob, now: float, job_id: str = "") -> None:
+        job.job_id, job.order, job.submit = job_id or str(self._next_id), self._next_id, now
+        if job.priority is None:
+            job.priority = 2**31 - job.order
         self._next_id += 1
         self.jobs[job.job_id] = job
         self.version += 1
@@ -259,6 +322,8 @@ class SimSlurm:
         self._main_due = False
         blocked = False
         for job in list(self.pending):
+            if job.held:
+                continue
             if blocked:
                 job.reason = "Priority"
                 continue
@@ -290,6 +355,8 @@ class SimSlurm:
         profiles = {n.name: _Profile(n, now) for n in self.nodes}
         first_blocked = True
         for job in list(self.pending):
+            if job.held:
+                continue
             length = job.time_min_s or job.limit_s
             need = (job.gpus, job.cpus, job.mem_mb)
             best = None  # (start, free GPUs now, node)
@@ -310,7 +377,7 @@ class SimSlurm:
                 self._start(job, node, now, length)
                 profiles[node.name].book(now, now + length, need)
                 continue
-            start = t - (t + BASE_TS) % r if r > 0 else t  # bookings are aligned down to bf_resolution
+            start = t - (t + self.epoch_s) % r if r > 0 else t  # bookings are aligned down to bf_resolution
             profiles[node.name].book(max(start, now), start + length, need)
             job.expected_start, job.sched_node = t, node.name
             job.reason = "Resources" if first_blocked else "Priority"
@@ -329,14 +396,18 @@ class SimSlurm:
                 self._running(),
             )
         nodes, parts, pending, running = self._snap
-        return QueueSnapshot(at(self.loop.now), nodes, parts, pending, running, self.r, self.spec.bf_interval_s)
+        return QueueSnapshot(self.at(self.loop.now), nodes, parts, pending, running, self.r, self.spec.bf_interval_s)
+
+    def at(self, t: float) -> dt.datetime:
+        """Simulated time `t` as the controller's local time."""
+        return dt.datetime.fromtimestamp(self.epoch_s + t) if self.epoch_s != BASE_TS else at(t)
 
     def _pending(self) -> tuple[PendingJob, ...]:
         out = []
         for j in self.pending:
             key = (j.expected_start, j.reason, j.sched_node)
             if j._shown is None or j._shown[0] != key:
-                j._shown = (key, _pending_job(j))
+                j._shown = (key, _pending_job(j, self.at))
             out.append(j._shown[1])
         return tuple(sorted(out, key=lambda p: (p.expected_start or dt.datetime.max, p.job_id)))
 
@@ -344,8 +415,9 @@ class SimSlurm:
         out = []
         for j in sorted(self.running, key=lambda j: j.order):
             if j._shown is None:
-                end = None if math.isinf(j.planned_end) else at(j.planned_end)
-                j._shown = (None, RunningJob(j.job_id, PARTITION, j.name, (j.node.name,), j.gpus, end))
+                end = None if math.isinf(j.planned_end) else self.at(j.planned_end)
+                shown = RunningJob(j.job_id, PARTITION, j.name, (j.node.name,), j.gpus, end, j.cpus, j.mem_mb)
+                j._shown = (None, shown)
             out.append(j._shown[1])
         return tuple(out)
 
@@ -370,7 +442,7 @@ def _node_state(n: SimNode) -> NodeState:
     return NodeState(n.name, state, (PARTITION,), n.cpus, n.cpus_alloc, n.gpus, n.gpus_alloc, n.mem_mb, n.mem_alloc)
 
 
-def _pending_job(j: SimJob) -> PendingJob:
+def _pending_job(j: SimJob, at) -> PendingJob:
     return PendingJob(
         j.job_id,
         PARTITION,
@@ -382,8 +454,9 @@ def _pending_job(j: SimJob) -> PendingJob:
         None if math.isinf(j.limit_s) else int(j.limit_s),
         None if j.expected_start is None else at(j.expected_start),
         j.reason,
-        j.priority * 10**9 - j.order if j.priority else 0,
+        j.priority,
         () if j.sched_node is None else (j.sched_node,),
+        j.mem_mb,
     )
 
 
@@ -394,6 +467,11 @@ def _partition(nodes: list[SimNode]) -> PartitionState:
     return PartitionState(
         PARTITION, True, names, None, cpus, cpus_alloc, cpus - cpus_alloc, gpus, gpus_alloc, gpus - gpus_alloc
     )
+
+
+def _job_order(job_id: str) -> tuple[int, str]:
+    head = job_id.split("_", 1)[0]
+    return (int(head), job_id) if head.isdigit() else (2**62, job_id)
 
 
 def _priority(job: SimJob) -> tuple[int, int]:

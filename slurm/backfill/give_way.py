@@ -11,8 +11,11 @@ for the live run and the simulator alike) cancels what these rules name.
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
+import functools
 import heapq
+import itertools
 
 from hpcrl.slurm.backfill.snapshot import QueueSnapshot, backfill_parameters
 
@@ -32,9 +35,10 @@ def jobs_to_give_way(snap: QueueSnapshot, records: dict, own_ids, rollout_partit
     if not running:
         return {}
     own = set(own_ids) | {r["job_id"] for r in records.values()}
-    pending = [j for j in snap.pending if j.job_id not in own and j.gpus > 0 and j.partition != rollout_partition]
-    if not pending:
-        return {}
+    # highest priority first, looked at only as far as one could still start on ours
+    pending = (
+        j for j in snap.index.by_priority if j.job_id not in own and j.gpus > 0 and j.partition != rollout_partition
+    )
     members = {part.name: part.nodes for part in snap.partitions}
     idle = {n.name: n.gpus_idle for n in snap.nodes}
     ours: dict[str, list[tuple[str, int]]] = {}
@@ -42,7 +46,7 @@ def jobs_to_give_way(snap: QueueSnapshot, records: dict, own_ids, rollout_partit
         if job.job_id in running:
             where = job.nodes[0] if len(job.nodes) == 1 else ",".join(job.nodes)
             ours.setdefault(where, []).append((job.job_id, running[job.job_id]["gpus"]))
-    return rollout_jobs_to_yield(pending, idle, ours, members, snap.now)
+    return rollout_jobs_to_yield(pending, idle, ours, members, snap.now, by_priority=True)
 
 
 def rollout_jobs_to_yield(
@@ -51,6 +55,7 @@ def rollout_jobs_to_yield(
     ours_by_node: dict[str, list[tuple[str, int]]],
     members: dict,
     now: dt.datetime | None = None,
+    by_priority: bool = False,
 ) -> dict[str, str]:
     """{our rollout job id: the pending job it must give way to} (pure).
 
@@ -68,45 +73,50 @@ def rollout_jobs_to_yield(
     known) nothing is held, and ours are given back as before. CPUs and memory are not weighed:
     a rollout job holds little of either.
 
-    Linear in the pending jobs and the nodes with idle GPUs or ours: only those can start a job
-    on ours, the jobs are taken from a heap in priority order, and once no such node is left the
-    jobs after it need no look (tests/test_scheduler_backfill.py checks it against the plain
-    scan over every node for every job). Jobs without GPUs take none."""
-    idle = dict(idle_by_node)
-    # ours per node, fewest GPUs first: popped from the end, the largest go first
-    ours = {n: sorted(js, key=lambda jg: jg[1]) for n, js in ours_by_node.items() if js and n in idle}
-    if not ours:
+    Linear in the pending jobs: only nodes with idle GPUs or ours can start a job on ours (a
+    one-node job finds its best fit in buckets by idle GPUs), the jobs are taken from a heap in
+    priority order (or as given, `by_priority`: an iterable already in that order, ties in the
+    snapshot's), a job of a shape (partition, nodes, GPUs, limit) that found no room is not
+    looked for again, and once no such node is left the jobs after it need no look
+    (tests/test_scheduler_backfill.py checks it against the plain scan over every node for every
+    job). Jobs without GPUs take none."""
+    free = _Nodes(idle_by_node, ours_by_node)
+    if not free.ours:
         return {}
-    lend = {n: sum(g for _, g in js) for n, js in ours.items()}
-    cands = {n for n, free in idle.items() if free > 0 or n in ours}  # nodes where a job could start on ours
-    bound = max(idle[n] + lend.get(n, 0) for n in cands)  # only shrinks: an upper bound throughout
+    bound = max(free.idle[n] + free.lend.get(n, 0) for n in free.cands)  # only shrinks: an upper bound throughout
     out: dict[str, str] = {}
     held_from: dict[str, dt.datetime] = {}  # node -> earliest start of a blocked higher job planned there
     positions: dict[str, dict[str, int]] = {}
-    heap = [(-job.priority, i) for i, job in enumerate(pending)]
-    heapq.heapify(heap)
-    while heap and cands:
-        job = pending[heapq.heappop(heap)[1]]
+    in_order: dict[str, bool] = {}  # partition -> its nodes are listed in the nodes' order
+    failed: set[tuple] = set()  # job shapes that found no room
+    for job in pending if by_priority else _by_priority(pending):
+        if not free.cands:
+            break  # no node is left where a job could start on ours
         if job.nodes < 1 or job.gpus < 1 or job.reason.startswith(WAITING_ON_OTHERS):
             continue
         per_node = -(-job.gpus // job.nodes)
         ready: list[str] = []
         could: list[str] = []
-        if per_node <= bound:
+        shape = (job.partition, job.nodes, per_node, job.time_limit_s)
+        if per_node <= bound and shape not in failed:
             pos = positions.get(job.partition)
             if pos is None:
                 pos = positions[job.partition] = {n: k for k, n in enumerate(members.get(job.partition, ()))}
+                in_order[job.partition] = free.in_order(members.get(job.partition, ()))
             end = None
             if now is not None and held_from:
                 end = now + dt.timedelta(seconds=job.time_limit_s) if job.time_limit_s is not None else dt.datetime.max
-            nodes = sorted(
-                (n for n in cands if n in pos and (end is None or not held_from.get(n, dt.datetime.max) < end)),
-                key=pos.__getitem__,
-            )
-            ready = sorted((n for n in nodes if idle[n] >= per_node), key=idle.__getitem__)
-            could = sorted((n for n in nodes if idle[n] < per_node <= idle[n] + lend.get(n, 0)), key=lambda n: -idle[n])
+
+            usable = functools.partial(_usable, pos, held_from, end)
+            if job.nodes == 1 and in_order[job.partition]:
+                ready, could = free.single(per_node, usable, pos)
+            else:
+                ready, could = free.scan(per_node, usable, pos)
         short = max(job.nodes - len(ready), 0)
         if short > len(could):
+            # Idle GPUs and ours only ever shrink, and holds only grow: a job of this shape will not
+            # find room later in this decision either.
+            failed.add(shape)
             # It waits for others' GPUs too: giving ours back would not start it. It holds its plan.
             if job.expected_start is not None:
                 for n in job.sched_nodes:
@@ -114,16 +124,87 @@ def rollout_jobs_to_yield(
                         held_from[n] = job.expected_start
             continue
         for n in could[:short]:
-            while idle[n] < per_node:
-                job_id, gpus = ours[n].pop()
-                out[job_id] = job.job_id
-                idle[n] += gpus
-                lend[n] -= gpus
+            out.update((job_id, job.job_id) for job_id in free.lend_to(n, per_node))
         for n in ready[: job.nodes - short] + could[:short]:
-            idle[n] -= per_node  # it takes these: not for the jobs after it
-            if idle[n] <= 0 and not ours.get(n):
-                cands.discard(n)
+            free.take(n, per_node)  # it takes these: not for the jobs after it
     return out
+
+
+def _usable(pos: dict, held_from: dict, end: dt.datetime | None, n: str) -> bool:
+    """The node is the job's partition's, and no blocked higher job's plan holds it before the
+    job, started now, would end."""
+    return n in pos and (end is None or not held_from.get(n, dt.datetime.max) < end)
+
+
+class _Nodes:
+    """Idle GPUs and our rollout jobs per node, for `rollout_jobs_to_yield`. `cands`: the nodes
+    where a job could still start on ours (idle GPUs, or ours there), bucketed by idle GPUs in the
+    nodes' order, so that a one-node job finds its best fit without looking at every node."""
+
+    def __init__(self, idle_by_node: dict[str, int], ours_by_node: dict[str, list[tuple[str, int]]]):
+        self.idle = dict(idle_by_node)
+        self.order = {n: k for k, n in enumerate(self.idle)}
+        # ours per node, fewest GPUs first: popped from the end, the largest go first
+        self.ours = {n: sorted(js, key=lambda jg: jg[1]) for n, js in ours_by_node.items() if js and n in self.idle}
+        self.lend = {n: sum(g for _, g in js) for n, js in self.ours.items()}
+        self.cands = {n for n, f in self.idle.items() if f > 0 or n in self.ours}
+        self.buckets: dict[int, list[tuple[int, str]]] = {}
+        for n in sorted(self.cands, key=self.order.__getitem__):
+            self.buckets.setdefault(self.idle[n], []).append((self.order[n], n))
+
+    def in_order(self, members) -> bool:
+        ks = [self.order[n] for n in members if n in self.order]
+        return all(a < b for a, b in itertools.pairwise(ks))
+
+    def single(self, per_node: int, usable, pos) -> tuple[list[str], list[str]]:
+        """(the best fit with per_node idle GPUs, else the node where ours make room) for a one-node job."""
+        for v in sorted(k for k, b in self.buckets.items() if b and k >= per_node):
+            n = next((n for _, n in self.buckets[v] if usable(n)), None)
+            if n is not None:
+                return [n], []
+        could = [
+            n
+            for n in self.ours
+            if n in self.cands and usable(n) and self.idle[n] < per_node <= self.idle[n] + self.lend[n]
+        ]
+        could.sort(key=lambda n: (-self.idle[n], pos[n]))
+        return [], could[:1]
+
+    def scan(self, per_node: int, usable, pos) -> tuple[list[str], list[str]]:
+        nodes = sorted((n for n in self.cands if usable(n)), key=pos.__getitem__)
+        ready = sorted((n for n in nodes if self.idle[n] >= per_node), key=self.idle.__getitem__)
+        could = [n for n in nodes if self.idle[n] < per_node <= self.idle[n] + self.lend.get(n, 0)]
+        return ready, sorted(could, key=lambda n: -self.idle[n])
+
+    def _set(self, n: str, value: int) -> None:
+        if n in self.cands:
+            self.buckets[self.idle[n]].remove((self.order[n], n))
+        self.idle[n] = value
+        if value > 0 or self.ours.get(n):
+            self.cands.add(n)
+            bisect.insort(self.buckets.setdefault(value, []), (self.order[n], n))
+        else:
+            self.cands.discard(n)
+
+    def lend_to(self, n: str, per_node: int) -> list[str]:
+        """Give back ours on `n`, largest first, until per_node GPUs are idle there; their ids."""
+        gone = []
+        while self.idle[n] < per_node:
+            job_id, gpus = self.ours[n].pop()
+            gone.append(job_id)
+            self.lend[n] -= gpus
+            self._set(n, self.idle[n] + gpus)
+        return gone
+
+    def take(self, n: str, gpus: int) -> None:
+        self._set(n, self.idle[n] - gpus)
+
+
+def _by_priority(pending):
+    heap = [(-job.priority, i) for i, job in enumerate(pending)]
+    heapq.heapify(heap)
+    while heap:
+        yield pending[heapq.heappop(heap)[1]]
 
 
 def overdue(blocking: dict[str, str], since: dict[str, float], now: float, after_s: float) -> tuple[dict, dict]:

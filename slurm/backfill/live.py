@@ -22,14 +22,16 @@ __all__ = ["read_snapshot", "live_window", "LiveCluster"]
 
 def read_snapshot(params: dict[str, str] | None = None) -> QueueSnapshot:
     """The queue as the controller has it now: four commands, pending jobs first (their
-    expected starts age fastest)."""
+    expected starts age fastest), and the pending jobs indexed (QueueSnapshot.index)."""
     resolution, interval = backfill_parameters(queries.scheduler_parameters() if params is None else params)
     now = dt.datetime.now().replace(microsecond=0)
     pending = queries.pending_jobs()
     nodes = queries.nodes()
     parts = queries.partitions(nodes)
     running = queries.running_jobs()
-    return QueueSnapshot(now, tuple(nodes), tuple(parts), tuple(pending), tuple(running), resolution, interval)
+    snap = QueueSnapshot(now, tuple(nodes), tuple(parts), tuple(pending), tuple(running), resolution, interval)
+    _ = snap.index  # sorted once here: the decisions on it then look at as few jobs as they need
+    return snap
 
 
 def live_window(

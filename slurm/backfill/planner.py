@@ -93,6 +93,7 @@ def find_window(
     bf_resolution_s: int = 60,
     bf_interval_s: float = 30.0,
     need: Resources | None = None,
+    by_start: tuple[PendingJob, ...] | None = None,
 ) -> ClusterWindow:
     """The backfill window for GPU jobs in `partition` now (pure: tested on captured states).
 
@@ -102,6 +103,8 @@ def find_window(
     With `need` (one rollout job's request), a node's idle GPUs count only as far as whole jobs
     of that shape fit its idle CPUs and free memory too: an idle GPU on a node whose memory the
     run's own learner holds takes no job, and Slurm would leave one sized to it pending.
+    `by_start`: the same jobs sorted by expected start (QueueSnapshot.index), so that the scan
+    stops at the first job that ends the window instead of looking at every one.
     """
     by_name = {p.name: p for p in partitions}
     if partition not in by_name:
@@ -116,6 +119,17 @@ def find_window(
             if usable > 0:
                 idle_by_node.append((n.name, usable))
     sharing = {p.name for p in partitions if members.intersection(p.nodes)}
+    if by_start is None:
+        end, blocked_by = _window_end(pending, sharing, excluded, now)
+    else:
+        end, blocked_by = _window_end_sorted(pending, by_start, sharing, excluded, now)
+    shape = "" if need is None else describe(need)
+    return ClusterWindow(partition, now, tuple(idle_by_node), end, blocked_by, bf_resolution_s, bf_interval_s, shape)
+
+
+def _window_end(pending, sharing, excluded, now) -> tuple[dt.datetime | None, str | None]:
+    """The earliest expected start of a GPU job that ends the window (one not planned yet, or
+    overdue, ends it now), and that job; the first in `pending`'s order among equals."""
     end, blocked_by = None, None
     for job in pending:
         if job.gpus <= 0 or job.partition not in sharing or job.job_id in excluded:
@@ -123,8 +137,29 @@ def find_window(
         start = now if job.expected_start is None or job.expected_start < now else job.expected_start
         if end is None or start < end:
             end, blocked_by = start, job.job_id
-    shape = "" if need is None else describe(need)
-    return ClusterWindow(partition, now, tuple(idle_by_node), end, blocked_by, bf_resolution_s, bf_interval_s, shape)
+    return end, blocked_by
+
+
+def _window_end_sorted(pending, by_start, sharing, excluded, now) -> tuple[dt.datetime | None, str | None]:
+    """`_window_end` from the jobs sorted by expected start (those without one last): the first
+    job that counts is the answer, unless one without an estimate counts too (then, as one
+    overdue, the window ends now, and the job is the first such in `pending`'s order)."""
+
+    def counts(job) -> bool:
+        return job.gpus > 0 and job.partition in sharing and job.job_id not in excluded
+
+    planned = next((j for j in by_start if j.expected_start is not None and counts(j)), None)
+    unplanned = None
+    for j in reversed(by_start):  # the unplanned sit at the end: stop at the first planned one
+        if j.expected_start is not None:
+            break
+        if counts(j):
+            unplanned = j
+            break
+    if unplanned is None and (planned is None or planned.expected_start > now):
+        return (None, None) if planned is None else (planned.expected_start, planned.job_id)
+    first = next(j for j in pending if counts(j) and (j.expected_start is None or j.expected_start <= now))
+    return now, first.job_id
 
 
 def jobs_fitting(node: NodeState, need: Resources) -> int:
@@ -286,6 +321,7 @@ def plan_rollout_jobs(
         snap.bf_resolution_s,
         snap.bf_interval_s,
         settings.need,
+        snap.index.by_start,
     )
     key = window_key(window)
     if any(r.get("withdrawn") and r.get("window_key") == key for r in records.values()):
@@ -319,6 +355,6 @@ def jobs_to_withdraw(snap: QueueSnapshot, records: dict, now_s: float, after_s: 
         for r in records.values()
         if r["state"] == "active" and r.get("pending") and now_s - r["submitted"] >= after_s
     }
-    if not late:
-        return {}
-    return {j.job_id: j.reason for j in snap.pending if j.job_id in late and j.reason not in ("", "None")}
+    by_id = snap.index.by_id
+    seen = (by_id[j] for j in late if j in by_id)
+    return {j.job_id: j.reason for j in seen if j.reason not in ("", "None")}

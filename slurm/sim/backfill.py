@@ -36,7 +36,7 @@ from hpcrl.slurm.backfill.give_way import give_way_interval_s
 from hpcrl.slurm.backfill.lending import episodes_to_take, may_lease, must_end, room_for_another_generator
 from hpcrl.slurm.backfill.planner import PlanSettings, RolloutJobSize, withdraw_after_s
 from hpcrl.slurm.sbatch import Resources
-from hpcrl.slurm.sim.engine import Episode, EventLoop
+from hpcrl.slurm.sim.engine import OPEN, Episode, EventLoop, SimInvariantError
 from hpcrl.slurm.sim.policies import AsyncPolicy
 from hpcrl.slurm.sim.slurm import BASE_TS, PARTITION, SimJob, SimSlurm
 from hpcrl.slurm.sim.trace import Trace, World
@@ -46,6 +46,7 @@ __all__ = ["BackfillPolicy", "SUPERVISOR_POLL_S", "coordinator_max_ahead"]
 
 # The Slurm supervisor ticks the planner every poll (jobs/supervise.py SupervisorComponent.poll_s).
 SUPERVISOR_POLL_S = 2.0
+STUCK_S = 48 * 3600.0  # a run without a training step this long is a simulator bug
 
 
 def coordinator_max_ahead(max_staleness: int, batch: int) -> int:
@@ -110,6 +111,7 @@ class BackfillPolicy(AsyncPolicy):
         self.startup_s = s.job_overhead_s if spec.startup_s is None else spec.startup_s
         self._next_plan = 0.0
         self._seen = None
+        self._steps_seen = (0, 0.0)  # (steps done, when the last one was seen)
         self._names = 0
 
     # ---------------------------------------------------------------- start
@@ -132,6 +134,10 @@ class BackfillPolicy(AsyncPolicy):
     def _poll(self, _: object, now: float) -> None:
         if self.end_time is not None or self._finishing:
             return
+        if self.steps_done > self._steps_seen[0]:
+            self._steps_seen = (self.steps_done, now)
+        elif now - self._steps_seen[1] > STUCK_S:  # other users' jobs keep the clock going: no "out of events"
+            raise SimInvariantError(f"no training step for {STUCK_S / 3600:.0f} simulated hours: the run is stuck")
         self.tick(now)
         self.loop.at(now + SUPERVISOR_POLL_S, self._poll)
         k = 1
@@ -281,6 +287,8 @@ class BackfillPolicy(AsyncPolicy):
         return ep
 
     def refill(self, g: int, now: float) -> None:
+        if g >= self.L + self.G and g not in self.gens:
+            return  # a rollout job that has ended takes nothing (an episode of it may settle after)
         want = episodes_to_take(self.k, len(self.own[g]), self.waiting[g], self.lend)
         for _ in range(want):
             ep = self.acquire(g, now)
@@ -322,6 +330,9 @@ class BackfillPolicy(AsyncPolicy):
 
     # ---------------------------------------------------------------- the end
     def finish(self, now: float) -> None:
+        for ep in self.episodes:
+            if ep.fate == OPEN and not ep.done and ep.owner >= self.L + self.G and ep.owner not in self.gens:
+                raise SimInvariantError(f"episode {ep.index} is held by rollout GPU {ep.owner}, whose job has ended")
         self._finishing = True
         if self.rounds is not None:
             self.rounds.stop_all(self.record, BASE_TS + now)  # their work in flight stays open, as the fixed ones'

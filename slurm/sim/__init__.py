@@ -11,7 +11,8 @@ measured episodes of a run (`replay`); `engine` is the discrete-event machinery 
 baselines (`sync`: every GPU generates, then every GPU trains; `sync-split`: the weaker
 split-cluster one; `async`: AReaL's staleness bound, no rollout jobs); `backfill` the live
 run, deciding with the live code; `slurm` the simulated controller its rollout jobs are
-planned against and `workload` the other users' jobs there; `shared` several experiments'
+planned against (`profile`: a node's free resources over time in a backfill pass) and
+`workload` the other users' jobs there; `shared` several experiments'
 generators on shared GPUs against split ones; `run` runs a policy and formats, plots and
 checks the result; `report` is `hpcrl sim`'s one function.
 

@@ -301,6 +301,10 @@ class TrainingLedger:
     def add(self, ep: Episode) -> None:
         heapq.heappush(self._ready, (ep.version, ep.index, ep))
 
+    def fresh_ready(self) -> int:
+        """Complete trajectories that a later batch may still contain."""
+        return sum(1 for _, _, ep in self._ready if not self.doomed(ep))
+
     def doomed(self, ep: Episode) -> bool:
         """Started so long ago that no future batch may contain it (never, with drop=False)."""
         return self.drop and ep.version < self.version - self.max_staleness

@@ -11,8 +11,8 @@ experiments run on the same GPUs, and while one waits on its sandboxes another's
   each keeping `episodes_in_flight` (k_i) episodes open.
 * **shared**: the same sum of GPUs is one pool; experiment i runs N x G_i generators of 1/N GPU
   each (N experiments), so every GPU holds N generators, of different experiments where the
-  counts allow. A generator's memory is its share, so each keeps max(1, round(k_i / N))
-  episodes open: the experiment's episodes in flight stay what they were.
+  counts allow. A generator's memory is its share, so the experiment's k_i x G_i episodes in
+  flight are spread over its N x G_i generators: it keeps the episodes in flight it had.
 * **contention**: a GPU runs the turns of its generators by processor sharing. With m turns
   decoding at once, each advances at efficiency(m) / m of its speed alone, efficiency(1) = 1
   and efficiency(m > 1) = `efficiency` (time-slicing and cache pressure between processes;
@@ -26,7 +26,8 @@ experiments run on the same GPUs, and while one waits on its sandboxes another's
 Both run for the same simulated time (the shortest run's time to its last step in split, or
 `hours`); `busy` is GPU time spent on the experiment's work (training, and its share of the
 GPUs its generators ran on) over its GPUs (learner + generators) x that time, and
-`trajectories_per_gpu_h` the trajectories it trained in that time per GPU-hour of its GPUs.
+`trajectories_per_gpu_h` the trajectories it completed in that time (trained, or complete and
+fresh enough to be: not a whole batch's step at the horizon) per GPU-hour of its GPUs.
 Shared, an experiment's busy can exceed 100%: its generators decoded in GPU time the others
 left idle. The totals are over all GPUs and never do.
 """
@@ -235,10 +236,13 @@ class _Exp:
         gpus = self.trace.cluster.learner_gpus + self.trace.cluster.generator_gpus
         train = self.train_gpu_s + ((now - self.train_start) * self.trace.cluster.learner_gpus if self.training else 0)
         cap_h = gpus * now / 3600.0
+        # Trained, or complete and fresh enough to be: else a batch's step at the horizon would
+        # decide the count.
+        done = self.train.consumed + self.train.fresh_ready()
         return {
             "busy": (train + self.gen_gpu_s) / (gpus * now),
-            "trajectories_per_gpu_h": self.train.consumed / cap_h,
-            "trained": self.train.consumed,
+            "trajectories_per_gpu_h": done / cap_h,
+            "trained": done,
             "gpus": gpus,
             "busy_gpu_h": (train + self.gen_gpu_s) / 3600.0,
         }
@@ -254,7 +258,7 @@ def _placement(traces: list[Trace], shared: bool) -> list[list[int]]:
     for _ in range(sum(t.cluster.generator_gpus for t in traces)):
         slots: list[int] = []
         for _ in range(n):
-            order = sorted(range(n), key=lambda i: (i in slots, -left[i], i))
+            order = sorted(range(n), key=lambda i: (left[i] <= 0, i in slots, -left[i], i))
             i = order[0]
             slots.append(i)
             left[i] -= 1
@@ -262,17 +266,26 @@ def _placement(traces: list[Trace], shared: bool) -> list[list[int]]:
     return out
 
 
+def _rows(trace: Trace, n: int) -> list[int]:
+    """Episodes in flight of each of the experiment's n x G generators: its k x G spread evenly."""
+    gens, total = n * trace.cluster.generator_gpus, trace.training.episodes_in_flight * trace.cluster.generator_gpus
+    return [total // gens + (1 if j < total % gens else 0) for j in range(gens)]
+
+
 def _run(traces: list[Trace], shared: bool, efficiency: float, horizon: float | None):
     """Run the experiments together; until `horizon`, or (None) until the first has trained its steps."""
     loop = EventLoop()
     exps = [_Exp(t, loop, None if horizon is not None else t.training.steps) for t in traces]
     n = len(traces) if shared else 1
+    rows = [iter(_rows(t, n)) for t in traces]
     gpus = []
     for slots in _placement(traces, shared):
         gpu = _Gpu(loop, efficiency)
         gpus.append(gpu)
         for i in slots:
-            exps[i].gens.append(_Gen(exps[i], gpu, max(1, round(traces[i].training.episodes_in_flight / n))))
+            k = next(rows[i])
+            if k > 0:  # fewer episodes than generator shares: the rest of its shares stay empty
+                exps[i].gens.append(_Gen(exps[i], gpu, k))
     for e in exps:
         e.start(0.0)
         e.learner_try(0.0)
@@ -317,13 +330,8 @@ def compare(traces: list[Trace], efficiency: float = 0.9, hours: float | None = 
         "model": {
             "efficiency": efficiency,
             "generators_per_gpu": {"split": 1, "shared": n},
-            "episodes_in_flight_per_generator": {
-                t.name: {
-                    "split": t.training.episodes_in_flight,
-                    "shared": max(1, round(t.training.episodes_in_flight / n)),
-                }
-                for t in traces
-            },
+            # per experiment, split and shared alike
+            "episodes_in_flight": {t.name: t.training.episodes_in_flight * t.cluster.generator_gpus for t in traces},
         },
         "experiments": [
             {"trace": t.name, "gpus": s["gpus"], "shared": _pick(sh), "split": _pick(s)}

@@ -32,7 +32,6 @@ against it. What it models of Slurm 22.05's sched/backfill, and what it does not
 
 from __future__ import annotations
 
-import bisect
 import datetime as dt
 import math
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from collections.abc import Callable
 from hpcrl.slurm.backfill.give_way import WAITING_ON_OTHERS
 from hpcrl.slurm.backfill.snapshot import QueueSnapshot
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob, RunningJob
+from hpcrl.slurm.sim.profile import Profile
 
 __all__ = ["SimSlurm", "SimJob", "BASE", "at", "PARTITION"]
 
@@ -352,7 +352,7 @@ class SimSlurm:
         r = self.r
         # Per node, free GPUs/CPUs/memory over time: from the running jobs' planned ends (they
         # come back then; a pass cannot know a job ends early) and this pass's bookings.
-        profiles = {n.name: _Profile(n, now) for n in self.nodes}
+        profiles = {n.name: Profile(n, now) for n in self.nodes}
         first_blocked = True
         for job in list(self.pending):
             if job.held:
@@ -476,56 +476,3 @@ def _job_order(job_id: str) -> tuple[int, str]:
 
 def _priority(job: SimJob) -> tuple[int, int]:
     return (-job.priority, job.order)
-
-
-class _Profile:
-    """Free GPUs, CPUs and memory of one node from `now` on: free[i] holds from times[i] to times[i + 1]."""
-
-    __slots__ = ("times", "free")
-
-    def __init__(self, node: SimNode, now: float):
-        free = [node.gpus - node.gpus_alloc, node.cpus - node.cpus_alloc, node.mem_mb - node.mem_alloc]
-        self.times, self.free = [now], [tuple(free)]
-        for e, g, c, m in sorted((j.planned_end, j.gpus, j.cpus, j.mem_mb) for j in node.jobs):
-            if not math.isfinite(e):
-                break
-            free = [free[0] + g, free[1] + c, free[2] + m]
-            if e <= self.times[-1]:
-                self.free[-1] = tuple(free)
-            else:
-                self.times.append(e)
-                self.free.append(tuple(free))
-
-    def earliest(self, need: tuple[int, int, int], length: float) -> float | None:
-        """The earliest breakpoint from which `need` is free for `length` seconds."""
-        times, free, n = self.times, self.free, len(self.times)
-        g, c, m = need
-        i = 0
-        while i < n:
-            f = free[i]
-            if f[0] >= g and f[1] >= c and f[2] >= m:
-                t, j = times[i], i + 1
-                while j < n and times[j] < t + length:
-                    f = free[j]
-                    if not (f[0] >= g and f[1] >= c and f[2] >= m):
-                        break
-                    j += 1
-                else:
-                    return t
-                i = j + 1
-            else:
-                i += 1
-        return None
-
-    def book(self, a: float, b: float, need: tuple[int, int, int]) -> None:
-        """`need` held over [a, b)."""
-        for x in (a, b):
-            i = bisect.bisect_right(self.times, x) - 1
-            if i >= 0 and self.times[i] != x:
-                self.times.insert(i + 1, x)
-                self.free.insert(i + 1, self.free[i])
-        lo, hi = bisect.bisect_left(self.times, a), bisect.bisect_left(self.times, b)
-        g, c, m = need
-        for i in range(lo, hi):
-            f = self.free[i]
-            self.free[i] = (f[0] - g, f[1] - c, f[2] - m)

@@ -13,10 +13,15 @@ dotted path).
 Episode i is a pure function of (seed, i): every policy sees the same domains, turn counts,
 generation and sandbox times in the same order, so policies differ only in scheduling.
 
+The knobs only the simulator has live here, not in the run's config: the optional `slurm:`
+section (`SlurmSpec`: the GPU partition the run shares with other users, Slurm's backfill
+interval and resolution, the other users' workload, a rollout job's start-up). `scheduler:`
+takes config.yaml's scheduler section as it is.
+
 Instead of families, a trace may *replay* what a real run measured (`replay:` names the run
-directory; `hpcrl sim RUN_DIR` builds such a trace): the jobs layer reads every stored
-trajectory's per-turn generate_s and env_s (jobs/cli/sim.py, since slurm/ may not import
-rl/) and hands them to `World(trace, measured=...)` as `MeasuredEpisode`s. Episode i is then
+directory; `hpcrl sim RUN_DIR` builds such a trace): replay.py turns every stored trajectory's
+per-turn generate_s and env_s into `MeasuredEpisode`s (the store's reader handed in by the
+CLI, since slurm/ may not import rl/) for `World(trace, measured=...)`. Episode i is then
 measured episode perm_k[i mod n] for pass k = i // n over the n measured ones, perm_k a
 permutation drawn from (seed, k): each pass replays every measured episode once.
 """
@@ -426,7 +431,7 @@ class World:
             if not measured:
                 raise ValueError(
                     f"trace {trace.name} replays {trace.replay or 'a run'}: pass its measured episodes, "
-                    "World(trace, measured=hpcrl.jobs.cli.sim.read_measured(run_dir))"
+                    "World(trace, measured=hpcrl.slurm.sim.replay.read_measured(run_dir, read_store)[0])"
                 )
             self.measured = tuple(measured)
             self.domains: tuple[Domain, ...] = ()

@@ -61,7 +61,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from backfill_cluster import wait_until  # this folder is on sys.path when a bench script runs
 from backfill_measure import Stretch, holes_by_node, overlap_s, pending_time, waits_after_free
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +84,17 @@ SMALL = [  # one- to ten-minute jobs, as tests/test_submit.py runs them
     "scheduler.rollout_drain_s=5",
     "scheduler.job_overhead_s=20",
 ]
+
+
+def wait_until(pred, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 def log(msg: str) -> None:
@@ -168,6 +178,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     from hpcrl.rl.audit import AUDIT_NAME, account, lineage
     from hpcrl.rl.coordinator import read_status
     from hpcrl.slurm import queries
+    from hpcrl.slurm.backfill.book import rollout_job_counts
     from hpcrl.slurm.backfill.planner import describe
 
     jobs_cap = args.rollout_jobs if mode == "backfill" else 0
@@ -255,7 +266,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     for r in lineage(run_dir / AUDIT_NAME)[0]:
         trained_ids += r["trained"]
     hpcrl_gpu_s = busy_fixed + busy_rollout
-    in_window, granted_s, held_s, startup_s = 0, [], [], []
+    granted_s, held_s, startup_s = [], [], []
     leases = run_dir / "coordinator" / "leases.jsonl"
     first_lease = {}  # rollout job name -> when it leased its first episode: its start-up ends there
     for line in leases.read_text().splitlines() if leases.exists() else []:
@@ -269,7 +280,6 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         held_s.append(round(rec.end.timestamp() - rec.start.timestamp()))
         if name in first_lease:
             startup_s.append(round(first_lease[name] - rec.start.timestamp(), 1))
-        in_window += r.get("window_end") is None or rec.end.timestamp() <= r["window_end"]
         if name in deadline:
             granted_s.append(round(deadline[name] - rec.start.timestamp()))
     return {
@@ -295,16 +305,13 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "t0_second_of_minute": round(t0 % 60, 1),
         "first_rollout_submit_s": round(min(r["submitted"] for r in rollout.values()) - t0, 1) if rollout else None,
         "rollout_jobs": {
-            "submitted": len(rollout),
-            "started": sum(1 for r in rollout.values() if recs.get(r["job_id"]) and recs[r["job_id"]].start),
-            "ended_in_window": in_window,
+            # submitted, started, withdrawn (pended too long: never ran), gave_way (cancelled by the
+            # planner), preempted (by Slurm), ended_in_window: counted as `hpcrl sim` counts them
+            **rollout_job_counts(rollout, *_clocks(recs, rids)),
             "time_limit_min": sorted({r["time_limit_min"] for r in rollout.values()}),
             "granted_limit_s": sorted(granted_s),
             "held_s": sorted(held_s),  # Slurm start to end of each rollout job
             "startup_s": sorted(startup_s),  # its start to its first leased episode (none: never leased)
-            "gave_way": sum(1 for r in rollout.values() if r.get("yielded_to")),
-            "preempted": sum(1 for r in rollout.values() if r.get("preempted")),
-            "withdrawn": sum(1 for r in rollout.values() if r.get("withdrawn")),  # pended too long: never ran
         },
         "trained": acct.trained,
         "trained_from_rollout_jobs": sum("/rollout-" in i for i in trained_ids),
@@ -314,6 +321,13 @@ def run_once(mode: str, tmp: Path, args) -> dict:
         "duplicated": acct.trained_twice,
         "step": (st.get("learner") or {}).get("step"),
     }
+
+
+def _clocks(recs, job_ids) -> tuple[dict, dict]:
+    """{job id: sacct start}, {job id: sacct end} in epoch seconds (None where it has none)."""
+    starts = {j: recs[j].start.timestamp() if j in recs and recs[j].start else None for j in job_ids}
+    ends = {j: recs[j].end.timestamp() if j in recs and recs[j].end else None for j in job_ids}
+    return starts, ends
 
 
 def main() -> int:

@@ -387,19 +387,11 @@ class LocalWindowConfig:
 class SchedulerConfig:
     policy: Literal["sync", "async", "backfill"] = spec("backfill", help="how rollout work is placed on GPUs")
     fit_quantile: float = spec(
-        0.9, help="a task fits an idle window if this quantile of its domain's durations does", gt=0, le=1
-    )
-    reclaim_quantile: float = spec(
-        0.25,
-        help="an owner is expected back at this quantile of what it waits for (a sandbox run, a batch filling)",
+        0.9,
+        help="a rollout job takes another episode only while this quantile of its recent episode durations fits "
+        "before its window ends",
         gt=0,
         le=1,
-    )
-    window_margin_s: float = spec(0.0, help="seconds left free at the end of every idle window", ge=0)
-    min_chunk_s: float = spec(
-        8.0,
-        help="a generation turn is lent only windows this long; it resumes elsewhere when cut (0: never split turns)",
-        ge=0,
     )
     history: int = spec(256, help="recent task durations kept per domain for the estimates", ge=1)
     min_samples: int = spec(8, help="a domain with fewer samples uses the pooled history of all domains", ge=1)

@@ -13,8 +13,8 @@ restarts what dies, on Slurm (`SupervisorComponent`) and, through `localrun`, on
 (`LocalRun`), deciding as `restarts` says (budgets that refill, backoff, hangs from heartbeats,
 a component failing twice at start the same way stops the run), and feeds TensorBoard/W&B;
 `rollout_plan` submits backfill rollout jobs (`rollout`) into idle-GPU windows (on Slurm through
-`rollout_slurm`), and `give_way` says which of them hand their GPUs back to another user's
-pending job; `scripts` renders plain sbatch scripts and is the command they run; `rundir`
+`rollout_slurm`, which runs slurm/backfill's decisions: window, size, withdrawal, give-way);
+`scripts` renders plain sbatch scripts and is the command they run; `rundir`
 creates run directories; `report` and `slurmstatus` are what `hpcrl run` and `hpcrl status`
 print, `plots` draws `hpcrl plot`'s pictures and `accounting` is `hpcrl report`'s sacct and cost
 figures; `chaos` is the fault drill; `cli/` has one module per verb.

@@ -11,7 +11,8 @@ have cut --time down to --time-min), locally the deadline it was given. Then:
 
 - it leases new episodes only while the time left exceeds one episode (a `fit_quantile` of its
   own recent episode durations, `scheduler.prior_s` before it has `min_samples` of them) plus
-  `scheduler.rollout_drain_s`;
+  `scheduler.rollout_drain_s` (slurm/backfill/lending.py `may_lease`, `must_end`: the
+  simulator's rollout jobs decide with the same functions);
 - it ends when the time left reaches `rollout_drain_s`, or earlier once it stopped leasing and
   nothing is in flight: the generator component then hands the unfinished episodes back to the
   coordinator (re-issued at once), waits for the store's acknowledgements, and returns
@@ -43,21 +44,12 @@ from hpcrl.core.config import SchedulerConfig
 from hpcrl.core.files import atomic_write_json
 from hpcrl.jobs.components import GeneratorComponent, exit_now
 from hpcrl.slurm.backfill.estimates import DurationEstimator
+from hpcrl.slurm.backfill.lending import may_lease, must_end
 
-__all__ = ["RolloutComponent", "WindowedSource", "may_lease", "must_end", "slurm_deadline", "ROLLOUT_DIR"]
+__all__ = ["RolloutComponent", "WindowedSource", "slurm_deadline", "ROLLOUT_DIR"]
 
 ROLLOUT_DIR = "rollout"  # <run>/rollout/<name>.json: each rollout job's deadline, as it knows it
 log = logging.getLogger("hpcrl.rollout")
-
-
-def may_lease(time_left_s: float, episode_s: float, drain_s: float) -> bool:
-    """Take a new episode only if one more fits before the drain starts."""
-    return time_left_s > episode_s + drain_s
-
-
-def must_end(time_left_s: float, drain_s: float, leasing: bool, open_episodes: int) -> bool:
-    """Hand back and exit: the drain margin is reached, or nothing is left to finish."""
-    return time_left_s <= drain_s or (not leasing and open_episodes == 0)
 
 
 def slurm_deadline(job_id: str) -> float:

@@ -14,9 +14,10 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   has room (`coordinator_has_work`: fewer groups outstanding than it may hand out, or episodes
   queued for re-issue). When flow control is full the learner is the bottleneck: another
   generator would only hold a GPU idle, so none is started.
-- **Which window?** On Slurm (jobs/rollout_slurm.py) `live_window(slurm.generator.partition,
-  exclude=<the run's jobs>)` (squeue --start; slurm/backfill/planner.py), in whole rollout jobs of
-  the generator role's shape (GPUs, CPUs, memory), sized by `size_rollout_jobs`: --time the
+- **Which window?** On Slurm (jobs/rollout_slurm.py) the window of `slurm.generator.partition`
+  in a snapshot of the queue (squeue --start; slurm/backfill/planner.py `plan_rollout_jobs`, the
+  run's own jobs excluded), in whole rollout jobs of the generator role's shape (GPUs, CPUs,
+  memory), sized by `size_rollout_jobs`: --time the
   longest limit that backfill accepts before the next pending GPU job (`minutes_that_fit`),
   --time-min one minute less (at least one episode + job_overhead_s + rollout_drain_s: see
   size_rollout_jobs), as many jobs as idle GPUs hold, with `--nice scheduler.rollout_nice` (last
@@ -24,7 +25,7 @@ needs a Slurm client loop of its own. Every `scheduler.plan_interval_s` it decid
   pending jobs' starts into GPUs a rollout job holds. In `scheduler.rollout_partition`
   (preemptible by the GPU partition: checked at submit and here, slurm/preempt.py) Slurm preempts
   such a rollout job in its next pass (SIGTERM: it hands back and exits). Otherwise the planner
-  cancels it at once (jobs/give_way.py) within `scheduler.give_way_interval_s` (by default a
+  cancels it at once (slurm/backfill/give_way.py) within `scheduler.give_way_interval_s` (by default a
   quarter of Slurm's bf_interval: between its polls the supervisor runs `watch()`, one squeue of
   the partitions, and the full check once a job there started or ended); with a rollout partition
   only after `rollout_yield_after_s` of Slurm not preempting it.
@@ -55,9 +56,12 @@ from pathlib import Path
 
 from hpcrl.core.config import Config
 from hpcrl.core.files import atomic_write_json
-from hpcrl.jobs.give_way import give_way_interval_s
 from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
-from hpcrl.jobs.rollout_slurm import RolloutJobSize, SlurmBackend, withdraw_after_s
+from hpcrl.jobs.rollout_slurm import SlurmBackend
+from hpcrl.slurm.backfill.give_way import give_way_interval_s
+from hpcrl.slurm.backfill.lending import room_for_another_generator
+from hpcrl.slurm.backfill.planner import RolloutJobSize, withdraw_after_s
+from hpcrl.slurm.backfill.snapshot import backfill_parameters
 
 __all__ = [
     "coordinator_has_work",
@@ -82,7 +86,8 @@ def coordinator_has_work(status: dict | None, max_ahead_groups: int) -> bool:
     if "version" not in ln:
         return False  # no weights published yet: a generator started now would only wait for them
     consumed = int(ln.get("trained_groups", 0)) + int(ln.get("dropped_groups", 0))
-    return int(status.get("queued", 0)) > 0 or int(status.get("groups_issued", 0)) - consumed < max_ahead_groups
+    outstanding = int(status.get("groups_issued", 0)) - consumed
+    return room_for_another_generator(int(status.get("queued", 0)), outstanding, max_ahead_groups)
 
 
 class RolloutPlanner:
@@ -351,7 +356,7 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
 
         params = queries.scheduler_parameters()  # once: they change only with a reconfigure
         yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0
-        withdraw_s = withdraw_after_s(s.rollout_withdraw_s, params)
+        withdraw_s = withdraw_after_s(s.rollout_withdraw_s, backfill_parameters(params)[1])
         need = role_resources(cfg.slurm, "generator")  # what each rollout job asks for (slurm_parameters)
         backend = SlurmBackend(slurm_executor, own_job_ids or (lambda: ()), yield_after_s, params, withdraw_s, need)
     planner = RolloutPlanner(cfg, run_dir, template, backend)

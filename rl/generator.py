@@ -40,6 +40,7 @@ from hpcrl.rl.policy import Policy
 from hpcrl.rl.tasks import EpisodeTicket, TaskSource
 from hpcrl.rl.trajectory import SandboxOutcome, Step, Trajectory
 from hpcrl.sandbox.result import SandboxError
+from hpcrl.slurm.backfill.lending import episodes_to_take
 
 __all__ = ["Generator", "GeneratorStats"]
 
@@ -196,9 +197,9 @@ class Generator:
         # lend_episodes more are taken to keep the batch's rows busy meanwhile.
         cap, open_ = self.cfg.episodes_in_flight, len(self.episodes)
         waiting = sum(1 for e in self.episodes if e.future is not None)
-        free = min(cap - (open_ - waiting), cap + self.cfg.lend_episodes - open_)
+        free = episodes_to_take(cap, open_, waiting, self.cfg.lend_episodes)  # the simulator's rule too
         t0 = time.perf_counter()
-        tickets = source.take(max(free, 0))  # also called with 0: a remote source syncs and reports then
+        tickets = source.take(free)  # also called with 0: a remote source syncs and reports then
         self.stats.source_s += time.perf_counter() - t0
         self.stats.lent += max(0, open_ + len(tickets) - cap) - max(0, open_ - cap)
         for ticket in tickets:

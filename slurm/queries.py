@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 from dataclasses import dataclass
 
 from hpcrl.slurm import parse
@@ -46,7 +47,7 @@ class NodeState:
     real_memory_mb: int
     alloc_memory_mb: int
 
-    @property
+    @functools.cached_property  # asked for every GPU and CPU count of every node in a decision
     def usable(self) -> bool:
         return not any(flag in self.state.upper() for flag in _UNUSABLE)
 
@@ -92,6 +93,19 @@ class PendingJob:
     # Nodes Slurm's backfill has planned it on (squeue %Y), empty when it has none yet: a job that
     # cannot start now holds these from expected_start, and backfill keeps lower ones off them.
     sched_nodes: tuple[str, ...] = ()
+    mem_mb: int = 0  # memory it asks per node (squeue %m; 0: not given)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    job_id: str
+    partition: str
+    name: str
+    nodes: tuple[str, ...]
+    gpus: int  # over all its nodes
+    end: dt.datetime | None  # when Slurm plans it to end (start + time limit); None: no limit
+    cpus: int = 0  # over all its nodes
+    mem_mb: int = 0  # per node (squeue %m)
 
 
 @dataclass(frozen=True)
@@ -136,9 +150,10 @@ def nodes() -> list[NodeState]:
     return result
 
 
-def partitions() -> list[PartitionState]:
-    """Every partition with total, allocated and idle CPUs and GPUs (GRES) on its nodes."""
-    by_name = {n.name: n for n in nodes()}
+def partitions(node_states: list[NodeState] | None = None) -> list[PartitionState]:
+    """Every partition with total, allocated and idle CPUs and GPUs (GRES) on its nodes
+    (`node_states`: the nodes when the caller has just read them)."""
+    by_name = {n.name: n for n in (nodes() if node_states is None else node_states)}
     out = run_slurm(["scontrol", "-o", "show", "partition"])
     result = []
     for rec in parse.parse_scontrol_records(out.stdout):
@@ -176,12 +191,13 @@ _PENDING_FIELDS = (
     "reason",
     "sched_nodes",
     "name",
+    "mem",
 )
 
 
 def pending_jobs(partition: str | None = None) -> list[PendingJob]:
     """Pending jobs with Slurm's expected start times (`squeue --start`), earliest first."""
-    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%Y|%j"]
+    argv = ["squeue", "--start", "-h", "-t", "PENDING", "-o", "%i|%P|%u|%D|%C|%l|%S|%Q|%b|%r|%Y|%j|%m"]
     if partition:
         argv += ["-p", partition]
     rows = parse.parse_delimited(run_slurm(argv).stdout, _PENDING_FIELDS)
@@ -199,11 +215,31 @@ def pending_jobs(partition: str | None = None) -> list[PendingJob]:
             reason=r["reason"],
             priority=int(r["priority"] or 0),
             sched_nodes=tuple(parse.expand_hostlist(r["sched_nodes"])),
+            mem_mb=round(parse.parse_mem_mb(r["mem"]) or 0),
         )
         for r in rows
     ]
     far = dt.datetime.max
     return sorted(jobs, key=lambda j: (j.expected_start or far, j.job_id))
+
+
+def running_jobs() -> list[RunningJob]:
+    """Running jobs of every partition with their nodes and planned ends (`squeue -t RUNNING`)."""
+    argv = ["squeue", "-h", "-t", "RUNNING", "-o", "%i|%P|%D|%b|%N|%e|%j|%C|%m"]
+    fields = ("job_id", "partition", "nodes", "tres", "nodelist", "end", "name", "cpus", "mem")
+    return [
+        RunningJob(
+            job_id=r["job_id"],
+            partition=r["partition"],
+            name=r["name"],
+            nodes=tuple(parse.expand_hostlist(r["nodelist"])),
+            gpus=parse.gpus_in_gres(r["tres"]) * int(r["nodes"]),
+            end=None if r["end"] == "NONE" else parse.parse_timestamp(r["end"]),  # NONE: no time limit
+            cpus=int(r["cpus"] or 0),
+            mem_mb=round(parse.parse_mem_mb(r["mem"]) or 0),
+        )
+        for r in parse.parse_delimited(run_slurm(argv).stdout, fields)
+    ]
 
 
 def expected_start(sbatch_args: list[str], script: str | None = None) -> parse.TestOnlyEstimate:

@@ -1,6 +1,7 @@
-"""The backfill planner's pure decisions (jobs/rollout_plan.py, jobs/rollout.py): when a rollout
-job leases and ends, whether the coordinator has work for one more generator, how rollout jobs
-are sized to a Slurm backfill window, and the --time/--time-min they are submitted with."""
+"""The backfill planner's pure decisions (slurm/backfill/, used by jobs/rollout_plan.py and
+jobs/rollout.py): when a rollout job leases and ends, whether the coordinator has work for one
+more generator, how rollout jobs are sized to a Slurm backfill window, which pending ones are
+withdrawn, and the --time/--time-min they are submitted with."""
 
 from __future__ import annotations
 
@@ -8,12 +9,21 @@ import datetime as dt
 import math
 
 from hpcrl.core.config import SchedulerConfig, load_config
-from hpcrl.jobs.give_way import give_way_interval_s, overdue
 from hpcrl.jobs.launch import slurm_parameters
-from hpcrl.jobs.rollout import may_lease, must_end
 from hpcrl.jobs.rollout_plan import RolloutPlanner, coordinator_has_work, rollout_job_parameters, rollout_summary
-from hpcrl.jobs.rollout_slurm import RolloutJobSize, SlurmBackend, size_rollout_jobs, withdraw_after_s
-from hpcrl.slurm.backfill.planner import BackfillPlanner, ClusterWindow, backfill_parameters, no_window_reason
+from hpcrl.jobs.rollout_slurm import SlurmBackend
+from hpcrl.slurm.backfill.give_way import give_way_interval_s, overdue
+from hpcrl.slurm.backfill.lending import episodes_to_take, may_lease, must_end
+from hpcrl.slurm.backfill.planner import (
+    ClusterWindow,
+    RolloutJobSize,
+    margin_s,
+    minutes_that_fit,
+    no_window_reason,
+    size_rollout_jobs,
+    withdraw_after_s,
+)
+from hpcrl.slurm.backfill.snapshot import QueueSnapshot, backfill_parameters
 from hpcrl.slurm.preempt import preemption_problem
 from hpcrl.slurm.queries import PartitionState
 
@@ -32,6 +42,15 @@ def test_a_rollout_job_leases_while_one_more_episode_fits_before_its_drain():
     assert must_end(time_left_s=40, drain_s=10, leasing=False, open_episodes=0)  # nothing left to do
     assert not must_end(time_left_s=40, drain_s=10, leasing=True, open_episodes=0)  # still leasing
     assert must_end(time_left_s=10, drain_s=10, leasing=True, open_episodes=5)  # drain: hand back
+
+
+def test_a_generator_lends_rows_only_while_episodes_wait_on_environments():
+    assert episodes_to_take(cap=8, open_=0, waiting=0, lend=4) == 8  # fill the batch
+    assert episodes_to_take(cap=8, open_=8, waiting=0, lend=4) == 0  # every row decodes
+    assert episodes_to_take(cap=8, open_=8, waiting=3, lend=4) == 3  # 3 rows idle: 3 more
+    assert episodes_to_take(cap=8, open_=11, waiting=6, lend=4) == 1  # at most cap + lend open
+    assert episodes_to_take(cap=8, open_=8, waiting=3, lend=0) == 0  # lending off
+    assert episodes_to_take(cap=8, open_=12, waiting=0, lend=4) == 0  # never negative
 
 
 def test_rollout_jobs_only_when_flow_control_has_room_and_weights_exist():
@@ -153,12 +172,12 @@ def test_the_margin_is_one_backfill_pass_plus_slack_unless_set():
         now = NOW + dt.timedelta(seconds=50)
         return ClusterWindow("gpu", now, (("n1", 1),), NOW + dt.timedelta(seconds=120), "77", 60, bf_interval_s)
 
-    derived = BackfillPlanner(SchedulerConfig())  # slurm_margin_s 0: bf_interval + 4 s
-    assert derived.margin_s(w(1)) == 5.0 and derived.margin_s(w(30)) == 34.0
-    assert derived.minutes_that_fit(w(1)) == 1  # dev cluster: 70 - 5 s hold one minute
-    assert derived.minutes_that_fit(w(30)) == 0  # Slurm's default pass: 70 - 34 s do not
-    fixed = BackfillPlanner(SchedulerConfig(slurm_margin_s=20))
-    assert fixed.margin_s(w(1)) == 20 and fixed.minutes_that_fit(w(1)) == 0  # as configured
+    derived = SchedulerConfig()  # slurm_margin_s 0: bf_interval + 4 s
+    assert margin_s(derived, w(1)) == 5.0 and margin_s(derived, w(30)) == 34.0
+    assert minutes_that_fit(w(1), margin_s(derived, w(1))) == 1  # dev cluster: 70 - 5 s hold one minute
+    assert minutes_that_fit(w(30), margin_s(derived, w(30))) == 0  # Slurm's default pass: 70 - 34 s do not
+    fixed = SchedulerConfig(slurm_margin_s=20)
+    assert margin_s(fixed, w(1)) == 20 and minutes_that_fit(w(1), 20) == 0  # as configured
     assert "after a 5-s margin" in no_window_reason(w(1), SchedulerConfig(), 1).replace("1 whole", "")
     # SchedulerParameters as scontrol prints them; Slurm's defaults where absent or unreadable
     assert backfill_parameters({"bf_interval": "1", "bf_resolution": "60", "bf_continue": ""}) == (60, 1.0)
@@ -167,36 +186,49 @@ def test_the_margin_is_one_backfill_pass_plus_slack_unless_set():
 
 
 def test_a_rollout_job_pending_past_two_backfill_passes_is_withdrawn():
-    assert withdraw_after_s(0.0, {"bf_interval": "1"}) == 6.0  # the dev cluster
-    assert withdraw_after_s(0.0, {}) == 64.0  # Slurm's default bf_interval, 30 s
-    assert withdraw_after_s(15.0, {"bf_interval": "1"}) == 15.0  # configured: as asked
+    assert withdraw_after_s(0.0, 1.0) == 6.0  # the dev cluster
+    assert withdraw_after_s(0.0, 30.0) == 64.0  # Slurm's default bf_interval, 30 s
+    assert withdraw_after_s(15.0, 1.0) == 15.0  # configured: as asked
 
 
-def test_withdrawn_pending_jobs_end_and_let_the_planner_size_again(tmp_path, monkeypatch):
+class _Cluster:
+    """A controller that answers with a fixed snapshot and records what it is told to cancel."""
+
+    def __init__(self, pending=(), running=()):
+        self.pending, self.running, self.cancelled = tuple(pending), tuple(running), []
+
+    def snapshot(self):
+        return QueueSnapshot(NOW, (), (), self.pending, self.running, 60, 1.0)
+
+    def job_states(self, ids):
+        return {j: "PENDING" for j in ids}
+
+    def preempt_time(self, job_id):
+        return None
+
+    def cancel(self, ids):
+        self.cancelled.extend(ids)
+
+
+def test_withdrawn_pending_jobs_end_and_let_the_planner_size_again(tmp_path):
     from hpcrl.slurm import queries
 
-    cancelled = []
-    monkeypatch.setattr(queries, "cancel", lambda ids: cancelled.extend(ids))
     reasons = {"41": "Resources", "42": "Priority", "44": "None"}  # squeue's reason; None: not looked at yet
-
-    def pending_jobs():
-        return [queries.PendingJob(j, "gpu", "me", "r", 1, 1, 1, 60, None, r, 1, ()) for j, r in reasons.items()]
-
-    monkeypatch.setattr(queries, "pending_jobs", pending_jobs)
-    backend = SlurmBackend(None, lambda: (), withdraw_after_s=6.0)
+    cluster = _Cluster(queries.PendingJob(j, "gpu", "me", "r", 1, 1, 1, 60, None, r, 1, ()) for j, r in reasons.items())
+    backend = SlurmBackend(None, lambda: (), withdraw_after_s=6.0, cluster=cluster)
     p = RolloutPlanner(load_config(None, []), tmp_path, None, backend)
-    jobs = p.record["jobs"]
+    rounds, jobs = backend.rounds(p), p.record["jobs"]
     jobs["rollout-0"] = {"job_id": "41", "state": "active", "gpus": 1, "pending": True, "submitted": 100.0}
     jobs["rollout-1"] = {"job_id": "42", "state": "active", "gpus": 1, "pending": True, "submitted": 103.0}
     jobs["rollout-2"] = {"job_id": "43", "state": "active", "gpus": 1, "pending": False, "submitted": 90.0}
-    assert not backend.withdraw(p, now=105.9) and cancelled == []  # none pends 6 s yet
-    assert backend.withdraw(p, now=106.0) and cancelled == ["41"]  # only the late one, and only ours
+    assert not rounds.withdraw(jobs, 105.9, cluster.snapshot()) and cluster.cancelled == []  # none pends 6 s yet
+    assert rounds.withdraw(jobs, 106.0, cluster.snapshot()) and cluster.cancelled == ["41"]  # only the late one
     assert jobs["rollout-0"]["state"] == "ended" and jobs["rollout-0"]["withdrawn"] == 106.0
     assert jobs["rollout-1"]["state"] == jobs["rollout-2"]["state"] == "active"  # running: give-way's business
     assert p.free() == (p.sched.max_rollout_jobs - 2, p.sched.max_rollout_gpus - 2)  # its GPU counts free again
     # A controller that has not looked at a job yet (reason None) is waited for, however long.
     jobs["rollout-3"] = {"job_id": "44", "state": "active", "gpus": 1, "pending": True, "submitted": 0.0}
-    assert backend.withdraw(p, now=109.0) and cancelled == ["41", "42"]
+    assert backend.reap(p, now=109.0) and cluster.cancelled == ["41", "42"]  # reap withdraws too
     assert jobs["rollout-3"]["state"] == "active" and "Priority" in jobs["rollout-1"]["slurm_state"]
 
 

@@ -1,32 +1,30 @@
-"""Cluster-backfill sizing (slurm/backfill/planner.py), task leases (slurm/backfill/taskqueue.py) and the rollout
-worker (slurm/backfill/worker.py), without a cluster. tests/test_backfill_cluster.py runs the
-same code against the dev Slurm cluster."""
+"""The rollout decisions on a queue snapshot (slurm/backfill/planner.py, give_way.py, book.py),
+without a cluster: the window and whole jobs of the generator's shape, sizing to whole minutes of
+Slurm's backfill resolution, the plan a snapshot gives (or why none), withdrawal, give-way, and
+the rollout-job counts. tests/test_backfill_snapshot.py takes snapshots from the dev cluster."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from hpcrl.core.config import SchedulerConfig
-from hpcrl.slurm.backfill.estimates import DurationEstimator
-from hpcrl.slurm.backfill.packer import RolloutTask
-from hpcrl.slurm.backfill.planner import BackfillPlanner, find_window, jobs_fitting, no_window_reason
-from hpcrl.slurm.backfill.taskqueue import DirTaskQueue, TaskQueueError
-from hpcrl.slurm.backfill.worker import run_window
-from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
+from hpcrl.slurm.backfill.book import SlurmRollouts, rollout_job_counts
+from hpcrl.slurm.backfill.give_way import jobs_to_give_way
+from hpcrl.slurm.backfill.planner import (
+    PlanSettings,
+    find_window,
+    jobs_fitting,
+    no_window_reason,
+    plan_rollout_jobs,
+    size_rollout_jobs,
+)
+from hpcrl.slurm.backfill.snapshot import QueueSnapshot
+from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob, RunningJob
 from hpcrl.slurm.sbatch import Resources
 
-ROOT = Path(__file__).resolve().parents[1]
 NOW = dt.datetime(2026, 12, 2, 12, 0, 0)
 
 
@@ -38,15 +36,14 @@ def part(name, nodes=("n1", "n2")):
     return PartitionState(name, True, nodes, None, 16, 0, 16, 8, 0, 8)
 
 
-def pending(job_id, gpus, start_in_s, partition="gpu"):
+def pending(job_id, gpus, start_in_s, partition="gpu", nodes=2):
     start = None if start_in_s is None else NOW + dt.timedelta(seconds=start_in_s)
-    return PendingJob(job_id, partition, "other", "big", 2, 2, gpus, 60, start, "Resources", 100)
+    return PendingJob(job_id, partition, "other", "big", nodes, 2, gpus, 60, start, "Resources", 100)
 
 
 PARTS = [part("cpu"), part("gpu")]
 
 
-# ------------------------------------------------------------------------------ windows
 def test_window_ends_at_the_earliest_pending_gpu_job():
     nodes = [node("n1", 4, "ALLOCATED"), node("n2", 1)]
     jobs = [pending("10", 8, 300), pending("11", 1, 180), pending("12", 0, 5, "cpu"), pending("13", 2, 60)]
@@ -81,12 +78,13 @@ def test_a_window_counts_only_whole_rollout_jobs_that_the_nodes_cpus_and_memory_
     assert jobs_fitting(roomy, dataclasses.replace(gen, gpus_per_node=2)) == 1
     assert find_window("gpu", [full, roomy], PARTS, [], NOW).idle_by_node == (("n1", 1), ("n2", 3))  # GPUs only
     alone = find_window("gpu", [full], PARTS, [], NOW, need=gen)
-    why = no_window_reason(alone, CFG, 1)
+    why = no_window_reason(alone, SchedulerConfig(), 1)
     assert why == "no node of gpu has room for a rollout job (1 GPU, 1 CPU, 4096 MB free)", why
 
 
-# ------------------------------------------------------------------------------ planning
-CFG = SchedulerConfig(job_overhead_s=20.0, slurm_margin_s=30.0)
+# ------------------------------------------------------------------------------ sizing
+CFG = SchedulerConfig(job_overhead_s=20.0, slurm_margin_s=30.0, rollout_drain_s=10.0)
+KW = dict(gpus_per_job=1, jobs_free=8, gpus_free=8, unbounded_min=60)
 
 
 def window(length_s, idle=(("n2", 4),)):
@@ -100,33 +98,16 @@ def window(length_s, idle=(("n2", 4),)):
     )
 
 
-def tasks(*ests, domain="code"):
-    return [RolloutTask(i, domain, e, version=0) for i, e in enumerate(ests)]
-
-
-def test_plan_fits_the_window_in_whole_minutes():
-    plan = BackfillPlanner(CFG).plan(window(400), tasks(*[30.0] * 20))  # 600 s of work
-    # 400 s window - 30 s margin = 6 whole minutes at most; 4 idle GPUs.
-    assert plan.time_limit_min * 60 <= 400 - 30 and plan.jobs <= 4
-    assert plan.jobs * (plan.time_limit_min * 60 - CFG.job_overhead_s) >= plan.est_work_s
-    assert plan.time_min_min == 1 and plan.time_min_min <= plan.time_limit_min
-    assert plan.sbatch_args() == ["--partition=gpu", "--gpus-per-node=1", "--nodes=1", f"--time={plan.time_limit_min}"]
-
-
-def test_plan_asks_only_for_what_the_work_needs():
-    plan = BackfillPlanner(CFG).plan(window(3600), tasks(10.0, 10.0))
-    assert (plan.jobs, plan.time_limit_min) == (1, 1)
-    unbounded = BackfillPlanner(CFG, unbounded_time_min=30).plan(window(None), tasks(*[200.0] * 40))
-    assert unbounded.time_limit_min == 30 and unbounded.jobs == 4
-
-
-def test_no_plan_when_nothing_can_start_in_the_window():
-    planner = BackfillPlanner(CFG)
-    assert planner.plan(window(80), tasks(5.0)) is None  # 80 - 30 s margin < one minute
-    assert planner.plan(window(200), tasks(400.0)) is None  # no task fits 2 minutes
-    assert planner.plan(window(600, idle=()), tasks(5.0)) is None  # no idle GPU
-    assert planner.plan(window(600), []) is None
-    assert BackfillPlanner(CFG, gpus_per_job=2).plan(window(600, idle=(("n2", 1),)), tasks(5.0)) is None
+def test_jobs_fit_the_window_in_whole_minutes():
+    size = size_rollout_jobs(window(400), CFG, 30.0, **KW)
+    # ends 12:06:40, planned by Slurm from 12:06:00: 360 s - 30 s margin = 5 whole minutes; 4 idle
+    # GPUs; --time-min one minute less
+    assert (size.jobs, size.time_limit_min, size.time_min_min, size.window_s) == (4, 5, 4, 400.0)
+    assert size_rollout_jobs(window(None), CFG, 30.0, **KW).time_limit_min == 60  # nothing pending: the role's
+    assert size_rollout_jobs(window(80), CFG, 5.0, **KW) is None  # 80 - 30 s margin < one minute
+    assert size_rollout_jobs(window(200), CFG, 400.0, **KW) is None  # no episode fits 2 minutes
+    assert size_rollout_jobs(window(600, idle=()), CFG, 5.0, **KW) is None  # no idle GPU
+    assert size_rollout_jobs(window(600, idle=(("n2", 1),)), CFG, 5.0, **{**KW, "gpus_per_job": 2}) is None
 
 
 @pytest.mark.parametrize(
@@ -140,141 +121,164 @@ def test_no_plan_when_nothing_can_start_in_the_window():
     ],
 )
 def test_window_accounts_for_backfill_resolution(now, reservation, minutes):
-    planner = BackfillPlanner(dataclasses.replace(CFG, slurm_margin_s=5.0))
+    cfg = dataclasses.replace(CFG, slurm_margin_s=5.0, job_overhead_s=0.0, rollout_drain_s=0.0)
     now, end = dt.datetime(2026, 12, 2, *now), dt.datetime(2026, 12, 2, *reservation)
     w = dataclasses.replace(window(600), now=now, end=end)
-    assert planner.minutes_that_fit(w) == minutes
-    assert (planner.plan(w, tasks(5.0)) is None) == (minutes == 0)
+    size = size_rollout_jobs(w, cfg, 5.0, **KW)
+    assert (size.time_limit_min if size else 0) == minutes
 
 
-def test_plan_uses_domain_history_once_there_is_enough():
-    est = DurationEstimator(history=50, min_samples=5)
-    for _ in range(20):
-        est.record("slow", 250.0)
-    planner = BackfillPlanner(CFG, est)
-    assert planner.estimate(RolloutTask(1, "slow", 5.0)) == 250.0
-    assert planner.estimate(RolloutTask(2, "unknown", 5.0)) == 5.0
-    assert planner.plan(window(200), tasks(5.0, domain="slow")) is None  # history says it cannot fit
+# ------------------------------------------------------------------------------ one snapshot, every decision
+def snapshot(pending_jobs=(), running=(), nodes=None):
+    nodes = nodes or (node("n1", 4, "ALLOCATED"), node("n2", 1))
+    return QueueSnapshot(NOW, tuple(nodes), tuple(PARTS), tuple(pending_jobs), tuple(running), 60, 1.0)
 
 
-# ------------------------------------------------------------------------------ task queue
-def test_claim_complete_release_cycle(tmp_path):
-    q = DirTaskQueue(tmp_path / "q")
-    for t in tasks(1.0, 2.0, 3.0):
-        q.put(t, {"work_s": t.est_s})
-    assert [t.task_id for t in q.pending_tasks()] == [0, 1, 2]
-    assert q.claim(0, "slurm-1") and not q.claim(0, "slurm-2")  # one winner
-    assert q.claim(1, "slurm-1") and q.claim(2, "slurm-2")
-    assert q.claimed_payload(1, "slurm-1")[1] == {"work_s": 2.0}
-    q.complete(0, "slurm-1", {"reward": 1})
-    (q.results_dir / ".tmp-1-slurm-1").write_text('{"half": ')  # a result being written when the job died
-    assert q.counts() == {"pending": 0, "claimed": 2, "done": 1}
-    assert q.release("slurm-1") == [1]
-    assert not list(q.results_dir.glob(".tmp-*")) and q.results() == {0: {"reward": 1}}
-    assert [t.task_id for t in q.pending_tasks()] == [1] and q.claimed() == {"slurm-2": [2]}
-    with pytest.raises(ValueError, match="owner 'a b'"):
-        q.claim(1, "a b")
-    (q.pending_dir / "7.json").write_text("{not json")
-    with pytest.raises(TaskQueueError, match="7.json: unreadable"):
-        q.pending_tasks()
+SETTINGS = PlanSettings("gpu", 1, 60, CFG, Resources(partition="gpu", gpus_per_node=1, mem_mb=1024))
 
 
-class FakeClock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self):
-        return self.t
-
-
-def test_run_window_takes_oldest_fitting_tasks_until_the_deadline(tmp_path):
-    q = DirTaskQueue(tmp_path / "q")
-    for t in [
-        RolloutTask(1, "a", 50.0, version=0),
-        RolloutTask(2, "a", 5.0, version=1),
-        RolloutTask(3, "a", 5.0, version=0),
-        RolloutTask(4, "a", 12.0, version=2),
-    ]:
-        q.put(t, {"work_s": t.est_s})
-    clock = FakeClock()
-    ran = []
-
-    def runner(task, payload, stop):
-        ran.append(task.task_id)
-        clock.t += payload["work_s"]
-        return {"ok": True}
-
-    report = run_window(q, "learner-1", until=clock.t + 20.0, runner=runner, stop=threading.Event(), clock=clock)
-    # 20 s window: task 1 (50 s) never fits; 3 (v0), 2 (v1) run; 4 (12 s) no longer fits in the last 10 s.
-    assert ran == [3, 2] and report.tasks_done == 2 and report.busy_s == 10.0 and not report.stopped
-    assert sorted(q.results()) == [2, 3] and [t.task_id for t in q.pending_tasks()] == [1, 4]
+def test_a_snapshot_gives_the_plan_or_says_why_not():
+    snap = snapshot([pending("10", 8, 600), pending("13", 2, 60)])
+    d = plan_rollout_jobs(snap, SETTINGS, {}, {"13"}, 30.0, jobs_free=2, gpus_free=8)
+    assert d.window.blocked_by == "10" and d.size.jobs == 2 and d.size.time_limit_min == 9  # (600 - 30) // 60
+    assert d.key == ["10", (NOW + dt.timedelta(seconds=600)).timestamp(), [["n2", 3]]]
+    # Slurm left a job sized to this very window pending: not again until it changes.
+    withdrawn = {"rollout-0": {"job_id": "5", "state": "ended", "withdrawn": 1.0, "window_key": d.key}}
+    again = plan_rollout_jobs(snap, SETTINGS, withdrawn, {"13", "5"}, 30.0, 2, 8)
+    assert again.size is None and "pending in this window (before job 10)" in again.why
+    short = plan_rollout_jobs(snapshot([pending("10", 8, 70)]), SETTINGS, {}, set(), 30.0, 2, 8)
+    assert short.size is None and "window 70 s before job 10" in short.why and short.why_key[0] == "10"
 
 
-def test_interrupted_task_stores_nothing_and_is_reissued(tmp_path):
-    q = DirTaskQueue(tmp_path / "q")
-    q.put(RolloutTask(1, "a", 5.0), {"work_s": 5.0})
-    stop = threading.Event()
+def _rec(job_id, pending=False, submitted=0.0, gpus=1):
+    return {"job_id": job_id, "state": "active", "pending": pending, "submitted": submitted, "gpus": gpus}
 
-    def runner(task, payload, stop_event):
-        stop_event.set()  # the owner reclaims the GPU mid-task
+
+def test_give_way_reads_where_ours_run_from_the_snapshot():
+    # n2 has 1 idle GPU and 3 of our rollout jobs; another user's 4-GPU job needs them.
+    ours = {f"rollout-{i}": _rec(f"r{i}") for i in range(3)}
+    running = [RunningJob(f"r{i}", "gpu", "rollout", ("n2",), 1, None) for i in range(3)]
+    nodes = (node("n1", 4, "ALLOCATED"), node("n2", 3))
+    snap = snapshot([pending("b", 4, 60, nodes=1)], running, nodes)
+    assert jobs_to_give_way(snap, ours, own_ids=()) == {"r0": "b", "r1": "b", "r2": "b"}
+    assert jobs_to_give_way(snap, ours, own_ids=("b",)) == {}  # the run's own job: no one to give way to
+    assert jobs_to_give_way(snap, ours, (), rollout_partition="gpu") == {}  # Slurm plans those below ours
+    assert jobs_to_give_way(snapshot([pending("b", 1, 60, nodes=1)], running, nodes), ours, ()) == {}  # fits
+
+
+class _Cluster:
+    def __init__(self, snap):
+        self.snap, self.cancelled = snap, []
+
+    def snapshot(self):
+        return self.snap
+
+    def job_states(self, ids):
+        return {"r0": "RUNNING", "p0": "PENDING"}
+
+    def preempt_time(self, job_id):
         return None
 
-    report = run_window(q, "gen-3", until=time.time() + 60, runner=runner, stop=stop)
-    assert report.stopped and report.tasks_done == 0
-    assert q.results() == {} and q.claimed() == {"gen-3": [1]}
-    assert q.release("gen-3") == [1] and [t.task_id for t in q.pending_tasks()] == [1]
+    def cancel(self, ids):
+        self.cancelled += ids
 
 
-def worker(*args, env=None):
-    return subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.slurm.backfill.worker", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+def test_one_reap_withdraws_and_gives_way_on_one_snapshot_and_counts_as_the_bench_does():
+    running = [RunningJob("r0", "gpu", "rollout", ("n2",), 1, None)]
+    idle_reason = PendingJob("p0", "gpu", "me", "rollout", 1, 1, 1, 60, None, "Priority", 0)
+    snap = snapshot([pending("b", 2, 30, nodes=1), idle_reason], running, (node("n1", 4), node("n2", 3)))
+    cluster = _Cluster(snap)
+    rounds = SlurmRollouts(cluster, SETTINGS, withdraw_after_s=6.0)
+    jobs = {"rollout-0": _rec("r0", pending=True), "rollout-1": _rec("p0", pending=True, submitted=10.0)}
+    jobs["rollout-0"]["window_end"] = 500.0
+    assert rounds.reap(jobs, now=16.0) and sorted(cluster.cancelled) == ["p0", "r0"] and rounds.snapshots == 1
+    assert jobs["rollout-0"]["started"] == 16.0 and jobs["rollout-0"]["yielded_to"] == "b"
+    assert jobs["rollout-1"]["withdrawn"] == 16.0 and jobs["rollout-1"]["state"] == "ended"
+    counts = rollout_job_counts(jobs, {"r0": 16.0, "p0": None}, {"r0": 20.0})
+    assert counts == {
+        "submitted": 2,
+        "started": 1,
+        "withdrawn": 1,
+        "gave_way": 1,
+        "preempted": 0,
+        "ended_in_window": 1,
+    }
+    assert rollout_job_counts(jobs, {"r0": 16.0}, {"r0": 501.0})["ended_in_window"] == 0
 
 
-def test_worker_process_stops_on_sigterm_without_a_half_result(tmp_path):
-    q = DirTaskQueue(tmp_path / "q")
-    q.put(RolloutTask(1, "a", 0.2), {"work_s": 0.2})
-    q.put(RolloutTask(2, "a", 30.0), {"work_s": 30.0})
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
-    proc = worker(
-        "--queue", str(q.root), "--owner", "w1", "--until", str(time.time() + 120), "--margin-s", "0", env=env
-    )
-    deadline = time.time() + 20
-    while q.claimed().get("w1") != [2] and time.time() < deadline:
-        time.sleep(0.05)
-    assert q.claimed().get("w1") == [2], "the worker did not claim the long task"
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 143, err
-    assert "1 task(s)" in out and "stopped by signal" in out
-    assert sorted(q.results()) == [1] and json.loads((q.results_dir / "1.json").read_text())["owner"] == "w1"
-    assert q.release("w1") == [2]
+# ------------------------------------------------------------------------------ give-way at scale
+def _yield_by_scanning(pending, idle_by_node, ours_by_node, members, now=None):
+    """The plain reading of rollout_jobs_to_yield's rule: every node of the partition looked at
+    for every job, in priority order (the oracle for the indexed version)."""
+    waiting = ("JobHeld", "Dependency", "BeginTime", "Reservation", "PartitionDown", "PartitionInactive")
+    idle = dict(idle_by_node)
+    ours = {n: list(js) for n, js in ours_by_node.items()}
+    out, held = {}, []
+    for _, job in sorted(enumerate(pending), key=lambda ij: (-ij[1].priority, ij[0])):
+        if job.nodes < 1 or job.gpus < 1 or job.reason.startswith(waiting):
+            continue
+        per_node = -(-job.gpus // job.nodes)
+        end = None
+        if now is not None:
+            end = now + dt.timedelta(seconds=job.time_limit_s) if job.time_limit_s is not None else dt.datetime.max
+        nodes = [
+            n
+            for n in members.get(job.partition, ())
+            if n in idle and not (end is not None and any(n in ns and s < end for s, ns in held))
+        ]
+        ready = sorted((n for n in nodes if idle[n] >= per_node), key=lambda n: idle[n])
+        could = sorted(
+            (n for n in nodes if idle[n] < per_node <= idle[n] + sum(g for _, g in ours.get(n, []))),
+            key=lambda n: -idle[n],
+        )
+        short = max(job.nodes - len(ready), 0)
+        if short > len(could):
+            if job.expected_start is not None and job.sched_nodes:
+                held.append((job.expected_start, frozenset(job.sched_nodes)))
+            continue
+        for n in could[:short]:
+            ours[n].sort(key=lambda jg: jg[1])
+            while idle[n] < per_node:
+                job_id, gpus = ours[n].pop()
+                out[job_id] = job.job_id
+                idle[n] += gpus
+        for n in ready[: job.nodes - short] + could[:short]:
+            idle[n] -= per_node
+    return out
 
 
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["--owner", "w", "--until", "1"], "--queue {q}/nope: no such folder"),
-        (["--owner", "w"], "--until is required outside a Slurm job"),
-        (["--owner", "w", "--until", "1", "--runner", "nomodule"], "expected module:function"),
-        (["--owner", "w", "--until", "1", "--runner", "os:nosuch"], "cannot load it"),
-    ],
-)
-def test_worker_bad_arguments_exit_2(tmp_path, args, fragment):
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
-    qdir = tmp_path / "nope" if "no such folder" in fragment else DirTaskQueue(tmp_path / "q").root
-    proc = worker("--queue", str(qdir), *args, env=env)
-    _out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 2 and fragment.format(q=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+@pytest.mark.parametrize("seed", range(40))
+def test_indexed_give_way_decides_exactly_like_the_plain_scan(seed):
+    import random
 
+    from hpcrl.slurm.backfill.give_way import rollout_jobs_to_yield
 
-def test_planner_settings_come_from_the_config():
-    # 125 s to a reservation Slurm floors to 120 s; 0 would derive the margin from bf_interval
-    cfg = dataclasses.replace(CFG, slurm_margin_s=1.0, job_overhead_s=0.0)
-    plan = BackfillPlanner(cfg).plan(window(125), tasks(50.0))
-    assert plan.time_limit_min == 1  # 119 s: one whole minute, and a 50-s task fits it with no overhead
-    assert BackfillPlanner(CFG).plan(window(125), tasks(50.0)) is None  # 90 s: 1 minute, 20 s + 50 s do not
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(rng.randint(1, 12))]
+    members = {"gpu": tuple(names), "big": tuple(names[: max(1, len(names) // 2)])}
+    idle = {n: rng.choice([0, 0, 0, 1, 2, 4]) for n in names}
+    ours = {n: [(f"r{n}-{k}", rng.choice([1, 1, 2])) for k in range(rng.randint(0, 3))] for n in names}
+    pending = []
+    for i in range(rng.randint(0, 40)):
+        nodes = rng.choice([1, 1, 1, 2])
+        start = NOW + dt.timedelta(seconds=rng.randint(0, 900)) if rng.random() < 0.7 else None
+        pending.append(
+            PendingJob(
+                f"j{i}",
+                rng.choice(["gpu", "gpu", "big"]),
+                "other",
+                "x",
+                nodes,
+                1,
+                nodes * rng.choice([1, 2, 4, 8]),
+                rng.choice([60, 600, 3600, None]),
+                start,
+                rng.choice(["Resources", "Priority", "Priority", "JobHeldUser"]),
+                rng.randint(0, 5),
+                tuple(rng.sample(names, k=min(len(names), nodes))) if start and rng.random() < 0.8 else (),
+            )
+        )
+    for now in (NOW, None):
+        assert rollout_jobs_to_yield(pending, idle, ours, members, now) == _yield_by_scanning(
+            pending, idle, ours, members, now
+        )

@@ -1,33 +1,23 @@
-"""`hpcrl sim TRACE.yaml|RUN_DIR --policy sync|sync-split|async|backfill|all [--no-drop] [--json] [--plot FILE]`.
+"""`hpcrl sim TRACE.yaml|RUN_DIR --policy sync|sync-split|async|backfill|all [--no-drop] [--json] [--plot FILE]`,
+and `hpcrl sim --experiments TRACE1 TRACE2 ... [--json]`.
 
     hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy all            # the policy table
     hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy all --no-drop  # every policy trains the same episodes
     hpcrl sim slurm/sim/traces/heavy-tail-300.yaml --policy backfill --plot util.png
     hpcrl sim runs/my-run --setup slurm/sim/traces/small.yaml --policy all  # replay what a run measured
+    hpcrl sim --experiments a.yaml b.yaml --json                           # shared GPUs against split ones
 
-Runs the rollout scheduling policies on a simulated clock over a trace (format:
-slurm/sim/traces/README.md) and prints, per policy, GPU busy time and what it went into (useful:
-training and the trajectories trained on; dropped: episodes given up as too stale), throughput
-in trajectories per GPU-hour, the length distribution of trained and started episodes, and the
-staleness of the trajectories trained on. `sync` is the strongest synchronous baseline (every
-GPU generates from one pool, then every GPU trains); `sync-split` the weaker one of a split
-cluster (learner GPUs never generate, generators never train).
-
-A run directory (or a trajectory store) instead of a trace replays its measured episodes: every
-stored trajectory's per-turn generate_s (GPU time of the turn) and env_s (the environment step,
-sandbox included; the GPU is free meanwhile). The cluster, training and scheduler come from
---setup FILE (any trace file; its families are not used) and the flags, which override a
-trace's values too. A bad trace, run directory or argument exits 2 with one line naming the key
-or option.
+Parses the arguments and calls slurm/sim/report.py `run_sim`, handing it the trajectory
+store's reader for replays (slurm/ does not import rl/). What the simulator models:
+slurm/sim/__init__.py and slurm/sim/traces/README.md. A bad trace, run directory or argument
+exits 2 with one line naming the key or option.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import sys
 
-_PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 _POLICY_CHOICES = ("sync", "sync-split", "async", "backfill")
 # --flag: (section, key) of the trace it overrides
 _OVERRIDES = {
@@ -45,14 +35,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sim",
         help="simulate GPU utilization of the sync, sync-split, async and backfill rollout policies",
         description=(
-            "Drive the rollout scheduler with a simulated clock over TRACE (GPUs, sandbox slots, hundreds of "
-            "domains with heavy-tailed generation and sandbox times) or over the measured episodes of a run "
-            "directory. Prints GPU busy and useful time, dropped work, trajectories per GPU-hour, trained vs "
-            "started episode lengths and the staleness distribution. Example traces: slurm/sim/traces/."
+            "Drive the rollout policies with a simulated clock over TRACE (GPUs, sandbox slots, hundreds of "
+            "domains with heavy-tailed generation and sandbox times; optionally a Slurm partition shared with "
+            "other users) or over the measured episodes of a run directory. backfill is the live run: its "
+            "rollout jobs are planned by the live planner's decisions against a simulated Slurm. Prints GPU busy "
+            "and useful time, dropped work, trajectories per GPU-hour, trained vs started episode lengths and "
+            "the staleness distribution. Example traces: slurm/sim/traces/."
         ),
     )
     p.add_argument(
         "trace",
+        nargs="?",
+        default="",
         metavar="TRACE_OR_RUN",
         help="trace YAML file (e.g. slurm/sim/traces/heavy-tail-300.yaml), or a run directory / trajectory "
         "store whose measured episodes are replayed",
@@ -77,152 +71,64 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="with a run directory: the trace file whose cluster, training and scheduler to use",
     )
+    p.add_argument(
+        "--experiments",
+        nargs="+",
+        metavar="TRACE",
+        default=(),
+        help="several experiments' traces: their generators on shared GPUs (GRES shards) against the same GPUs "
+        "split between them, side by side",
+    )
+    p.add_argument(
+        "--share-efficiency",
+        type=float,
+        default=0.9,
+        metavar="E",
+        help="with --experiments: throughput of a GPU that several generators use at once, relative to one "
+        "alone (default 0.9)",
+    )
+    p.add_argument(
+        "--hours", type=float, metavar="H", help="with --experiments: simulated hours (default: the shortest run)"
+    )
     for flag in _OVERRIDES:
         section, key = _OVERRIDES[flag]
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, metavar="N", help=f"override {section}.{key}")
     p.set_defaults(func=run)
 
 
-def read_measured(path: str | Path):
-    """The measured episodes of a run directory or trajectory store (slurm.sim.trace.MeasuredEpisode),
-    and the segments that could not be read. UsageError when there is nothing to replay."""
-    import numpy as np
-
-    from hpcrl.jobs.cli import UsageError
+def read_store(path, on_error):
+    """The trajectory store's reader, as slurm/sim/replay.py takes it."""
     from hpcrl.rl.store.reader import iter_segments, resolve_store
-    from hpcrl.slurm.sim.trace import MeasuredEpisode
 
     store = resolve_store(path)
-    bad: list[str] = []
-    out: list[MeasuredEpisode] = []
-    for _, _, cols in iter_segments(store, on_error=lambda st, nm, why: bad.append(f"{st.name}/{nm}: {why}")):
-        t, steps = cols.traj, cols.steps
-        gen = steps["generate_s"].tolist()
-        # The environment step's wall time holds the sandbox run (sandbox_s) and the rest of the step.
-        env = np.maximum(steps["env_s"], steps["sandbox_s"]).tolist()
-        for domain, first, n in zip(t["domain"].tolist(), t["step_start"].tolist(), t["n_steps"].tolist()):
-            if n > 0:
-                out.append(
-                    MeasuredEpisode(domain.decode(), tuple(gen[first : first + n]), tuple(env[first : first + n]))
-                )
-    if not out:
-        why = f"; {len(bad)} unreadable segment(s), first: {bad[0]}" if bad else ""
-        raise UsageError(
-            f"{path}: no trajectories to replay (looked for trajectory shards in {store}){why}; "
-            "pass a run directory that stored trajectories, or a trace file"
-        )
-    if not any(sum(m.gen_s) > 0 for m in out):
-        raise UsageError(f"{path}: {len(out)} trajectories, but none recorded any generate_s: nothing to replay")
-    return out, bad
+    return store, (cols for _, _, cols in iter_segments(store, on_error=on_error))
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from hpcrl.core.schema import ConfigError
     from hpcrl.jobs.cli import UsageError
-
-    if args.plot:
-        plot = Path(args.plot)
-        if plot.suffix.lower() not in _PLOT_SUFFIXES:
-            raise UsageError(f"--plot {args.plot}: the file name must end in {', '.join(_PLOT_SUFFIXES)}")
-        if not plot.parent.is_dir():
-            raise UsageError(f"--plot {args.plot}: folder {plot.parent} does not exist; create it or pick another path")
-        if args.policy == "all":
-            raise UsageError(f"--plot draws one policy's timeline; pick --policy {', '.join(_POLICY_CHOICES)}")
-    if args.bins < 10:
-        raise UsageError(f"--bins must be at least 10 (got {args.bins})")
-
-    from hpcrl.slurm.sim.run import format_table, plot_timeline, simulate
-    from hpcrl.slurm.sim.trace import World, load_trace, replay_trace
+    from hpcrl.slurm.sim.replay import SimInputError
+    from hpcrl.slurm.sim.report import SimRequest, run_sim
 
     overrides: dict[str, dict] = {}
     for flag, (section, key) in _OVERRIDES.items():
         value = getattr(args, flag)
         if value is not None:
             overrides.setdefault(section, {})[key] = value
-    path = Path(args.trace)
-    measured, unreadable = None, []
-    if path.is_dir():
-        measured, unreadable = read_measured(path)  # nothing to replay is the first thing to say
-        try:
-            trace = replay_trace(path, args.setup, overrides)
-        except ConfigError as exc:
-            if args.setup or "missing" not in exc.message:
-                raise
-            hint = "; a run directory takes its cluster and training from --setup TRACE.yaml (and the flags)"
-            raise ConfigError(exc.path, exc.message + hint, origin=exc.origin) from None
-    else:
-        if args.setup:
-            raise UsageError(f"--setup is for replaying a run directory; {args.trace} is a trace file already")
-        trace = load_trace(path, overrides)
-    if args.no_drop:
-        trace = dataclasses.replace(trace, training=dataclasses.replace(trace.training, drop_stale=False))
-    if trace.replay and measured is None:  # a trace file that names a run to replay
-        measured, unreadable = read_measured(trace.replay)
-    world = World(trace, measured)
-
-    policies = list(_POLICY_CHOICES) if args.policy == "all" else [args.policy or trace.scheduler.policy]
-    results = [simulate(trace, p, timeline_bins=args.bins if args.plot else 0, world=world) for p in policies]
-    if args.plot:
-        plot_timeline(results[0], args.plot)
-    if args.json:
-        docs = []
-        for r in results:
-            doc = r.to_json()
-            if trace.replay:
-                doc["replay"] = {"run": trace.replay, "episodes": len(world.measured), "unreadable": unreadable}
-            docs.append(doc)
-        print(json.dumps(docs if args.policy == "all" else docs[0], indent=2))
-        return 0
-    t = trace.training
-    source = (
-        f"replay of {trace.replay} ({len(world.measured)} measured episodes"
-        + (f", {len(unreadable)} unreadable segments skipped" if unreadable else "")
-        + ")"
-        if trace.replay
-        else ""
+    req = SimRequest(
+        trace=args.trace,
+        policy=args.policy,
+        no_drop=args.no_drop,
+        json=args.json,
+        plot=args.plot,
+        bins=args.bins,
+        setup=args.setup,
+        overrides=overrides,
+        experiments=tuple(args.experiments),
+        share_efficiency=args.share_efficiency,
+        hours=args.hours,
     )
-    print(
-        f"trace {trace.name}{': ' + source if source else ''}: {trace.cluster.learner_gpus} learner + "
-        f"{trace.cluster.generator_gpus} generator GPUs, {trace.cluster.sandbox_slots} sandbox slots, "
-        f"{len(world.domain_names)} domains, {t.steps} steps of {t.batch_size} trajectories, "
-        + (
-            f"staleness bound {t.max_staleness} (stale episodes dropped)"
-            if t.drop_stale
-            else f"no drops (every episode trained; admission bound {t.max_staleness})"
-        )
-    )
-    if len(results) > 1:
-        print(format_table(results))
-    else:
-        r = results[0]
-        print(r.summary_line())
-        for u in (r.learner, r.generator):
-            print(
-                f"  {u.role:<9} {u.gpus:>5} GPUs: own work {u.owner_s / u.capacity_s:6.1%}"
-                f"  packed {u.packed_s / u.capacity_s:6.1%}  lost {u.lost_s / u.capacity_s:5.1%}"
-                f"  idle {u.idle_s / u.capacity_s:6.1%}"
-            )
-        w = r.work
-        print(
-            f"  busy {r.busy_fraction:.1%} = useful {r.useful_fraction:.1%} (training {w.training_s / r.capacity_s:.1%}"
-            f" + trained trajectories {w.trained_s / r.capacity_s:.1%}) + dropped {r.dropped_fraction:.1%}"
-            f" + open at the end {r.open_fraction:.1%}"
-        )
-        print(
-            f"  episodes: {r.episodes_started} started, {w.trained} trained (staleness counts {list(r.staleness)}), "
-            f"{w.dropped} dropped as too stale, {w.open} open at the end"
-        )
-        print(
-            "  episode length s (mean/p99/max): "
-            + ", ".join(
-                f"{name} {x.mean:.0f}/{x.p99:.0f}/{x.max:.0f}"
-                for name, x in (("trained", r.trained_len), ("started", r.started_len), ("dropped", r.dropped_len))
-                if x.n
-            )
-        )
-        print(f"  {r.packed_tasks} packed tasks, {r.preemptions} preempted; simulated in {r.wall_s:.2f} s")
-    if args.plot:
-        print(f"utilization timeline: {args.plot}")
+    try:
+        print(run_sim(req, read_store, note=lambda line: print(line, file=sys.stderr)))
+    except SimInputError as exc:
+        raise UsageError(str(exc)) from None
     return 0

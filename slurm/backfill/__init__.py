@@ -1,12 +1,16 @@
-"""Backfill-aware scheduling: short rollout work packed into idle GPU time, never delaying an owner.
+"""The run's rollout decisions: rollout jobs in Slurm's backfill windows, and lending inside a generator.
 
-    from hpcrl.slurm.backfill.packer import GapPacker             # tasks into idle windows of allocations
-    from hpcrl.slurm.backfill.planner import BackfillPlanner      # rollout jobs sized to Slurm's backfill holes
+    from hpcrl.slurm.backfill.planner import plan_rollout_jobs   # size rollout jobs to a window
+    from hpcrl.slurm.backfill.book import SlurmRollouts          # plan, reap, withdraw, give way
 
-`packer` decides which rollout task goes into which idle window (a learner waiting for data, a
-generator waiting for a sandbox, a backfilled rollout job), with `estimates` of task durations
-from history; `planner` reads the partition (`squeue --start`, sinfo) and sizes rollout jobs
-to the windows Slurm's backfill scheduler leaves; `taskqueue` leases tasks to them through the
-shared filesystem; `worker` is the process inside such a job. The simulator (slurm/sim/)
-drives the same packer and estimator with simulated time.
+Every decision is a pure function of a `QueueSnapshot` (`snapshot`: nodes with idle GPUs, CPUs
+and memory, running jobs with their planned ends, pending jobs with Slurm's expected starts and
+priorities) and of the run's record of its rollout jobs: `planner` finds the window and sizes
+rollout jobs to it (--time, --time-min, how many) and says which pending ones to withdraw;
+`give_way` which running ones keep another user's job from starting; `lending` what a generator
+and a rollout job decide about episodes; `estimates` the duration quantiles they decide with.
+`book` keeps the record and runs the rounds (plan; reap, withdraw, give way) against a cluster:
+`live` reads the real controller through slurm/queries.py and cancels through it, for the run's
+supervisor (jobs/rollout_plan.py, jobs/rollout_slurm.py); the simulator (slurm/sim/) runs the
+same rounds against its simulated controller.
 """

@@ -1,54 +1,53 @@
-"""Cluster backfill: size rollout jobs to the windows Slurm's backfill scheduler leaves open.
+"""Rollout jobs sized to the windows Slurm's backfill scheduler leaves open (pure decisions).
 
-    window = live_window("gpu")                      # sinfo/scontrol + squeue --start
-    plan = BackfillPlanner(cfg.scheduler, estimator).plan(window, queue.pending_tasks())
-    planner.resources_free_at(plan)                  # sbatch --test-only: a valid request, GPUs idle?
-    jobs = RolloutJobs(queue, partition="gpu", log_dir=run_dir / "logs")
-    jobs.submit(plan)                                # ... later, periodically:
-    reissued = jobs.poll()                           # jobs that ended: their unfinished tasks go back
+    d = plan_rollout_jobs(snap, settings, records, exclude, episode_s, jobs_free=2, gpus_free=2)
+    d.size                                 # RolloutJobSize (jobs, --time, --time-min) or None (d.why)
+    late = jobs_to_withdraw(snap, records, now_s, withdraw_after_s)   # pending too long: withdraw
 
-Slurm starts a lower-priority job ahead of the queue only if it cannot delay the expected
-start of any job before it. Idle GPUs are therefore usable until the earliest expected start
-of a pending job that could claim them: that is the *window*. A rollout job whose --time fits
-the window (minus slurm_margin_s, since Slurm plans at whole minutes and estimates move) is
-backfilled at once; a job with the config's long default limit waits behind the whole queue.
---time asks for what the pending work needs; --time-min lets Slurm shrink the limit down to
-one task's worth when the window is tighter than we measured. Backfill plans in
-bf_resolution steps and rounds a candidate's end up, which `minutes_that_fit` accounts for. The worker inside reads the
-limit it actually got (worker.py) and only starts tasks that fit before it.
+Slurm starts a lower-priority job ahead of the queue only if it cannot delay the expected start
+of any job before it. Idle GPUs are therefore usable until the earliest expected start of a
+pending job that could claim them: that is the *window* (`find_window`). A rollout job whose
+--time fits the window (minus a margin: Slurm plans at whole bf_resolution steps, considers a
+new job at its next pass, and estimates move) is backfilled at once; one with the role's long
+limit waits behind the whole queue. A node's idle GPUs count only in whole rollout jobs that
+its idle CPUs and free memory hold too.
 
-Task estimates are per-domain quantiles of history (estimates.py). When a job is reclaimed,
-preempted or cancelled, `RolloutJobs.poll` re-issues its unfinished tasks; results exist only
-for tasks that completed (taskqueue.py).
+Rollout jobs are submitted with Slurm's largest --nice, so one still pending holds no
+reservation ahead of anyone. A job Slurm has looked at and left pending past
+`withdraw_after_s` did not fit after all (the window shrank, another job took the GPUs): it
+holds no episodes yet and is withdrawn, and the same window is not tried again until it
+changes (`window_key`). Every function here takes a `QueueSnapshot` (snapshot.py) and the
+run's record of its rollout jobs (book.py); the live run and the simulator call the same ones.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from hpcrl.core.config import SchedulerConfig
-from hpcrl.slurm import queries
-from hpcrl.slurm.backfill.estimates import DurationEstimator
-from hpcrl.slurm.backfill.packer import RolloutTask
-from hpcrl.slurm.backfill.taskqueue import DirTaskQueue
+from hpcrl.slurm.backfill.snapshot import QueueSnapshot
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob
-from hpcrl.slurm.sbatch import Resources, render_script, submit_script, write_script
+from hpcrl.slurm.sbatch import Resources
 
 __all__ = [
     "ClusterWindow",
-    "backfill_parameters",
     "find_window",
     "jobs_fitting",
-    "live_window",
-    "RolloutJobPlan",
-    "BackfillPlanner",
-    "RolloutJobs",
-    "SubmittedJob",
+    "describe",
+    "minutes_that_fit",
+    "margin_s",
+    "RolloutJobSize",
+    "size_rollout_jobs",
+    "withdraw_after_s",
+    "window_key",
     "no_window_reason",
+    "PlanSettings",
+    "PlanDecision",
+    "plan_rollout_jobs",
+    "jobs_to_withdraw",
+    "SUBMIT_SLACK_S",
 ]
 
 # Seconds between reading a window and Slurm's backfill pass seeing our job, besides waiting
@@ -56,21 +55,6 @@ __all__ = [
 # Measured on the dev cluster (bf_interval 1 s): a one-minute job in a 95-s window planned
 # with bf_interval + 4 s started 1.0 s after submission (docs/benchmarks.md, run 18).
 SUBMIT_SLACK_S = 4.0
-
-# States in which a job's processes are gone for good (its claims can be re-issued).
-_ENDED = (
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "PREEMPTED",
-    "NODE_FAIL",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "OUT_OF_MEMORY",
-    "SPECIAL_EXIT",
-    "REVOKED",
-)
 
 
 @dataclass(frozen=True)
@@ -101,14 +85,15 @@ class ClusterWindow:
 
 def find_window(
     partition: str,
-    nodes: list[NodeState],
-    partitions: list[PartitionState],
-    pending: list[PendingJob],
+    nodes: list[NodeState] | tuple[NodeState, ...],
+    partitions: list[PartitionState] | tuple[PartitionState, ...],
+    pending: list[PendingJob] | tuple[PendingJob, ...],
     now: dt.datetime,
-    exclude: tuple[str, ...] = (),
+    exclude: tuple[str, ...] | set[str] | frozenset[str] = (),
     bf_resolution_s: int = 60,
     bf_interval_s: float = 30.0,
     need: Resources | None = None,
+    by_start: tuple[PendingJob, ...] | None = None,
 ) -> ClusterWindow:
     """The backfill window for GPU jobs in `partition` now (pure: tested on captured states).
 
@@ -118,25 +103,63 @@ def find_window(
     With `need` (one rollout job's request), a node's idle GPUs count only as far as whole jobs
     of that shape fit its idle CPUs and free memory too: an idle GPU on a node whose memory the
     run's own learner holds takes no job, and Slurm would leave one sized to it pending.
+    `by_start`: the same jobs sorted by expected start (QueueSnapshot.index), so that the scan
+    stops at the first job that ends the window instead of looking at every one.
     """
     by_name = {p.name: p for p in partitions}
     if partition not in by_name:
         raise ValueError(f"partition {partition!r} does not exist; partitions: {', '.join(sorted(by_name))}")
     members = set(by_name[partition].nodes)
-    per_job = 1 if need is None else max(need.gpus_per_node, 1)  # as BackfillPlanner/RolloutPlanner count GPUs
-    usable = {n.name: (n.gpus_idle if need is None else jobs_fitting(n, need) * per_job) for n in nodes}
-    idle = [n for n in nodes if n.name in members and usable[n.name] > 0]
-    sharing = {p.name for p in partitions if members & set(p.nodes)}
+    per_job = 1 if need is None else max(need.gpus_per_node, 1)
+    excluded = exclude if isinstance(exclude, set | frozenset) else set(exclude)
+    idle_by_node = []
+    for n in nodes:
+        if n.name in members:
+            usable = n.gpus_idle if need is None else jobs_fitting(n, need) * per_job
+            if usable > 0:
+                idle_by_node.append((n.name, usable))
+    sharing = {p.name for p in partitions if members.intersection(p.nodes)}
+    if by_start is None:
+        end, blocked_by = _window_end(pending, sharing, excluded, now)
+    else:
+        end, blocked_by = _window_end_sorted(pending, by_start, sharing, excluded, now)
+    shape = "" if need is None else describe(need)
+    return ClusterWindow(partition, now, tuple(idle_by_node), end, blocked_by, bf_resolution_s, bf_interval_s, shape)
+
+
+def _window_end(pending, sharing, excluded, now) -> tuple[dt.datetime | None, str | None]:
+    """The earliest expected start of a GPU job that ends the window (one not planned yet, or
+    overdue, ends it now), and that job; the first in `pending`'s order among equals."""
     end, blocked_by = None, None
     for job in pending:
-        if job.job_id in exclude or job.gpus <= 0 or job.partition not in sharing:
+        if job.gpus <= 0 or job.partition not in sharing or job.job_id in excluded:
             continue
-        start = max(job.expected_start or now, now)
+        start = now if job.expected_start is None or job.expected_start < now else job.expected_start
         if end is None or start < end:
             end, blocked_by = start, job.job_id
-    idle_by_node = tuple((n.name, usable[n.name]) for n in idle)
-    shape = "" if need is None else describe(need)
-    return ClusterWindow(partition, now, idle_by_node, end, blocked_by, bf_resolution_s, bf_interval_s, shape)
+    return end, blocked_by
+
+
+def _window_end_sorted(pending, by_start, sharing, excluded, now) -> tuple[dt.datetime | None, str | None]:
+    """`_window_end` from the jobs sorted by expected start (those without one last): the first
+    job that counts is the answer, unless one without an estimate counts too (then, as one
+    overdue, the window ends now, and the job is the first such in `pending`'s order)."""
+
+    def counts(job) -> bool:
+        return job.gpus > 0 and job.partition in sharing and job.job_id not in excluded
+
+    planned = next((j for j in by_start if j.expected_start is not None and counts(j)), None)
+    unplanned = None
+    for j in reversed(by_start):  # the unplanned sit at the end: stop at the first planned one
+        if j.expected_start is not None:
+            break
+        if counts(j):
+            unplanned = j
+            break
+    if unplanned is None and (planned is None or planned.expected_start > now):
+        return (None, None) if planned is None else (planned.expected_start, planned.job_id)
+    first = next(j for j in pending if counts(j) and (j.expected_start is None or j.expected_start <= now))
+    return now, first.job_id
 
 
 def jobs_fitting(node: NodeState, need: Resources) -> int:
@@ -161,270 +184,78 @@ def describe(need: Resources) -> str:
     return ", ".join(parts)
 
 
-def backfill_parameters(params: dict[str, str]) -> tuple[int, float]:
-    """(bf_resolution, bf_interval) in seconds from SchedulerParameters (pure); Slurm's
-    defaults, 60 and 30 s, where absent or unreadable."""
-    try:
-        resolution = int(params.get("bf_resolution") or 60)
-    except ValueError:
-        resolution = 60
-    try:
-        interval = float(params.get("bf_interval") or 30)
-    except ValueError:
-        interval = 30.0
-    return resolution, interval
+def margin_s(sched: SchedulerConfig, window: ClusterWindow) -> float:
+    """scheduler.slurm_margin_s, or (0) Slurm's bf_interval plus SUBMIT_SLACK_S: the next
+    backfill pass that can start our job comes up to bf_interval after we read the window."""
+    return sched.slurm_margin_s or window.bf_interval_s + SUBMIT_SLACK_S
 
 
-def live_window(
-    partition: str,
-    exclude: tuple[str, ...] = (),
-    params: dict[str, str] | None = None,
-    need: Resources | None = None,
-) -> ClusterWindow:
-    """`find_window` on what the controller says now (scontrol show node/partition, squeue --start).
+def minutes_that_fit(window: ClusterWindow, margin: float) -> int:
+    """The longest whole-minute --time that backfill accepts ahead of the job that ends the window.
 
-    `params`: the controller's SchedulerParameters when the caller has read them already (they
-    change only with a reconfigure); otherwise `scontrol show config` is asked here."""
-    resolution, interval = backfill_parameters(queries.scheduler_parameters() if params is None else params)
-    now = dt.datetime.now().replace(microsecond=0)
-    pending = queries.pending_jobs()
-    nodes, parts = queries.nodes(), queries.partitions()
-    return find_window(partition, nodes, parts, pending, now, exclude, resolution, interval, need)
+    Backfill aligns the blocking job's reservation down to bf_resolution, and considers our
+    job at its next pass (up to bf_interval after submission). So a job fits iff now + margin
+    + limit <= floor_r(window.end), the margin standing for that delay. This matches all four
+    cases measured on the dev cluster (1-minute jobs 119 and 119 s before a reservation started
+    at once, 103 and 103 s before, at other offsets to the minute, waited).
+    """
+    r = window.bf_resolution_s
+    end = window.end.timestamp()
+    latest_end = end - end % r if r > 0 else end
+    return max(int((latest_end - window.now.timestamp() - margin) // 60), 0)
 
 
 @dataclass(frozen=True)
-class RolloutJobPlan:
-    partition: str
+class RolloutJobSize:
     jobs: int
     gpus_per_job: int
-    time_limit_min: int  # --time
-    time_min_min: int  # --time-min: Slurm may cut the limit down to this to fit a window
-    est_work_s: float  # estimated task time the jobs are expected to get through
-    tasks_fitting: int
-    window_s: float
-
-    def sbatch_args(self, time_limit_min: int | None = None) -> list[str]:
-        return [
-            f"--partition={self.partition}",
-            f"--gpus-per-node={self.gpus_per_job}",
-            "--nodes=1",
-            f"--time={time_limit_min or self.time_limit_min}",
-        ]
+    time_limit_min: int  # --time: the longest limit backfill accepts before the window's end
+    time_min_min: int  # --time-min: down to which Slurm may cut it (one minute less, at least one episode)
+    window_s: float  # math.inf: no pending GPU job ends the window
 
 
-class BackfillPlanner:
-    """How many rollout jobs, with which --time and --time-min, for a window and pending tasks."""
-
-    def __init__(
-        self,
-        cfg: SchedulerConfig,
-        estimator: DurationEstimator | None = None,
-        *,
-        gpus_per_job: int = 1,
-        unbounded_time_min: int = 60,
-    ):
-        if gpus_per_job < 1 or unbounded_time_min < 1:
-            raise ValueError("BackfillPlanner: gpus_per_job and unbounded_time_min must be >= 1")
-        self.cfg = cfg
-        self.estimator = estimator
-        self.gpus_per_job = gpus_per_job
-        self.unbounded_time_min = unbounded_time_min
-
-    def estimate(self, task: RolloutTask) -> float:
-        """The fit_quantile of the task's domain once history knows it, else the task's own estimate."""
-        est = self.estimator
-        if est is not None and est.samples(task.domain) >= est.min_samples:
-            return est.quantile(task.domain, self.cfg.fit_quantile)
-        return task.est_s
-
-    def minutes_that_fit(self, window: ClusterWindow) -> int:
-        """The longest whole-minute --time that backfill accepts ahead of the job that ends the window.
-
-        Backfill aligns the blocking job's reservation down to bf_resolution, and considers our
-        job at its next pass (up to bf_interval after submission) with its end rounded up. So a
-        job fits iff now + margin + limit <= floor_r(window.end), the margin standing for that
-        delay (`margin_s`). This matches all four cases measured on the dev cluster (1-minute
-        jobs 119 and 119 s before a reservation started at once, 103 and 103 s before, at other
-        offsets to the minute, waited).
-        """
-        r = window.bf_resolution_s
-        end = window.end.timestamp()
-        latest_end = end - end % r if r > 0 else end
-        return max(int((latest_end - window.now.timestamp() - self.margin_s(window)) // 60), 0)
-
-    def margin_s(self, window: ClusterWindow) -> float:
-        """scheduler.slurm_margin_s, or (0) Slurm's bf_interval plus SUBMIT_SLACK_S: the next
-        backfill pass that can start our job comes up to bf_interval after we read the window."""
-        return self.cfg.slurm_margin_s or window.bf_interval_s + SUBMIT_SLACK_S
-
-    def plan(self, window: ClusterWindow, tasks: list[RolloutTask]) -> RolloutJobPlan | None:
-        """None when no job can be started in the window (no idle GPUs, too short, nothing fits)."""
-        overhead = self.cfg.job_overhead_s
-        max_jobs = window.jobs_that_fit(self.gpus_per_job)
-        if not max_jobs or not tasks:
-            return None
-        limit_min = self.unbounded_time_min if window.end is None else self.minutes_that_fit(window)
-        if limit_min < 1:
-            return None
-        ests = [self.estimate(t) for t in sorted(tasks, key=lambda t: (t.version, t.task_id))]
-        fitting = [e for e in ests if overhead + e <= limit_min * 60]
-        if not fitting:
-            return None
-        total = sum(fitting)
-        # Spread the work over the idle GPUs, but give each job at least Slurm's smallest limit
-        # (one minute) of work, so start-up overhead does not dominate.
-        jobs = max(1, min(max_jobs, len(fitting), math.ceil(total / max(60.0 - overhead, 1.0))))
-        # Ask for what the work needs (spread over the jobs), at least one whole task, at most the window.
-        need_min = math.ceil((overhead + max(total / jobs, max(fitting))) / 60)
-        time_min = min(limit_min, math.ceil((overhead + min(fitting)) / 60))
-        time_limit = max(time_min, min(limit_min, need_min))
-        return RolloutJobPlan(
-            window.partition,
-            jobs,
-            self.gpus_per_job,
-            time_limit,
-            time_min,
-            min(total, jobs * (time_limit * 60 - overhead)),
-            len(fitting),
-            window.length_s,
-        )
-
-    def resources_free_at(self, plan: RolloutJobPlan) -> dt.datetime:
-        """`sbatch --test-only` for one job of the plan: when are its resources free?
-
-        An invalid request (partition, GRES, node shape) fails here with Slurm's message. The
-        answer is not the window: measured on Slurm 22.05 (the dev cluster), it ignores the
-        reservation backfill holds for a queued job that needs all GPUs (a 60-minute and a
-        1-minute job both get "now + 60 s", bf_resolution), yet with another lower-priority
-        job queued it can answer half an hour out for a job backfill starts at once. The
-        window comes from squeue --start (find_window); this is a cross-check that the GPUs
-        exist and are idle. Each question spends a job id.
-        """
-        return queries.expected_start(plan.sbatch_args()).start
+def size_rollout_jobs(
+    window: ClusterWindow,
+    sched: SchedulerConfig,
+    episode_s: float,
+    *,
+    gpus_per_job: int,
+    jobs_free: int,
+    gpus_free: int,
+    unbounded_min: int,
+) -> RolloutJobSize | None:
+    """Rollout jobs for `window` (pure): None when no job fits (no idle GPUs, caps spent, too short)."""
+    gpus_per_job = max(gpus_per_job, 1)
+    jobs = min(window.jobs_that_fit(gpus_per_job), jobs_free, gpus_free // gpus_per_job)
+    if jobs < 1:
+        return None
+    limit = unbounded_min if window.end is None else minutes_that_fit(window, margin_s(sched, window))
+    need_min = math.ceil((sched.job_overhead_s + episode_s + sched.rollout_drain_s) / 60)
+    if limit < need_min:
+        return None
+    # --time-min one minute (Slurm's bf_resolution step) under --time, never under one episode's
+    # worth: Slurm 22.05 grants a job with --time-min exactly that, whatever else fits (measured
+    # on the dev cluster, idle or not: --time 3 --time-min 1 ran with a 1-minute limit), so
+    # --time-min one episode threw most of each window away; one minute of slack still lets
+    # backfill start a job whose window shrank a step since squeue --start was read.
+    return RolloutJobSize(jobs, gpus_per_job, limit, max(need_min, limit - 1), window.length_s)
 
 
-@dataclass(frozen=True)
-class SubmittedJob:
-    job_id: str
-    time_limit_min: int
-    time_min_min: int
-
-    @property
-    def owner_prefix(self) -> str:
-        return f"slurm-{self.job_id}-r"
-
-    @property
-    def owner(self) -> str:
-        """The claim name of the job's first run; a requeued run N claims as slurm-<id>-rN."""
-        return f"{self.owner_prefix}0"
+def withdraw_after_s(configured_s: float, bf_interval_s: float) -> float:
+    """How long a rollout job may pend before the planner withdraws it (pure): `configured_s`, or
+    two of Slurm's backfill passes plus SUBMIT_SLACK_S. Sized to a window, a job that fits starts
+    at the first pass that sees it (within bf_interval + SUBMIT_SLACK_S); one more pass covers a
+    pass already under way when it was submitted. Dev cluster 6 s; Slurm's default 64 s."""
+    if configured_s > 0:
+        return configured_s
+    return 2 * bf_interval_s + SUBMIT_SLACK_S
 
 
-def _restart(owner: str) -> int:
-    return int(owner.rsplit("-r", 1)[1])
-
-
-class RolloutJobs:
-    """Submits rollout jobs that drain a DirTaskQueue, watches them, re-issues what they leave."""
-
-    def __init__(
-        self,
-        queue: DirTaskQueue,
-        *,
-        partition: str,
-        log_dir: str | Path,
-        account: str | None = None,
-        qos: str | None = None,
-        runner: str = "hpcrl.slurm.backfill.worker:synthetic",
-        worker_margin_s: float = 5.0,
-        job_name: str = "hpcrl-rollout",
-        python: str = sys.executable,
-        mem_mb: int = 512,
-    ):
-        self.queue = queue
-        self.partition = partition
-        self.log_dir = Path(log_dir)
-        self.account, self.qos = account, qos
-        self.runner = runner
-        self.worker_margin_s = worker_margin_s
-        self.job_name = job_name
-        self.python = python
-        self.mem_mb = mem_mb
-        self.active: dict[str, SubmittedJob] = {}
-        self._ran: set[str] = set()  # jobs seen running (a requeued one pends again with stale claims)
-
-    def submit(self, plan: RolloutJobPlan) -> list[SubmittedJob]:
-        out = []
-        for _ in range(plan.jobs):
-            out.append(self.submit_one(plan.time_limit_min, plan.time_min_min, plan.gpus_per_job))
-        return out
-
-    def submit_one(self, time_limit_min: int, time_min_min: int | None = None, gpus: int = 1) -> SubmittedJob:
-        extra = {"time_min": str(time_min_min)} if time_min_min else {}
-        res = Resources(
-            partition=self.partition,
-            time_min=time_limit_min,
-            gpus_per_node=gpus,
-            cpus_per_task=1,
-            mem_mb=self.mem_mb,
-            account=self.account,
-            qos=self.qos,
-            extra=extra,
-        )
-        # Each run of the job claims under its own name, so a requeued run's claims are never
-        # mistaken for the (killed) previous run's.
-        body = [
-            f"exec {self.python} -m hpcrl.slurm.backfill.worker --queue {self.queue.root} "
-            f"--owner slurm-$SLURM_JOB_ID-r${{SLURM_RESTART_COUNT:-0}} --runner {self.runner} "
-            f"--margin-s {self.worker_margin_s:g}"
-        ]
-        text = render_script(
-            [res],
-            body,
-            job_name=self.job_name,
-            output=str(self.log_dir / "rollout-%j.out"),
-            header_comment="hpcrl rollout job: drains the task queue until its time limit",
-        )
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        script = write_script(text, self.log_dir / f"{self.job_name}.sh")
-        job_id = submit_script(script)
-        job = SubmittedJob(job_id, time_limit_min, time_min_min or time_limit_min)
-        self.active[job_id] = job
-        return job
-
-    def poll(self) -> list[int]:
-        """Re-issue the unfinished tasks of runs that are gone; returns their ids.
-
-        A job that left the queue (any end state) gives back everything it claimed. A job that
-        was preempted or requeued keeps its id: when it pends again, or when a newer run of it
-        has started claiming (the restart count in the claim name), the older runs' claims
-        are given back.
-        """
-        if not self.active:
-            return []  # (squeue -j with no ids would list every job)
-        states = {r["job_id"]: r["state"] for r in queries.queue(job_ids=tuple(self.active))}
-        reissued = []
-        for job_id, job in list(self.active.items()):
-            state = states.get(job_id)
-            owners = sorted(self.queue.owners(job.owner_prefix), key=_restart)
-            if state is None or state in _ENDED:
-                gone = owners
-                del self.active[job_id]
-            elif state in ("RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED"):
-                self._ran.add(job_id)
-                gone = owners[:-1]  # only the newest run can still be working
-            elif job_id in self._ran:  # pending again after a requeue: no run of it is alive
-                gone = owners
-                self._ran.discard(job_id)
-            else:
-                continue
-            for owner in gone:
-                reissued += self.queue.release(owner)
-        return reissued
-
-    def cancel(self, job_ids: list[str] | None = None) -> None:
-        """Cancel our rollout jobs (all of them by default) by id; never anyone else's."""
-        ids = [j for j in (job_ids if job_ids is not None else list(self.active)) if j in self.active]
-        queries.cancel(ids)
+def window_key(window: ClusterWindow) -> list:
+    """What identifies a window apart from when it is read (pure, JSON-able): the job ending it,
+    that job's expected start, and the GPUs free on each node."""
+    end = None if window.end is None else window.end.timestamp()
+    return [window.blocked_by, end, [list(n) for n in window.idle_by_node]]
 
 
 def no_window_reason(window: ClusterWindow, sched: SchedulerConfig, gpus_per_job: int) -> str:
@@ -438,9 +269,92 @@ def no_window_reason(window: ClusterWindow, sched: SchedulerConfig, gpus_per_job
     at = window.end.strftime("%H:%M:%S")
     if window.length_s <= 0:
         return f"pending job {window.blocked_by} may start now (or Slurm has not planned it yet)"
-    fit = BackfillPlanner(sched).minutes_that_fit(window)
+    margin = margin_s(sched, window)
     return (
         f"window {window.length_s:.0f} s before job {window.blocked_by} (expected {at}, planned by Slurm in "
-        f"{window.bf_resolution_s} s steps): {fit} whole minutes after a {BackfillPlanner(sched).margin_s(window):g}-s "
-        "margin, too short"
+        f"{window.bf_resolution_s} s steps): {minutes_that_fit(window, margin)} whole minutes after a "
+        f"{margin:g}-s margin, too short"
     )
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the planner takes of the run's config: where rollout jobs go and what each asks for."""
+
+    partition: str  # slurm.generator.partition: whose windows are read
+    gpus_per_job: int  # slurm.generator.gpus_per_node (at least 1)
+    unbounded_min: int  # slurm.generator.time_min: --time when no pending GPU job ends the window
+    sched: SchedulerConfig
+    need: Resources | None = None  # one rollout job's request: windows count whole jobs of it
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """What to submit into the window of a snapshot, or why nothing (for the log, once per `why_key`)."""
+
+    window: ClusterWindow
+    key: list  # window_key(window)
+    size: RolloutJobSize | None
+    why: str = ""
+    why_key: object = None
+
+
+def plan_rollout_jobs(
+    snap: QueueSnapshot,
+    settings: PlanSettings,
+    records: dict,
+    exclude,
+    episode_s: float,
+    jobs_free: int,
+    gpus_free: int,
+) -> PlanDecision:
+    """Rollout jobs for the window `snap` shows (pure). `records`: every rollout job the run ever
+    submitted (book.py), so that a window Slurm left one pending in is not tried again;
+    `exclude`: job ids that end no window (the run's own and every rollout job)."""
+    window = find_window(
+        settings.partition,
+        snap.nodes,
+        snap.partitions,
+        snap.pending,
+        snap.now,
+        exclude,
+        snap.bf_resolution_s,
+        snap.bf_interval_s,
+        settings.need,
+        snap.index.by_start,
+    )
+    key = window_key(window)
+    if any(r.get("withdrawn") and r.get("window_key") == key for r in records.values()):
+        why = f"Slurm left a rollout job pending in this window (before job {window.blocked_by})"
+        return PlanDecision(window, key, None, why, key)
+    size = size_rollout_jobs(
+        window,
+        settings.sched,
+        episode_s,
+        gpus_per_job=settings.gpus_per_job,
+        jobs_free=jobs_free,
+        gpus_free=gpus_free,
+        unbounded_min=settings.unbounded_min,
+    )
+    if size is None:
+        # keyed by what ends the window, not its shrinking length: one log line per window
+        why = no_window_reason(window, settings.sched, settings.gpus_per_job)
+        return PlanDecision(window, key, None, why, (window.blocked_by, window.end))
+    return PlanDecision(window, key, size)
+
+
+def jobs_to_withdraw(snap: QueueSnapshot, records: dict, now_s: float, after_s: float) -> dict[str, str]:
+    """{job id: Slurm's reason} of the run's rollout jobs to withdraw (pure): still pending
+    `after_s` after submission, and looked at by Slurm (its reason is no longer None) on `snap`.
+
+    Sized to a window that Slurm's backfill would have started it in at its next pass, one
+    still pending did not fit after all; it holds no episodes yet, and while it pends the
+    planner submits nothing. A controller too busy to have looked at it yet is waited for."""
+    late = {
+        r["job_id"]
+        for r in records.values()
+        if r["state"] == "active" and r.get("pending") and now_s - r["submitted"] >= after_s
+    }
+    by_id = snap.index.by_id
+    seen = (by_id[j] for j in late if j in by_id)
+    return {j.job_id: j.reason for j in seen if j.reason not in ("", "None")}

@@ -3,13 +3,15 @@
 The policies (slurm/sim/policies.py, slurm/sim/backfill.py) build on `SimBase`; this module
 knows nothing about scheduling. Its job is to keep the books honest:
 
-* `GpuLedger` holds every GPU's state at every instant: idle, running its owner's work, or
-  running a borrowed task. A GPU can hold one task at a time: starting a second raises.
-  A borrowed interval becomes `packed` when the task completes and `lost` when the owner
-  reclaims the GPU first (preemption; the work is redone elsewhere).
+* `GpuLedger` holds every GPU's state at every instant: idle, or running its holder's work (a
+  generation turn or a training step). The run's fixed GPUs are held for the whole run, a
+  rollout job's GPU from its start to its end. A GPU runs one task at a time: starting a second
+  raises. Work thrown away after it ran (an episode a rollout job handed back unfinished: it is
+  run again from the start elsewhere) moves from busy to `lost`. `packed` (borrowed work) is
+  always 0 now that no policy lends a GPU to another's task; it stays for the output's shape.
 * Every task's run time is also tallied by the policy, separately from the ledger. At the end
   `check_conservation` demands, per role, owner + packed + lost (from the tallies) + idle
-  (from the ledger) = GPUs x makespan. A double-booked GPU, a task counted twice or an
+  (from the ledger) = the GPU time held. A double-booked GPU, a task counted twice or an
   interval never closed makes the run fail instead of reporting a flattering number.
 * Every started episode ends the run in exactly one state (`Episode.fate`): trained, dropped
   (too stale to train on), or open (in flight, or complete and waiting for a batch).
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 
 from hpcrl.slurm.sim.trace import EpisodeSpec
 
-IDLE, OWNER, BORROW = 0, 1, 2
-KINDS = ("idle", "owner", "packed", "lost")  # accounting categories; BORROW ends as packed or lost
+IDLE, OWNER = 0, 1
+KINDS = ("idle", "owner", "packed", "lost")  # accounting categories (packed: always 0, see the module doc)
 
 
 class SimInvariantError(AssertionError):
@@ -65,7 +67,10 @@ class EventLoop:
 
 
 class GpuLedger:
-    """Per-GPU state over time; optionally keeps every interval for the utilization plot."""
+    """Per-GPU state over time; optionally keeps every interval for the utilization plot.
+
+    GPUs 0..n-1 are held from time 0 to the end of the run; `add` holds one more from a time
+    on (a rollout job's GPU), `release` gives it back. Capacity is the time each was held."""
 
     def __init__(self, roles: list[str], keep_intervals: bool = False):
         self.roles = roles
@@ -73,14 +78,46 @@ class GpuLedger:
         self.state = [IDLE] * n
         self.since = [0.0] * n
         self.totals = [[0.0] * len(KINDS) for _ in range(n)]
+        self.held = [[0.0, math.nan] for _ in range(n)]  # [from, until] (until nan: still held)
         self.intervals: list[tuple[int, int, float, float]] | None = [] if keep_intervals else None
 
-    def _close(self, g: int, kind_index: int, now: float) -> None:
+    def add(self, role: str, now: float) -> int:
+        self.roles.append(role)
+        self.state.append(IDLE)
+        self.since.append(now)
+        self.totals.append([0.0] * len(KINDS))
+        self.held.append([now, math.nan])
+        return len(self.roles) - 1
+
+    def release(self, g: int, now: float) -> None:
+        if self.state[g] != IDLE or not math.isnan(self.held[g][1]):
+            raise SimInvariantError(f"GPU {g} ({self.roles[g]}) released while busy or not held at t={now:.3f}")
+        self._close(g, 0, now)
+        self.held[g][1] = now
+
+    def held_s(self, g: int, end: float) -> float:
+        start, until = self.held[g]
+        return (end if math.isnan(until) else until) - start
+
+    def move(self, g: int, seconds: float, spans: list[int], from_kind: int = 1, to_kind: int = 3) -> None:
+        """Reclassify `seconds` of g's time (its intervals `spans`): work that was thrown away
+        after it ran (an episode a rollout job handed back) is lost, not busy."""
+        self.totals[g][from_kind] -= seconds
+        self.totals[g][to_kind] += seconds
+        if self.intervals is not None:
+            for i in spans:
+                gg, kind, a, b = self.intervals[i]
+                self.intervals[i] = (gg, to_kind if kind == from_kind else kind, a, b)
+
+    def _close(self, g: int, kind_index: int, now: float) -> int:
         start = self.since[g]
         self.totals[g][kind_index] += now - start
+        index = -1
         if self.intervals is not None and now > start:
+            index = len(self.intervals)
             self.intervals.append((g, kind_index, start, now))
         self.since[g] = now
+        return index
 
     def begin(self, g: int, state: int, now: float) -> None:
         if self.state[g] != IDLE:
@@ -88,18 +125,21 @@ class GpuLedger:
         self._close(g, 0, now)
         self.state[g] = state
 
-    def end(self, g: int, now: float, completed: bool = True) -> None:
-        state = self.state[g]
-        if state == IDLE:
+    def end(self, g: int, now: float) -> int:
+        """g's task ended; the index of its interval (-1 when intervals are not kept)."""
+        if self.state[g] == IDLE:
             raise SimInvariantError(f"GPU {g} ({self.roles[g]}) released while idle at t={now:.3f}")
-        self._close(g, 1 if state == OWNER else (2 if completed else 3), now)
+        index = self._close(g, 1, now)
         self.state[g] = IDLE
+        return index
 
     def finish(self, now: float) -> None:
-        """Close every interval at the end of the run (work still running counts as busy)."""
+        """Close every interval of the GPUs still held at the end of the run (work still running
+        counts as busy)."""
         for g, state in enumerate(self.state):
-            self._close(g, 0 if state == IDLE else (1 if state == OWNER else 2), now)
-            self.state[g] = IDLE
+            if math.isnan(self.held[g][1]):
+                self._close(g, 0 if state == IDLE else 1, now)
+                self.state[g] = IDLE
 
 
 @dataclass(frozen=True)
@@ -107,9 +147,9 @@ class RoleUsage:
     role: str
     gpus: int
     capacity_s: float
-    owner_s: float  # the allocation's own work (training, own generation turns)
-    packed_s: float  # borrowed rollout tasks that completed
-    lost_s: float  # borrowed tasks preempted by their owner (redone elsewhere)
+    owner_s: float  # the GPUs' own work (training, generation turns)
+    packed_s: float  # borrowed work (no policy lends a GPU any more: 0)
+    lost_s: float  # generation of episodes handed back unfinished by a rollout job (run again elsewhere)
     idle_s: float
 
     @property
@@ -124,9 +164,9 @@ class RoleUsage:
 def check_conservation(ledger: GpuLedger, tally: dict[str, list[float]], makespan: float) -> dict[str, RoleUsage]:
     """Busy time from task tallies + idle time from the ledger must equal capacity, per role."""
     usage = {}
-    for role in sorted(set(ledger.roles), key=ledger.roles.index):
+    for role in tally:
         members = [g for g, r in enumerate(ledger.roles) if r == role]
-        cap = len(members) * makespan
+        cap = math.fsum(ledger.held_s(g, makespan) for g in members)
         led = [sum(ledger.totals[g][k] for g in members) for k in range(len(KINDS))]
         owner, packed, lost = tally[role]
         idle = led[0]
@@ -155,19 +195,32 @@ OPEN, TRAINED, DROPPED = "open", "trained", "dropped"  # an episode's fate at th
 class Episode:
     """One episode in flight: which turn it is at, which policy version started it, who owns it."""
 
-    __slots__ = ("spec", "version", "turn", "owner", "alive", "sbx_start", "gpu_s", "gen_left", "resumed", "fate")
+    __slots__ = (
+        "spec",
+        "version",
+        "turn",
+        "owner",
+        "alive",
+        "sbx_start",
+        "gpu_s",
+        "gen_left",
+        "fate",
+        "epoch",
+        "spans",
+    )
 
     def __init__(self, spec: EpisodeSpec, version: int):
         self.spec = spec
+        self.epoch = 0  # bumped when a rollout job hands it back: its sandbox run in flight no longer counts
+        self.spans: list[int] = []  # its generation intervals on the ledger (kept for a hand-back)
         self.fate = OPEN
         self.version = version
         self.turn = 0
-        self.owner = -1  # generator GPU index, or -1 for a floating (packed) episode
+        self.owner = -1  # generator GPU index, or -1 while no generator holds it
         self.alive = True
         self.sbx_start = math.nan
         self.gpu_s = 0.0  # GPU time of its generation runs (not preempted attempts; a cut-off one at the end)
         self.gen_left = spec.gen_s[0]  # generation still to do in the current turn
-        self.resumed = False  # the current turn was cut at a budget: the next chunk re-prefills
 
     @property
     def index(self) -> int:
@@ -178,7 +231,6 @@ class Episode:
         self.turn += 1
         if self.turn < len(self.spec.gen_s):
             self.gen_left = self.spec.gen_s[self.turn]
-            self.resumed = False
 
     @property
     def done(self) -> bool:
@@ -199,23 +251,29 @@ class SandboxPool:
     def submit(self, ep: Episode, now: float) -> None:
         ep.sbx_start = math.nan
         if self.free:
-            self._start(ep, now)
+            self._start((ep, ep.epoch), now)
         else:
-            self.queue.append(ep)
+            self.queue.append((ep, ep.epoch))
 
-    def _start(self, ep: Episode, now: float) -> None:
+    def _start(self, item: tuple[Episode, int], now: float) -> None:
+        ep, _ = item
         self.free -= 1
         self.runs += 1
         ep.sbx_start = now
         d = ep.spec.sandbox_s[ep.turn]
         self.busy_s += d
-        self.loop.at(now + d, self._done, ep)
+        self.loop.at(now + d, self._done, item)
 
-    def _done(self, ep: Episode, now: float) -> None:
+    def _done(self, item: tuple[Episode, int], now: float) -> None:
         self.free += 1
-        if self.queue:
-            self._start(self.queue.popleft(), now)
-        self.on_done(ep, now)
+        while self.queue:
+            ep, epoch = self.queue.popleft()
+            if ep.epoch == epoch:  # a handed-back episode's queued run is dropped
+                self._start((ep, epoch), now)
+                break
+        ep, epoch = item
+        if ep.epoch == epoch:  # a handed-back episode's result is not wanted any more
+            self.on_done(ep, now)
 
 
 class TrainingLedger:
@@ -242,6 +300,10 @@ class TrainingLedger:
 
     def add(self, ep: Episode) -> None:
         heapq.heappush(self._ready, (ep.version, ep.index, ep))
+
+    def fresh_ready(self) -> int:
+        """Complete trajectories that a later batch may still contain."""
+        return sum(1 for _, _, ep in self._ready if not self.doomed(ep))
 
     def doomed(self, ep: Episode) -> bool:
         """Started so long ago that no future batch may contain it (never, with drop=False)."""

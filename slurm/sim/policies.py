@@ -1,10 +1,9 @@
-"""The baseline policies of the simulator: `sync`, `sync-split` and `async` (ours, `backfill`, is in backfill.py).
+"""The baseline policies of the simulator: `sync`, `sync-split`, `async` (the live run, `backfill`: backfill.py).
 
 GPUs 0..L-1 are the learner's, L..L+G-1 one generator each. A generation turn runs on one
 GPU at a time for the episode's drawn duration; a sandbox execution holds one CPU slot and
 leaves the GPU free (the engine's model: an episode waiting on its sandbox occupies no GPU,
-and its next turn may run on any GPU at no extra cost; only a turn cut mid-generation pays
-resume_s, which no baseline does).
+and its next turn may run on any GPU at no extra cost).
 
 sync       -- the strongest synchronous design, on-policy, one phase after another. Every
               GPU (learner and generators alike) generates: the step's batch is one shared
@@ -44,12 +43,10 @@ exactly steps x batch_size episodes, so all of them train the same episodes 0..N
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 
 from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.sim.engine import (
-    BORROW,
     DROPPED,
     OWNER,
     Episode,
@@ -76,11 +73,11 @@ class SimBase:
         self.L, self.G = c.learner_gpus, c.generator_gpus
         self.learner_gpus = range(self.L)
         self.generator_gpus = range(self.L, self.L + self.G)
-        self.roles = ["learner"] * self.L + ["generator"] * self.G
         self.loop = EventLoop()
-        self.ledger = GpuLedger(self.roles, keep_intervals)
+        self.ledger = GpuLedger(["learner"] * self.L + ["generator"] * self.G, keep_intervals)
+        self.roles = self.ledger.roles  # grows when a rollout job's GPU joins (backfill)
         # [owner, packed, lost] seconds per role, summed from task records, not from the ledger.
-        self.tally = {"learner": [0.0, 0.0, 0.0], "generator": [0.0, 0.0, 0.0]}
+        self.tally = {"learner": [0.0, 0.0, 0.0], "generator": [0.0, 0.0, 0.0], "rollout": [0.0, 0.0, 0.0]}
         self.sandbox = SandboxPool(c.sandbox_slots, self.loop, self._sandbox_done)
         self.train = TrainingLedger(t.batch_size, self._staleness_bound(), drop=t.drop_stale)
         self.steps_done = 0
@@ -95,8 +92,8 @@ class SimBase:
         self._train_gpus: range | list[int] = self.learner_gpus
         self._training = False
         n = self.L + self.G
-        # (episode, start, OWNER/BORROW, generation progress the run makes when it completes)
-        self._run: list[tuple[Episode, float, int, float] | None] = [None] * n
+        # (episode, start) of the generation turn each GPU runs
+        self._run: list[tuple[Episode, float] | None] = [None] * n
         self._token = [0] * n
         self._train_start = 0.0
 
@@ -117,8 +114,8 @@ class SimBase:
             raise SimInvariantError("the run ended while the learner was training")
         for g, run in enumerate(self._run):
             if run is not None:  # work cut off by the end of the run still occupied the GPU
-                ep, start, kind, _ = run
-                self.tally[self.roles[g]][0 if kind == OWNER else 1] += now - start
+                ep, start = run
+                self.tally[self.roles[g]][0] += now - start
                 ep.gpu_s += now - start  # busy time of an open episode
         self.ledger.finish(now)
         self.end_time = now
@@ -142,41 +139,28 @@ class SimBase:
         return self.in_flight + self.train.ready
 
     # ---------------------------------------------------------------- generation tasks
-    def start_gen(self, g: int, ep: Episode, kind: int, now: float, budget: float = math.inf) -> None:
-        """Run (the rest of) ep's current turn on GPU g, for at most `budget` seconds."""
-        overhead = self.trace.training.resume_s if ep.resumed else 0.0
-        d = min(overhead + ep.gen_left, budget)
-        self.ledger.begin(g, kind, now)
+    def start_gen(self, g: int, ep: Episode, now: float) -> None:
+        """Run ep's current turn on GPU g."""
+        self.ledger.begin(g, OWNER, now)
         self._token[g] += 1
-        self._run[g] = (ep, now, kind, max(d - overhead, 0.0))
-        self.loop.at(now + d, self._gen_event, (g, self._token[g]))
+        self._run[g] = (ep, now)
+        self.loop.at(now + ep.gen_left, self._gen_event, (g, self._token[g]))
 
     def _gen_event(self, arg: tuple[int, int], now: float) -> None:
         g, token = arg
         if token != self._token[g]:
-            return  # that run was preempted
-        ep, start, kind, progress = self._run[g]
+            return  # that run was stopped (its rollout job ended)
+        ep, start = self._run[g]
         self._run[g] = None
-        self.ledger.end(g, now, completed=True)
-        self.tally[self.roles[g]][0 if kind == OWNER else 1] += now - start
+        span = self.ledger.end(g, now)
+        if span >= 0:
+            ep.spans.append(span)
+        self.tally[self.roles[g]][0] += now - start
         ep.gpu_s += now - start
-        ep.gen_left -= progress
-        turn_done = ep.gen_left <= 1e-9
-        ep.resumed = not turn_done  # cut at its budget: the rest resumes with a re-prefill
-        self.gen_done(g, ep, kind, now, turn_done)
+        ep.gen_left = 0.0
+        self.gen_done(g, ep, now)
 
-    def preempt(self, g: int, now: float) -> Episode:
-        run = self._run[g]
-        if run is None or run[2] != BORROW:
-            raise SimInvariantError(f"preempting GPU {g}, which runs no borrowed task")
-        ep, start, _, _ = run
-        self._run[g] = None
-        self._token[g] += 1
-        self.ledger.end(g, now, completed=False)
-        self.tally[self.roles[g]][2] += now - start
-        return ep
-
-    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+    def gen_done(self, g: int, ep: Episode, now: float) -> None:
         raise NotImplementedError
 
     def _sandbox_done(self, ep: Episode, now: float) -> None:
@@ -231,9 +215,9 @@ class SyncSplitPolicy(SimBase):
 
     def _next(self, g: int, now: float) -> None:
         if self._run[g] is None and self.ready[g]:
-            self.start_gen(g, self.ready[g].popleft(), OWNER, now)
+            self.start_gen(g, self.ready[g].popleft(), now)
 
-    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+    def gen_done(self, g: int, ep: Episode, now: float) -> None:
         self.sandbox.submit(ep, now)  # the GPU idles unless another of its episodes is ready
         self._next(g, now)
 
@@ -295,9 +279,9 @@ class SyncPolicy(SimBase):
         """Every free GPU takes a turn: one back from a sandbox first, else a new episode."""
         while self.idle and (self.back or self.pool):
             ep = self.back.popleft() if self.back else self.pool.popleft()
-            self.start_gen(heapq.heappop(self.idle), ep, OWNER, now)
+            self.start_gen(heapq.heappop(self.idle), ep, now)
 
-    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+    def gen_done(self, g: int, ep: Episode, now: float) -> None:
         heapq.heappush(self.idle, g)
         self.sandbox.submit(ep, now)  # the GPU is free for another episode's turn meanwhile
         self._dispatch(now)
@@ -335,7 +319,7 @@ class AsyncPolicy(SimBase):
         self.k = trace.training.episodes_in_flight
         self.own: dict[int, set[Episode]] = {g: set() for g in self.generator_gpus}
         # Turns of own episodes back from the sandbox (latency matters), and episodes the
-        # generator took on but has not started (new, or adopted from the packer's pool).
+        # generator took on but has not started.
         self.ready: dict[int, deque[Episode]] = {g: deque() for g in self.generator_gpus}
         self.fresh: dict[int, deque[Episode]] = {g: deque() for g in self.generator_gpus}
         self.reloading = {g: False for g in self.generator_gpus}
@@ -350,9 +334,13 @@ class AsyncPolicy(SimBase):
         return self.in_flight + self.train.ready < self.admit_limit and self.may_start_episode()
 
     def start(self) -> None:
-        for g in self.generator_gpus:
+        for g in self.generators():
             self.top_up(g, 0.0)
         self.learner_try(0.0)
+
+    def generators(self) -> list[int]:
+        """The GPUs that generate now (backfill: with its rollout jobs' GPUs)."""
+        return list(self.generator_gpus)
 
     def acquire(self, g: int, now: float) -> Episode | None:
         """A new episode for generator g, if the staleness bound allows one."""
@@ -400,7 +388,7 @@ class AsyncPolicy(SimBase):
                 self.abort(ep)
                 self.refill(g, now)
                 continue
-            self.start_gen(g, ep, OWNER, now)
+            self.start_gen(g, ep, now)
             return True
         return False
 
@@ -413,7 +401,7 @@ class AsyncPolicy(SimBase):
         self.reloading[g] = False
         self.gen_try(g, now)
 
-    def gen_done(self, g: int, ep: Episode, kind: int, now: float, turn_done: bool) -> None:
+    def gen_done(self, g: int, ep: Episode, now: float) -> None:
         self.turn_generated(ep, now)
         self.gen_try(g, now)
 
@@ -423,6 +411,9 @@ class AsyncPolicy(SimBase):
             if ep.owner >= 0:
                 self.refill(ep.owner, now)
             return
+        self.send_to_sandbox(ep, now)
+
+    def send_to_sandbox(self, ep: Episode, now: float) -> None:
         self.sandbox.submit(ep, now)
 
     def _sandbox_done(self, ep: Episode, now: float) -> None:
@@ -454,28 +445,16 @@ class AsyncPolicy(SimBase):
         if self.state != WAIT:
             return
         if self.train.take_batch() is None:
-            self.learner_waiting(now)
-            return
+            return  # the learner waits for data
         self.state = TRAIN
-        self.learner_reclaim(now)
         self.begin_train(now)
         # The batch left the ready set: the staleness bound admits new episodes again.
-        for g in self.generator_gpus:
+        for g in self.generators():
             self.top_up(g, now)
-
-    def learner_waiting(self, now: float) -> None:
-        """Hook: the learner has nothing to train on (async: it just idles)."""
-
-    def learner_reclaim(self, now: float) -> None:
-        """Hook: the learner takes its GPUs back to train."""
 
     def train_done(self, now: float) -> None:
         self.state = SYNC
         self.loop.at(now + self.trace.training.weight_sync_s, self._sync_done)
-        self.learner_syncing(now)
-
-    def learner_syncing(self, now: float) -> None:
-        """Hook: the learner's GPUs idle while it broadcasts weights."""
 
     def _sync_done(self, _: object, now: float) -> None:
         if self.steps_done == self.trace.training.steps:
@@ -483,7 +462,7 @@ class AsyncPolicy(SimBase):
             return
         self.published = self.train.version
         self.state = WAIT
-        for g in self.generator_gpus:
+        for g in self.generators():
             self.reload_due[g] = True
             self.top_up(g, now)
         self.learner_try(now)

@@ -10,9 +10,11 @@ what the busy time went into (useful: training and the trajectories trained on; 
 episodes given up as too stale; open: episodes still in flight or waiting when the run ended),
 trajectories trained on per GPU-hour, the length distribution of trained, started and dropped
 episodes (a policy that wins by dropping long episodes shows it), the staleness of every
-trained trajectory, and the packer's counters. Two sets of books are checked on every run
-(engine.py): busy + lost + idle = capacity for every role, and busy = training + the
-generation time of every started episode, each counted once as trained, dropped or open.
+trained trajectory, and for backfill what its rollout jobs did. Capacity is the GPU time the
+run held: its fixed GPUs for the whole run, and each rollout job's GPU while it ran. Two sets
+of books are checked on every run (engine.py): busy + lost + idle = capacity for every role,
+and busy = training + the generation time of every started episode, each counted once as
+trained, dropped or open.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class SimResult:
     work: WorkSplit  # the busy time split by what it went into, seconds
     learner: RoleUsage
     generator: RoleUsage
+    rollout: RoleUsage  # the rollout jobs' GPUs, while each ran (backfill with a `slurm:` section)
     max_staleness: int  # the bound (enforced only with drop_stale)
     staleness: tuple[int, ...]  # trained trajectories by staleness 0, 1, ...
     episodes_started: int
@@ -72,13 +75,14 @@ class SimResult:
     trained_len: Lengths  # episode lengths (generation + sandbox seconds of all turns)
     started_len: Lengths
     dropped_len: Lengths
-    preemptions: int
-    packed_tasks: int
-    decisions: int
+    preemptions: int  # episodes rollout jobs handed back unfinished (withdrawn, given way, window over)
+    packed_tasks: int  # episodes rollout jobs leased
+    decisions: int  # queue snapshots the run's planner decided on
     sandbox_busy_fraction: float
     events: int
     wall_s: float
     timeline: dict | None = None  # binned utilization, when asked for (plots)
+    rollout_jobs: dict | None = None  # backfill: submitted, started, withdrawn, gave_way, ended_in_window, ...
 
     @property
     def mean_staleness(self) -> float:
@@ -105,9 +109,10 @@ class SimResult:
         h = 1 / 3600.0
         w = self.work
         roles = {}
-        for role in ("learner", "generator"):
+        for role in ("learner", "generator", "rollout"):
             u = getattr(self, role)
             roles[role] = {**asdict(u), "busy_fraction": u.busy_fraction}
+        extra = {} if self.rollout_jobs is None else {"rollout_jobs": self.rollout_jobs}
         return {
             "policy": self.policy,
             "trace": self.trace,
@@ -150,10 +155,12 @@ class SimResult:
             "learner_gpus": self.learner_gpus,
             "generator_gpus": self.generator_gpus,
             **roles,
+            # kept for the output's shape: episodes rollout jobs leased, handed back, and planner snapshots
             "packer": {"placements": self.packed_tasks, "preemptions": self.preemptions, "decisions": self.decisions},
             "sandbox_busy": self.sandbox_busy_fraction,
             "events": self.events,
             "wall_s": self.wall_s,
+            **extra,
         }
 
 
@@ -174,9 +181,8 @@ def simulate(trace: Trace, policy: str, *, timeline_bins: int = 0, world: World 
             f"{sim.train.consumed} and {sim.train.dropped + sim.aborted} were dropped"
         )
     wall = time.perf_counter() - t0
-    n_gpus = sim.L + sim.G
-    cap = n_gpus * makespan
-    packer = getattr(sim, "packer", None)
+    cap = sum(u.capacity_s for u in usage.values())
+    rollouts = sim.rollout_summary() if isinstance(sim, BackfillPolicy) else None
     return SimResult(
         trace=trace.name,
         policy=policy,
@@ -196,6 +202,7 @@ def simulate(trace: Trace, policy: str, *, timeline_bins: int = 0, world: World 
         work=work,
         learner=usage["learner"],
         generator=usage["generator"],
+        rollout=usage["rollout"],
         max_staleness=sim.train.max_staleness,
         staleness=tuple(sim.train.staleness),
         episodes_started=sim.episodes_started,
@@ -203,27 +210,30 @@ def simulate(trace: Trace, policy: str, *, timeline_bins: int = 0, world: World 
         trained_len=Lengths.of([ep.spec.length_s for ep in sim.episodes if ep.fate == TRAINED]),
         started_len=Lengths.of([ep.spec.length_s for ep in sim.episodes]),
         dropped_len=Lengths.of([ep.spec.length_s for ep in sim.episodes if ep.fate == DROPPED]),
-        preemptions=packer.preemptions if packer else 0,
-        packed_tasks=packer.placements if packer else 0,
-        decisions=packer.decisions if packer else 0,
+        preemptions=rollouts["episodes_handed_back"] if rollouts else 0,
+        packed_tasks=rollouts["episodes_leased"] if rollouts else 0,
+        decisions=sim.rounds.snapshots if rollouts and sim.rounds is not None else 0,
         sandbox_busy_fraction=sim.sandbox.busy_s / (trace.cluster.sandbox_slots * makespan),
         events=sim.loop.events,
         wall_s=wall,
         timeline=_bin_timeline(sim, makespan, timeline_bins) if timeline_bins > 0 else None,
+        rollout_jobs=rollouts,
     )
 
 
 def _bin_timeline(sim: SimBase, makespan: float, bins: int) -> dict:
-    """Fraction of each role's GPUs in each state, per time bin."""
+    """Per time bin: the fraction of the learner's and of the generators' GPUs in each state, and
+    the rollout jobs' GPUs in each state (a count: how many are held changes over time)."""
     import numpy as np
 
     edges = np.linspace(0.0, makespan, bins + 1)
     iv = np.array(sim.ledger.intervals, dtype=float).reshape(-1, 4)
-    roles = np.array([0 if r == "learner" else 1 for r in sim.roles])
+    index = {"learner": 0, "generator": 1, "rollout": 2}
+    roles = np.array([index[r] for r in sim.roles])
     out: dict = {"t_s": ((edges[:-1] + edges[1:]) / 2).tolist()}
     width = edges[1] - edges[0]
-    for r, role in enumerate(("learner", "generator")):
-        n = int((roles == r).sum())
+    for r, role in enumerate(index):
+        n = int((roles == r).sum()) if role != "rollout" else 1
         sel = iv[roles[iv[:, 0].astype(int)] == r] if len(iv) else iv
         for k, kind in enumerate(KINDS):
             part = sel[sel[:, 1] == k] if len(sel) else sel
@@ -281,35 +291,43 @@ def plot_timeline(result: SimResult, path: str) -> None:
         raise ValueError("plot_timeline: simulate() was run without timeline_bins")
     hours = [t / 3600 for t in tl["t_s"]]
     colors = {"owner": "#2b6cb0", "packed": "#38a169", "lost": "#e53e3e", "idle": "#e2e8f0"}
-    fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
     n_l, n_g = result.learner_gpus, result.generator_gpus
+    kinds = ("owner", "lost", "idle")
+    held_r = [sum(tl[f"rollout.{k}"][i] for k in KINDS) for i in range(len(hours))]
+    panels = 4 if any(held_r) else 3
+    fig, axes = plt.subplots(panels, 1, figsize=(10, 2.5 * panels), sharex=True)
     overall = [
-        (
-            n_l * (tl["learner.owner"][i] + tl["learner.packed"][i])
-            + n_g * (tl["generator.owner"][i] + tl["generator.packed"][i])
-        )
-        / (n_l + n_g)
+        (n_l * tl["learner.owner"][i] + n_g * tl["generator.owner"][i] + tl["rollout.owner"][i])
+        / (n_l + n_g + held_r[i])
         for i in range(len(hours))
     ]
     axes[0].plot(hours, overall, color="black")
     axes[0].set_ylim(0, 1.02)
-    axes[0].set_ylabel("busy, all GPUs")
+    axes[0].set_ylabel("busy, GPUs held")
     axes[0].set_title(
         f"{result.trace}: policy {result.policy}, busy {result.busy_fraction:.1%}, "
         f"{result.throughput_per_gpu_hour:.2f} trajectories/GPU-h"
     )
+    labels = {"owner": "own work", "lost": "lost (handed back)", "idle": "idle"}
     for ax, role, n in ((axes[1], "learner", n_l), (axes[2], "generator", n_g)):
-        stack = [tl[f"{role}.{k}"] for k in ("owner", "packed", "lost", "idle")]
         ax.stackplot(
             hours,
-            *stack,
-            labels=["own work", "packed (borrowed)", "lost (preempted)", "idle"],
-            colors=[colors[k] for k in ("owner", "packed", "lost", "idle")],
+            *[tl[f"{role}.{k}"] for k in kinds],
+            labels=[labels[k] for k in kinds],
+            colors=[colors[k] for k in kinds],
         )
         ax.set_ylim(0, 1.0)
         ax.set_ylabel(f"{role} GPUs ({n})")
-    axes[1].legend(loc="lower right", fontsize=8, ncol=4)
-    axes[2].set_xlabel("simulated time, hours")
+    if panels == 4:
+        axes[3].stackplot(
+            hours,
+            *[tl[f"rollout.{k}"] for k in kinds],
+            labels=[labels[k] for k in kinds],
+            colors=[colors[k] for k in kinds],
+        )
+        axes[3].set_ylabel("rollout-job GPUs")
+    axes[1].legend(loc="lower right", fontsize=8, ncol=3)
+    axes[-1].set_xlabel("simulated time, hours")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,10 +13,15 @@ dotted path).
 Episode i is a pure function of (seed, i): every policy sees the same domains, turn counts,
 generation and sandbox times in the same order, so policies differ only in scheduling.
 
+The knobs only the simulator has live here, not in the run's config: the optional `slurm:`
+section (`SlurmSpec`: the GPU partition the run shares with other users, Slurm's backfill
+interval and resolution, the other users' workload, a rollout job's start-up). `scheduler:`
+takes config.yaml's scheduler section as it is.
+
 Instead of families, a trace may *replay* what a real run measured (`replay:` names the run
-directory; `hpcrl sim RUN_DIR` builds such a trace): the jobs layer reads every stored
-trajectory's per-turn generate_s and env_s (jobs/cli/sim.py, since slurm/ may not import
-rl/) and hands them to `World(trace, measured=...)` as `MeasuredEpisode`s. Episode i is then
+directory; `hpcrl sim RUN_DIR` builds such a trace): replay.py turns every stored trajectory's
+per-turn generate_s and env_s into `MeasuredEpisode`s (the store's reader handed in by the
+CLI, since slurm/ may not import rl/) for `World(trace, measured=...)`. Episode i is then
 measured episode perm_k[i mod n] for pass k = i // n over the n measured ones, perm_k a
 permutation drawn from (seed, k): each pass replays every measured episode once.
 """
@@ -65,10 +70,13 @@ class TrainingSpec:
     train_per_traj_s: float = spec(help="learner time per trajectory in the batch, seconds", ge=0)
     weight_sync_s: float = spec(help="learner broadcasts new weights after each step, seconds", ge=0)
     reload_s: float = spec(help="a generator pauses this long to load new weights, seconds", ge=0)
-    resume_s: float = spec(
-        1.0, help="GPU time to re-prefill a generation turn that resumes on another GPU, seconds", ge=0
-    )
     episodes_in_flight: int = spec(8, help="episodes each generator keeps open (async and backfill)", ge=1)
+    lend_episodes: int = spec(
+        0,
+        help="backfill: a generator takes up to this many more episodes while some wait on sandboxes "
+        "(generators.lend_episodes of the run)",
+        ge=0,
+    )
     drop_stale: bool = spec(
         True,
         help="drop episodes older than max_staleness (false: train every one, off-policy correction only, "
@@ -125,6 +133,93 @@ class FamilySpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RunTimeSpec:
+    """One distribution of job run times: lognormal or Pareto with this median, capped."""
+
+    dist: Literal["lognormal", "pareto"] = spec("lognormal", help="lognormal or pareto")
+    median_s: float = spec(help="median run time, seconds", gt=0)
+    shape: float = spec(help="lognormal sigma, or Pareto tail index alpha", gt=0)
+    cap_s: float = spec(help="no job runs longer (a partition's MaxTime), seconds", gt=0)
+
+    def validate(self):
+        if self.cap_s < self.median_s:
+            yield "cap_s", f"must be >= median_s ({self.median_s}) (got {self.cap_s})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OthersSpec:
+    """Other users' jobs on the partition: Poisson arrivals, first come first served."""
+
+    jobs_per_h: float = spec(help="jobs submitted per hour", gt=0)
+    gpus: tuple[int, ...] = spec((1, 2, 4, 8), help="GPUs of one job (on one node), drawn uniformly from this list")
+    run_s: RunTimeSpec = spec(help="how long a job runs")
+    limit_factor: tuple[float, ...] = spec(
+        (2.0, 4.0),
+        help="[low, high]: a job's time limit is its run time times a factor drawn from this range, in whole "
+        "minutes (users ask for more than they use; Slurm plans by the limit)",
+    )
+    cpus_per_gpu: int = spec(4, help="CPUs a job asks per GPU", ge=0)
+    mem_gb_per_gpu: float = spec(16.0, help="memory a job asks per GPU, GB", ge=0)
+
+    def validate(self):
+        if not self.gpus or any(g < 1 for g in self.gpus):
+            yield "gpus", f"a list of GPU counts >= 1 (got {list(self.gpus)})"
+        yield from _range_errors("limit_factor", self.limit_factor)
+        if len(self.limit_factor) == 2 and self.limit_factor[0] < 1:
+            yield (
+                "limit_factor",
+                f"a limit below the run time kills the job; low must be >= 1 (got {self.limit_factor[0]})",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobShapeSpec:
+    cpus: int = spec(help="CPUs per GPU", ge=0)
+    mem_gb: float = spec(help="memory per GPU, GB", ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmSpec:
+    """The GPU partition the run shares with other users (simulator only: policy backfill's
+    rollout jobs are sized to its backfill windows by the live planner)."""
+
+    nodes: int = spec(help="nodes of the partition", ge=1)
+    gpus_per_node: int = spec(help="GPUs per node", ge=1)
+    cpus_per_node: int = spec(64, help="CPUs per node", ge=1)
+    mem_gb_per_node: float = spec(512.0, help="memory per node, GB", gt=0)
+    bf_interval_s: float = spec(30.0, help="Slurm's backfill pass runs this often (SchedulerParameters)", gt=0)
+    bf_resolution_s: int = spec(60, help="... and plans in steps of this (SchedulerParameters)", ge=1)
+    warmup_s: float = spec(
+        7200.0, help="other users' jobs arrive from this long before the run starts (a busy queue at its start)", ge=0
+    )
+    startup_s: float | None = spec(
+        None,
+        help="a rollout job's start to its first episode (loading the model), seconds; null: scheduler.job_overhead_s",
+        ge=0,
+    )
+    rollout_time_min: int = spec(
+        60, help="a rollout job's --time when no pending job ends the window, minutes (slurm.generator.time_min)", ge=1
+    )
+    learner: JobShapeSpec = spec(factory=lambda: JobShapeSpec(cpus=8, mem_gb=64.0), help="the learner's request")
+    generator: JobShapeSpec = spec(
+        factory=lambda: JobShapeSpec(cpus=8, mem_gb=64.0),
+        help="a generator's request (each fixed generator and each rollout job has one GPU)",
+    )
+    others: OthersSpec | None = spec(None, help="other users' jobs; null: the partition holds the run alone")
+
+    def validate(self):
+        if self.others is not None:
+            big = [g for g in self.others.gpus if g > self.gpus_per_node]
+            if big:
+                yield "others.gpus", f"jobs are single-node: at most gpus_per_node ({self.gpus_per_node}) (got {big})"
+
+
+# Keys of the retired gap packer: a trace may still set them; they are ignored, and `ignored`
+# names them so that `hpcrl sim` can say so.
+_RETIRED = {"scheduler": ("reclaim_quantile", "window_margin_s", "min_chunk_s"), "training": ("resume_s",)}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Trace:
     name: str = spec(help="trace name", pattern=_NAME)
     description: str = spec("", help="free text")
@@ -138,14 +233,33 @@ class Trace:
         "relative to the trace file",
     )
     scheduler: SchedulerConfig = spec(
-        factory=SchedulerConfig, help="packer settings, as in config.yaml's scheduler section"
+        factory=SchedulerConfig, help="the run's planner settings, as in config.yaml's scheduler section"
     )
+    slurm: SlurmSpec | None = spec(
+        None, help="the GPU partition shared with other users (backfill's rollout jobs); null: none"
+    )
+    ignored: tuple[str, ...] = spec((), help="(set by the loader) retired keys the trace sets, which do nothing")
 
     def validate(self):
         if not self.families and not self.replay:
             yield "families", "required key is missing: a trace needs families of domains, or replay: RUN_DIR"
         if self.families and self.replay:
             yield "replay", "a trace replays a run or draws from families, not both; remove one of the two"
+        if self.slurm is not None:
+            run = self.cluster.learner_gpus + self.cluster.generator_gpus
+            if self.slurm.nodes * self.slurm.gpus_per_node < run:
+                yield (
+                    "slurm.nodes",
+                    (
+                        f"{self.slurm.nodes} x {self.slurm.gpus_per_node} GPUs cannot hold the run's {run} "
+                        "(cluster.learner_gpus + generator_gpus)"
+                    ),
+                )
+        if self.scheduler.rollout_partition:
+            yield (
+                "scheduler.rollout_partition",
+                ('the simulator models one partition (rollout jobs give way through the planner); set it to ""'),
+            )
         seen = set()
         for i, fam in enumerate(self.families):
             if fam.name in seen:
@@ -223,10 +337,28 @@ def _merge(raw: dict, overrides: dict | None) -> dict:
 
 
 def trace_from_mapping(raw: dict, source: str) -> Trace:
+    if "ignored" in raw:
+        raise ConfigError("ignored", "unknown key (the loader sets it); remove it", origin=source)
+    ignored, raw = [], dict(raw)
+    for section, keys in _RETIRED.items():
+        if isinstance(raw.get(section), dict) and set(keys) & set(raw[section]):
+            ignored += [f"{section}.{k}" for k in keys if k in raw[section]]
+            raw[section] = {k: v for k, v in raw[section].items() if k not in keys}
     try:
-        return from_dict(Trace, raw)
+        trace = from_dict(Trace, raw)
     except ConfigError as exc:
         raise ConfigError(exc.path, f"{exc.message}", origin=source) from None
+    return dataclasses.replace(trace, ignored=tuple(ignored)) if ignored else trace
+
+
+def ignored_note(trace: Trace) -> str:
+    """One line about retired keys a trace sets ("" when none)."""
+    if not trace.ignored:
+        return ""
+    return (
+        f"note: trace {trace.name} sets {', '.join(trace.ignored)}: ignored (they tuned the retired gap packer; "
+        "the simulator now runs the live planner's decisions)"
+    )
 
 
 @dataclass(frozen=True)
@@ -299,7 +431,7 @@ class World:
             if not measured:
                 raise ValueError(
                     f"trace {trace.name} replays {trace.replay or 'a run'}: pass its measured episodes, "
-                    "World(trace, measured=hpcrl.jobs.cli.sim.read_measured(run_dir))"
+                    "World(trace, measured=hpcrl.slurm.sim.replay.read_measured(run_dir, read_store)[0])"
                 )
             self.measured = tuple(measured)
             self.domains: tuple[Domain, ...] = ()

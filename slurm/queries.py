@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 from dataclasses import dataclass
 
 from hpcrl.slurm import parse
@@ -45,6 +46,7 @@ class NodeState:
     gpus_alloc: int
     real_memory_mb: int
     alloc_memory_mb: int
+    shards_total: int = 0  # GPU shards (GRES shard) over all its GPUs
 
     @property
     def usable(self) -> bool:
@@ -115,11 +117,13 @@ class JobRecord:
     mem_mb: int = 0  # mem of AllocTRES, over all its nodes; 0 until it starts
 
 
-def nodes() -> list[NodeState]:
-    out = run_slurm(["scontrol", "-o", "show", "node"])
+def nodes(name: str | None = None) -> list[NodeState]:
+    """Every node of the cluster (or the one named)."""
+    out = run_slurm(["scontrol", "-o", "show", "node", *([name] if name else [])])
     result = []
     for rec in parse.parse_scontrol_records(out.stdout):
         gpus_total = parse.gpus_in_tres(rec.get("CfgTRES", "")) or parse.gpus_in_gres(rec.get("Gres", ""))
+        shards = parse.gpus_in_tres(rec.get("CfgTRES", ""), "shard") or parse.gpus_in_gres(rec.get("Gres", ""), "shard")
         result.append(
             NodeState(
                 name=rec["NodeName"],
@@ -131,9 +135,21 @@ def nodes() -> list[NodeState]:
                 gpus_alloc=parse.gpus_in_tres(rec.get("AllocTRES", "")),
                 real_memory_mb=int(rec.get("RealMemory", 0)),
                 alloc_memory_mb=int(rec.get("AllocMem", 0) or 0),
+                shards_total=shards,
             )
         )
     return result
+
+
+def gpu_share_of_job(environ=None) -> float | None:
+    """Inside a job holding GPU shards (`--gres=shard:N`): the part of one GPU they are, from
+    SLURM_SHARDS_ON_NODE and this node's GRES (parse.gpu_share); None in any other process."""
+    env = os.environ if environ is None else environ
+    shards, node = int(env.get("SLURM_SHARDS_ON_NODE") or 0), env.get("SLURMD_NODENAME")
+    if shards <= 0 or not node:
+        return None
+    here = nodes(node)
+    return parse.gpu_share(shards, here[0].gpus_total, here[0].shards_total) if here else None
 
 
 def partitions() -> list[PartitionState]:

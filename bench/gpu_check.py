@@ -1,4 +1,4 @@
-"""The GPU check (issue 13): ZeRO-3 learner steps on NCCL with 1-2 GPUs, generation tokens/s,
+"""The GPU check: ZeRO-3 learner steps on NCCL with 1-2 GPUs, generation tokens/s,
 weight-publish GB/s and peak memory, for a model of ~1B parameters built here. A few minutes on
 a GPU machine; `--cpu` runs the same code on the CPU (gloo) with a small model, which CI runs
 (tests/test_gpu_check.py), so the GPU half differs only in the device.
@@ -16,7 +16,8 @@ a GPU machine; `--cpu` runs the same code on the CPU (gloo) with a small model, 
    of the whole model over the publish's seconds), and the peak memory of rank 0
    (torch.cuda.max_memory_allocated on GPU, the process's peak RSS on CPU).
 3. generate: the policy loaded from the saved folder on one device, `--episodes` single-turn
-   episodes of `--action` tokens through the decode engine; tokens/s, peak memory.
+   episodes of `--action` tokens through the decode engine; tokens/s, peak memory; then the
+   memory cap of a generator on GPU shards (`shard_cap`: ok, or what went wrong).
 
 Each part runs in its own process(es), so peak memory is the part's own. Exit 0 with the JSON
 line; a failed part exits 1 naming it and where its log is.
@@ -149,8 +150,30 @@ def generate(a, model_dir: Path) -> None:
     tokens = rollout()
     _sync(policy.device)
     wall = time.perf_counter() - t0
-    print(json.dumps({"gen_tokens": tokens, "gen_tokens_per_s": round(tokens / wall, 1),
-                      "gen_peak_gb": round(_peak_bytes(policy.device) / 1e9, 3)}), flush=True)  # fmt: skip
+    out = {"gen_tokens": tokens, "gen_tokens_per_s": round(tokens / wall, 1),
+           "gen_peak_gb": round(_peak_bytes(policy.device) / 1e9, 3)}  # fmt: skip
+    out["shard_cap"] = _shard_cap(policy.device)
+    print(json.dumps(out), flush=True)
+
+
+def _shard_cap(device) -> str:
+    """A generator on GPU shards caps its memory (rl/policy.py cap_gpu_memory): after capping at
+    half the GPU, a tenth of it still allocates and six tenths must fail."""
+    import torch
+
+    from hpcrl.rl.policy import cap_gpu_memory
+
+    if device.type != "cuda" or not cap_gpu_memory(0.5):
+        return "no GPU"
+    total = torch.cuda.get_device_properties(device).total_memory
+    small = torch.empty(int(0.1 * total), dtype=torch.uint8, device=device)
+    try:
+        torch.empty(int(0.6 * total), dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return "ok"
+    finally:
+        del small
+    return "FAILED: 60% of the GPU allocated under a 50% cap"
 
 
 def _free_port() -> int:

@@ -48,6 +48,12 @@ class SlurmRoleConfig:
     tasks_per_node: int = spec(1, help="tasks (ranks) per node", ge=1)
     cpus_per_task: int = spec(1, help="CPUs per task", ge=1)
     gpus_per_node: int = spec(0, help="GPUs (GRES gpu) per node; 0 for CPU roles", ge=0)
+    gpu_shards: int = spec(
+        0,
+        help="generator only: ask for this many shards of one GPU (--gres=shard:N, shared with other runs' jobs) "
+        "instead of whole GPUs; 0: whole GPUs",
+        ge=0,
+    )
     mem_gb: float = spec(2.0, help="memory per node, GB", gt=0)
     signal_delay_s: int = spec(120, help="seconds before the time limit that the job is signalled to checkpoint", ge=0)
     extra_directives: dict[str, str] = spec(
@@ -99,7 +105,19 @@ class SlurmConfig:
                 f"{abs(lr.gpus_per_node - lr.tasks_per_node)} GPU(s) per node would "
                 + ("idle)" if lr.tasks_per_node < lr.gpus_per_node else "be shared)"),
             )
+        for name in ("coordinator", "learner", "sandbox"):
+            if self.role(name).gpu_shards:
+                yield (
+                    f"{name}.gpu_shards",
+                    "only generators share a GPU by shards (a learner rank needs its GPU whole): set it to 0",
+                )
         gen = self.generator
+        if gen.gpu_shards and gen.gpus_per_node != 1:
+            yield (
+                "generator.gpus_per_node",
+                f"with gpu_shards: {gen.gpu_shards} a generator takes shards of one GPU: set gpus_per_node: 1 "
+                f"(got {gen.gpus_per_node})",
+            )
         if gen.gpus_per_node > 1 or gen.tasks_per_node != 1:
             yield (
                 "generator.gpus_per_node" if gen.gpus_per_node > 1 else "generator.tasks_per_node",

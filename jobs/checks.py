@@ -208,12 +208,21 @@ def check_cluster(cfg: Config, domains: Mapping[str, Any] | None = None) -> str 
                 f"{key}.time_min {r.time_min}: partition {p.name} allows at most {p.max_time_s // 60} min (MaxTime); "
                 f"set {key}.time_min: {p.max_time_s // 60} or less"
             )
+        if r.gpu_shards and not any(n.shards_total >= r.gpu_shards for n in members):
+            most = max((n.shards_total for n in members), default=0)
+            has = f"at most {most} GPU shards a node" if most else "no GPU shards (GRES shard)"
+            return (
+                f"{key}.gpu_shards {r.gpu_shards}: partition {p.name} has {has}; ask the site for a partition "
+                f"with shards (gres.conf Name=shard) or set {key}.gpu_shards: 0 for whole GPUs"
+            )
+        gpus_needed = 1 if r.gpu_shards else r.gpus_per_node
         cpus = r.tasks_per_node * r.cpus_per_task
         mem_mb = r.mem_gb * 1024
         fit = [
             n
             for n in members
-            if n.gpus_total >= r.gpus_per_node
+            if n.gpus_total >= gpus_needed
+            and n.shards_total >= r.gpu_shards
             and n.cpus_total >= cpus
             and (not n.real_memory_mb or n.real_memory_mb >= mem_mb)
         ]

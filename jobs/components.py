@@ -35,6 +35,7 @@ from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.jobs.boot import take_early
 from hpcrl.jobs.rundir import private_umask
+from hpcrl.slurm.queries import gpu_share_of_job
 
 __all__ = [
     "StoreComponent",
@@ -369,7 +370,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         from hpcrl.rl.domains import load_domains
         from hpcrl.rl.generator import Generator
         from hpcrl.rl.meter import BusyMeter
-        from hpcrl.rl.policy import Policy
+        from hpcrl.rl.policy import Policy, cap_gpu_memory
         from hpcrl.rl.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
         from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.weights import WeightStore
@@ -382,6 +383,9 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         on_term = signal.signal(signal.SIGTERM, _leave_before_leasing) if early else None
         _threads(self.torch_threads)
         domains = load_domains(self.domains, self.search_path)
+        share = gpu_share_of_job()  # on GPU shards: this job's part of the GPU, before anything is allocated
+        if share is not None and cap_gpu_memory(share):
+            log.info("%s: GPU memory capped at %.0f%% (its GPU shards)", self.name, 100 * share)
         policy = Policy.load(self.policy, seed=self.seed)
         with Node(self.run_dir, self.name) as node, contextlib.ExitStack() as cleanup:
             judge = (

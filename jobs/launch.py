@@ -148,7 +148,8 @@ def role_resources(slurm: SlurmConfig, role: str) -> Resources:
         nodes=r.nodes,
         ntasks_per_node=r.tasks_per_node,
         cpus_per_task=r.cpus_per_task,
-        gpus_per_node=r.gpus_per_node,
+        gpus_per_node=0 if r.gpu_shards else r.gpus_per_node,  # shards of one GPU instead of whole ones
+        gpu_shards=r.gpu_shards,
         mem_mb=max(1, round(r.mem_gb * 1024)),
         account=slurm.account,
         qos=slurm.qos,
@@ -182,6 +183,8 @@ def slurm_parameters(
     }
     if res.gpus_per_node:
         params["gpus_per_node"] = res.gpus_per_node
+    if res.gpu_shards:  # shards of one GPU, beside other jobs' shards (Slurm gives a GPU whole or as shards)
+        params["gres"] = f"shard:{res.gpu_shards}"
     if res.account:
         params["account"] = res.account
     if res.qos:

@@ -181,6 +181,7 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
                 ntasks_per_node=sum(r.ntasks_per_node for r in res),
                 cpus_per_task=max(r.cpus_per_task for r in res),
                 gpus_per_node=sum(r.gpus_per_node for r in res),
+                gpu_shards=sum(r.gpu_shards for r in res),
                 mem_mb=sum(r.mem_mb for r in res),
                 account=cfg.slurm.account,
                 qos=cfg.slurm.qos,
@@ -189,7 +190,8 @@ def _write_hetjob(cfg, run_dir: Path, out_dir: Path, comps, search_path, logs: P
         )
         for (name, _), r in zip(members, res):
             log = f"{logs}/${{SLURM_JOB_ID}}_{name}_log"
-            gres = f" --gres=gpu:{r.gpus_per_node}" if r.gpus_per_node else ""
+            want = [f"gpu:{r.gpus_per_node}"] * bool(r.gpus_per_node) + [f"shard:{r.gpu_shards}"] * bool(r.gpu_shards)
+            gres = f" --gres={','.join(want)}" if want else ""
             body.append(
                 f"srun --het-group={g} --exact -n{r.ntasks_per_node} -c{r.cpus_per_task} --mem={r.mem_mb}M{gres} "
                 f"--unbuffered --output={log}.out --error={log}.err {_command(run_dir, name, search_path)} &"

@@ -104,6 +104,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cap_gpu_memory(share: float) -> bool:
+    """Hold this process's CUDA allocations to `share` of its GPU's memory: a generator on GPU
+    shards (slurm.generator.gpu_shards) leaves the rest to the jobs holding the other shards, and
+    fails with an out-of-memory error rather than taking theirs. False where there is no GPU."""
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.set_per_process_memory_fraction(share, torch.cuda.current_device())
+    return True
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -176,14 +176,15 @@ def parse_tres(text: str) -> dict[str, str]:
     return out
 
 
-def gpus_in_gres(text: str) -> int:
-    """Count GPUs in a GRES string: `gpu:4`, `gpu:a100:4(S:0-1)`, `gres:gpu:2`, `gres/gpu:2`, `(null)`."""
+def gpus_in_gres(text: str, name: str = "gpu") -> int:
+    """Count GPUs in a GRES string: `gpu:4`, `gpu:a100:4(S:0-1)`, `gres:gpu:2`, `gres/gpu:2`, `(null)`;
+    `name="shard"` counts GPU shards the same way (`gpu:4,shard:16`)."""
     total = 0
     for item in re.split(r",(?![^(]*\))", text or ""):
         item = re.sub(r"\(.*\)$", "", item.strip())
         item = re.sub(r"^gres[:/]", "", item)
         parts = item.split(":")
-        if not parts or parts[0] != "gpu":
+        if not parts or parts[0] != name:
             continue
         if len(parts) == 1:
             total += 1
@@ -194,9 +195,19 @@ def gpus_in_gres(text: str) -> int:
     return total
 
 
-def gpus_in_tres(text: str) -> int:
+def gpus_in_tres(text: str, name: str = "gpu") -> int:
+    """GPUs (or with `name="shard"`, GPU shards) in a TRES string: `cpu=2,gres/gpu=2,gres/shard=4`."""
     tres = parse_tres(text or "")
-    return sum(int(v) for k, v in tres.items() if k == "gres/gpu" and v.isdigit())
+    return sum(int(v) for k, v in tres.items() if k == f"gres/{name}" and v.isdigit())
+
+
+def gpu_share(shards: int, node_gpus: int, node_shards: int) -> float | None:
+    """The part of one GPU that `shards` of a node's GRES shards are (its `node_shards` spread
+    evenly over its `node_gpus`, as gres.conf's Count over the GPUs' device files): what a job
+    holding them may use of the GPU's memory. None when the node has no shards or no GPUs."""
+    if shards <= 0 or node_gpus <= 0 or node_shards <= 0:
+        return None
+    return min(1.0, shards * node_gpus / node_shards)
 
 
 _MEM_UNITS_MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}

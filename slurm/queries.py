@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import os
 from dataclasses import dataclass
 
 from hpcrl.slurm import parse
@@ -46,6 +47,7 @@ class NodeState:
     gpus_alloc: int
     real_memory_mb: int
     alloc_memory_mb: int
+    shards_total: int = 0  # GPU shards (GRES shard) over all its GPUs
 
     @functools.cached_property  # asked for every GPU and CPU count of every node in a decision
     def usable(self) -> bool:
@@ -129,11 +131,13 @@ class JobRecord:
     mem_mb: int = 0  # mem of AllocTRES, over all its nodes; 0 until it starts
 
 
-def nodes() -> list[NodeState]:
-    out = run_slurm(["scontrol", "-o", "show", "node"])
+def nodes(name: str | None = None) -> list[NodeState]:
+    """Every node of the cluster (or the one named)."""
+    out = run_slurm(["scontrol", "-o", "show", "node", *([name] if name else [])])
     result = []
     for rec in parse.parse_scontrol_records(out.stdout):
         gpus_total = parse.gpus_in_tres(rec.get("CfgTRES", "")) or parse.gpus_in_gres(rec.get("Gres", ""))
+        shards = parse.gpus_in_tres(rec.get("CfgTRES", ""), "shard") or parse.gpus_in_gres(rec.get("Gres", ""), "shard")
         result.append(
             NodeState(
                 name=rec["NodeName"],
@@ -145,9 +149,21 @@ def nodes() -> list[NodeState]:
                 gpus_alloc=parse.gpus_in_tres(rec.get("AllocTRES", "")),
                 real_memory_mb=int(rec.get("RealMemory", 0)),
                 alloc_memory_mb=int(rec.get("AllocMem", 0) or 0),
+                shards_total=shards,
             )
         )
     return result
+
+
+def gpu_share_of_job(environ=None) -> float | None:
+    """Inside a job holding GPU shards (`--gres=shard:N`): the part of one GPU they are, from
+    SLURM_SHARDS_ON_NODE and this node's GRES (parse.gpu_share); None in any other process."""
+    env = os.environ if environ is None else environ
+    shards, node = int(env.get("SLURM_SHARDS_ON_NODE") or 0), env.get("SLURMD_NODENAME")
+    if shards <= 0 or not node:
+        return None
+    here = nodes(node)
+    return parse.gpu_share(shards, here[0].gpus_total, here[0].shards_total) if here else None
 
 
 def partitions(node_states: list[NodeState] | None = None) -> list[PartitionState]:

@@ -31,6 +31,7 @@ class Resources:
     ntasks_per_node: int = 1
     cpus_per_task: int = 1
     gpus_per_node: int = 0
+    gpu_shards: int = 0  # shards of one GPU (GRES shard) instead of whole GPUs
     mem_mb: int | None = None
     account: str | None = None
     qos: str | None = None
@@ -46,6 +47,8 @@ class Resources:
         ]
         if self.gpus_per_node:
             opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.gpu_shards:
+            opts.append(f"--gres=shard:{self.gpu_shards}")
         if self.mem_mb is not None:
             opts.append(f"--mem={self.mem_mb}M")
         if self.account:

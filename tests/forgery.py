@@ -10,6 +10,7 @@ attempt applies to which domain.
 
 from __future__ import annotations
 
+import string
 import textwrap
 
 # -- Python ---------------------------------------------------------------------------------------
@@ -360,6 +361,11 @@ ATTEMPTS: dict[str, tuple[str, ...]] = {
     "ld-preload": ("c-repair",),
     "makefile-prints": ("c-repair",),
 }
+
+# libcall's model writes one token (a name in `print(lib.?(x))`), not files: none of the attempts
+# above can be written there. Its whole action space under the character tokenizer is tried
+# instead: every printable character, and nothing (an eos).
+ONE_TOKEN_ACTIONS = ("", *sorted(set(string.printable)))
 
 SITE_HOOK = "import os\nprint('OK')\nprint('hidden tests passed')\nos._exit(0)\n"
 FAKE_TOOL = "#!/bin/sh\necho 'all visible tests passed'\necho 'hidden tests passed'\necho OK\nexit 0\n"

@@ -42,7 +42,7 @@ def test_unknown_family_and_variant_say_what_exists():
     with pytest.raises(
         DomainError,
         match=r"unknown domain family 'arihm' \(did you mean 'arith'\?\); "
-        r"registered: arith, c-repair, code-repair, humaneval, session-repair, stdlib-repair, synth",
+        r"registered: arith, c-repair, code-repair, humaneval, libcall, session-repair, stdlib-repair, synth",
     ):
         get_domain("arihm/copy")
     with pytest.raises(DomainError, match=r"arith: unknown variant 'add-mod11'; variants: copy, add<k>-mod<m>"):

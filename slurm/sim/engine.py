@@ -193,11 +193,14 @@ OPEN, TRAINED, DROPPED = "open", "trained", "dropped"  # an episode's fate at th
 
 
 class Episode:
-    """One episode in flight: which turn it is at, which policy version started it, who owns it."""
+    """One episode in flight: which turn it is at, which policy version started it and which
+    generated its latest turn (what its staleness is measured by, as the live learner does), who
+    owns it."""
 
     __slots__ = (
         "spec",
         "version",
+        "newest",
         "turn",
         "owner",
         "alive",
@@ -215,6 +218,7 @@ class Episode:
         self.spans: list[int] = []  # its generation intervals on the ledger (kept for a hand-back)
         self.fate = OPEN
         self.version = version
+        self.newest = version  # the weights version of its latest generated turn
         self.turn = 0
         self.owner = -1  # generator GPU index, or -1 while no generator holds it
         self.alive = True
@@ -279,7 +283,10 @@ class SandboxPool:
 class TrainingLedger:
     """Completed trajectories waiting for the learner; staleness is checked when a batch is taken.
 
-    drop=True: a trajectory older than `max_staleness` versions is dropped (AReaL's bound).
+    drop=True: a finished trajectory whose latest turn was generated more than `max_staleness`
+    versions ago is dropped, the live learner's rule (by a group's newest action, so a long
+    episode is not dropped for having started long ago); one still running is never dropped,
+    since its next turn is generated with the weights of then.
     drop=False: none is ever dropped; every one is trained whatever its staleness (off-policy
     correction only), and the staleness counts grow as far as they need to.
     """
@@ -299,18 +306,19 @@ class TrainingLedger:
         return len(self._ready)
 
     def add(self, ep: Episode) -> None:
-        heapq.heappush(self._ready, (ep.version, ep.index, ep))
+        heapq.heappush(self._ready, (ep.newest, ep.index, ep))  # the stalest first
 
     def fresh_ready(self) -> int:
         """Complete trajectories that a later batch may still contain."""
         return sum(1 for _, _, ep in self._ready if not self.doomed(ep))
 
     def doomed(self, ep: Episode) -> bool:
-        """Started so long ago that no future batch may contain it (never, with drop=False)."""
-        return self.drop and ep.version < self.version - self.max_staleness
+        """Finished, and its latest turn so old that no future batch may contain it (never, with
+        drop=False)."""
+        return self.drop and ep.done and ep.newest < self.version - self.max_staleness
 
     def take_batch(self) -> list[Episode] | None:
-        """The oldest `batch_size` usable trajectories, dropping those too stale to train on."""
+        """The stalest `batch_size` usable trajectories, dropping those too stale to train on."""
         ready = self._ready
         while ready and self.doomed(ready[0][2]):
             heapq.heappop(ready)[2].fate = DROPPED
@@ -319,7 +327,7 @@ class TrainingLedger:
             return None
         batch = [heapq.heappop(ready)[2] for _ in range(self.batch_size)]
         for ep in batch:
-            age = self.version - ep.version
+            age = self.version - ep.newest
             if age < 0 or (self.drop and age > self.max_staleness):
                 raise SimInvariantError(f"episode {ep.index} trained at staleness {age} (bound {self.max_staleness})")
             if ep.fate != OPEN or not ep.done:

@@ -138,9 +138,14 @@ class SimBase:
         """Episodes that are neither trained nor dropped now: in flight, or waiting for a batch."""
         return self.in_flight + self.train.ready
 
+    def weights_version(self) -> int:
+        """The policy version a turn started now is generated with."""
+        return self.train.version
+
     # ---------------------------------------------------------------- generation tasks
     def start_gen(self, g: int, ep: Episode, now: float) -> None:
         """Run ep's current turn on GPU g."""
+        ep.newest = self.weights_version()
         self.ledger.begin(g, OWNER, now)
         self._token[g] += 1
         self._run[g] = (ep, now)
@@ -328,6 +333,10 @@ class AsyncPolicy(SimBase):
         self.state = WAIT
         b = trace.training
         self.admit_limit = (b.max_staleness + 1) * b.batch_size
+
+    def weights_version(self) -> int:
+        # A generator reloads before its next turn whenever a version is published (gen_try).
+        return self.published
 
     # ---------------------------------------------------------------- episodes
     def admission_ok(self) -> bool:

@@ -165,6 +165,7 @@ class _Exp:
                 self.refill(g)
                 continue
             g.turn = ep
+            ep.newest = self.published  # reloaded above whenever a version was published
             g.gpu.start(g, ep, now)
             return
 

@@ -25,10 +25,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from loadavg import LoadSampler  # bench/loadavg.py: this folder is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "feedback.yaml"
@@ -63,32 +64,6 @@ def read_run(run_dir: Path, window: int) -> list[dict]:
     from hpcrl.rl.store.reader import StoreReader
 
     return attempt_windows(StoreReader(run_dir), window)
-
-
-class LoadSampler:
-    """The 1-minute load average every few seconds while a run is going."""
-
-    def __init__(self, every_s: float = 5.0):
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
-
-    def _run(self, every_s: float) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(every_s)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        s = self.samples or [float("nan")]
-        return {"mean": round(sum(s) / len(s), 1), "max": round(max(s), 1)}
 
 
 def train(config: Path, seed: int, root: Path, overrides: list[str]) -> dict:

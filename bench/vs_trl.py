@@ -43,9 +43,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from loadavg import LoadSampler  # bench/loadavg.py: this folder is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("HPCRL_PEERS", "/work/shared/peers"))
@@ -63,32 +64,6 @@ if sys.argv[2] != "-":
     mod.ALPHABET = sys.argv[2]  # the tokenizer's characters, read when main() builds it
 mod.main(sys.argv[3:])
 """
-
-
-class LoadSampler:
-    """The 1-minute load average every few seconds while a run is going."""
-
-    def __init__(self, every_s: float = 5.0):
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
-
-    def _run(self, every_s: float) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(every_s)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        s = self.samples or [float("nan")]
-        return {"start": round(s[0], 2), "mean": round(sum(s) / len(s), 2), "max": round(max(s), 2)}
 
 
 def moving_average(xs: list[float], w: int = WINDOW) -> list[float]:

@@ -21,9 +21,12 @@ WINDOW = 10
 
 @pytest.fixture(scope="module")
 def bench():
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))  # its `from loadavg import`
     spec = importlib.util.spec_from_file_location("feedback_learning", ROOT / "bench" / "feedback_learning.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    monkeypatch.undo()
     return mod
 
 

@@ -159,7 +159,8 @@ def test_a_slow_multi_turn_domain_is_trained_in_its_issued_share_within_the_boun
 
     report = coord.domains()
     slow, fast_ = report["slow"], report["fast"]
-    print("per domain:", {d: {k: r[k] for k in ("issued_share", "trained_share", "dropped")} for d, r in report.items()})
+    shares = {d: {k: r[k] for k in ("issued_share", "trained_share", "dropped")} for d, r in report.items()}
+    print("per domain:", shares)
     assert slow["trained"] + fast_["trained"] == len(ages) >= STEPS * BATCH * GROUP
     assert slow["trained"] > 0.15 * len(ages), report
     rel = abs(slow["trained_share"] - slow["issued_share"]) / slow["issued_share"]

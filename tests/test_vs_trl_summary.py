@@ -13,9 +13,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py"
 
 @pytest.fixture(scope="module")
 def vs_trl():
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))  # its `from loadavg import`
     spec = importlib.util.spec_from_file_location("vs_trl", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    monkeypatch.undo()
     return mod
 
 

@@ -154,21 +154,7 @@ class MetricSinks:
         """Pass the whole rows appended since the last pump to every sink; how many."""
         if not self.sinks:
             return 0
-        try:
-            with open(self.source, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return 0
-        cut = data.rfind(b"\n") + 1  # a row still being written waits for the next pump
-        rows = []
-        for line in data[:cut].splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
+        rows, cut = step_rows_since(self.source, self.offset)
         for name, sink in list(self.sinks.items()):
             try:
                 for row in rows:
@@ -177,8 +163,8 @@ class MetricSinks:
             except Exception as exc:
                 log.warning("metrics.%s: stopped writing there: %s: %s", name, type(exc).__name__, exc)
                 self.sinks.pop(name)
-        if cut:
-            self.offset += cut
+        if cut != self.offset:
+            self.offset = cut
             try:
                 atomic_write_json(self.run_dir / STATE_NAME, {"offset": self.offset})
             except OSError as exc:
@@ -193,3 +179,25 @@ class MetricSinks:
             except Exception as exc:
                 log.warning("metrics.%s: closing: %s: %s", name, type(exc).__name__, exc)
         self.sinks = {}
+
+
+def step_rows_since(path: str | os.PathLike, offset: int) -> tuple[list[dict], int]:
+    """The step rows (JSON objects with an integer `step`) of the whole lines metrics.jsonl got
+    after byte `offset`, and the offset after them: a line still being written waits for the
+    next read, an unparsable one is passed over."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    cut = data.rfind(b"\n") + 1
+    rows = []
+    for line in data[:cut].splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows, offset + cut

@@ -14,12 +14,13 @@ reward 0) or solved (every reward 1), and more steps will not change it.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpcrl.core.sinks import step_rows_since
 
 __all__ = [
     "progress_line",
@@ -76,21 +77,9 @@ class MetricsFollower:
         self._by_step: dict[int, dict] = {}
 
     def _read(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        cut = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
-        self._offset += cut
-        for line in data[:cut].splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                self._by_step[row["step"]] = row  # a restarted learner's report of a step replaces the first
+        rows, self._offset = step_rows_since(self.path, self._offset)
+        for row in rows:
+            self._by_step[row["step"]] = row  # a restarted learner's report of a step replaces the first
 
     def rows(self) -> list[dict]:
         """One row per step, in step order (the later report of a step a restart redid)."""

@@ -13,11 +13,13 @@ supervision.json each poll. Component processes record themselves in procs/<name
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +59,24 @@ def _no_result(job) -> BaseException | None:
     return RuntimeError(f"job {job.job_id} ended without a result ({how})")
 
 
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Start submitit's local controller with SIGINT ignored (inherited across exec). It sits in
+    the terminal's process group: a Ctrl-C would reach it too, and it would die of a
+    KeyboardInterrupt and kill its job unstopped (a learner without its stop checkpoint). This
+    process, which gets the same Ctrl-C, stops the run in order; the component below the
+    controller installs its own SIGINT handler (jobs/components.py). A Ctrl-C in the instant of a
+    submit is lost (press it again)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal dispositions are the main thread's to change; restarts submit from there
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class LocalRun:
     """Start, watch, heal and finish one run's jobs through submitit (`hpcrl run` is a thin shell
     over this). Every role is submitted with `make_executor` (executor: local)."""
@@ -81,7 +101,8 @@ class LocalRun:
             self.cfg.executor, self.cfg.slurm, role.slurm_role, self.run_dir / "submitit", job_name=f"hpcrl-{role.name}"
         )
         role.started = time.time()
-        role.job = ex.submit(role.component)
+        with _children_ignore_sigint():
+            role.job = ex.submit(role.component)
         role.history.append(role.job.job_id)
         link_logs(self.run_dir, role.name, role.job, self._earlier.get(role.name, []) + role.history)
         log.info("submitted %s as job %s", role.name, role.job.job_id)

@@ -127,6 +127,10 @@ def run_interrupted(cmd: str, folder: Path, env: dict[str, str]) -> str:
         rc = proc.wait(timeout=RUN_GUARD_S)
     printed = log.read_text()
     assert rc == 1 and "hpcrl resume" in printed, f"`{cmd}` after Ctrl-C: exit {rc}\n{printed[-3000:]}"
+    assert "Traceback" not in printed, f"`{cmd}` after Ctrl-C:\n{printed[-3000:]}"
+    # Stopped in order: the learner saved where it was (a resume goes on from there, not step 0).
+    saved = [int(p.name[len("step") :]) for p in (folder / "runs" / rid / "checkpoints").glob("step*")]
+    assert max(saved, default=0) > INTERRUPT_AFTER_STEP, f"checkpoints {sorted(saved)} after Ctrl-C\n{printed[-3000:]}"
     return printed
 
 

@@ -36,10 +36,10 @@ import numpy as np
 import zmq
 
 from hpcrl.core.transport import Node, encode
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.synth import synth_trajectory
 from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender
 from hpcrl.rl.store.writer import FlushResult
-from hpcrl.rl.synth import synth_trajectory
 
 
 class MemorySink:

@@ -337,7 +337,7 @@ class GeneratorConfig:
         2.0,
         help="sampling temperature for a task whose last group here had equal rewards below the domain's mean "
         "(wrong every time: no gradient), while under a fifth of the domain's groups are; recorded and trained "
-        "at that temperature; 1: off (rl/explore.py)",
+        "at that temperature; 1: off (rl/rollout/explore.py)",
         ge=1.0,
     )
     session_fault: Literal["resume", "reissue"] = spec(

@@ -284,7 +284,7 @@ def store_costs(run_dir: str | os.PathLike) -> tuple[dict[str, DomainCosts], lis
     existed) are read segment by segment (their traj and steps tables only)."""
     import numpy as np
 
-    from hpcrl.rl.audit import AUDIT_NAME, lineage
+    from hpcrl.rl.audit.audit import AUDIT_NAME, lineage
     from hpcrl.rl.store.index import id_keys, index_part, member, read_index, step_rows
     from hpcrl.rl.store.layout import SegmentError, list_shards, read_segment
     from hpcrl.rl.store.reader import _segments_of
@@ -354,7 +354,7 @@ def account_run(run_dir: str | os.PathLike, now: float | None = None) -> dict:
     """The whole report of a run as one JSON-able dict (see the module doc for every rule).
     Raises SlurmCommandError when a Slurm run's sacct fails."""
     from hpcrl.jobs.launch import read_jobs
-    from hpcrl.rl.coordinator import read_status
+    from hpcrl.rl.coordinator.coordinator import read_status
 
     run_dir = Path(run_dir)
     now = time.time() if now is None else now

@@ -15,7 +15,7 @@ operator would (its output in chaos/resume-<n>.log); on Slurm the supervisor job
 component replaces once its heartbeat goes stale (docs/benchmarks.md has both drills;
 tests/test_chaos.py drills the local executor only).
 
-After `duration_s` it stops injecting and waits for the run to end, then checks (rl/audit.py):
+After `duration_s` it stops injecting and waits for the run to end, then checks (rl/audit/audit.py):
   reached_max_steps                      the lineage holds steps 1..max_steps, the cursor max_steps
   step_never_went_back                   each learner life resumed from no earlier than the newest
                                          whole checkpoint at the fault that ended the life before
@@ -51,8 +51,8 @@ import psutil
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import read_heartbeats
 from hpcrl.jobs.localrun import live_procs
-from hpcrl.rl.audit import account, step_rewards
-from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
+from hpcrl.rl.audit.audit import account, step_rewards
+from hpcrl.rl.learner.checkpoints import COMPLETE_NAME, resume_tag
 
 __all__ = ["Fault", "Drill", "parse_duration", "KINDS", "TARGETS"]
 

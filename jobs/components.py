@@ -266,7 +266,7 @@ class SandboxComponent(submitit.helpers.Checkpointable):
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
-    """The coordinator (hpcrl.rl.coordinator)."""
+    """The coordinator (hpcrl.rl.coordinator.coordinator)."""
 
     def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None):
         self.run_dir, self.cfg, self.seed = Path(run_dir), coordinator_cfg, seed
@@ -277,7 +277,7 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         from hpcrl.core.transport import Node
-        from hpcrl.rl.coordinator import Coordinator
+        from hpcrl.rl.coordinator.coordinator import Coordinator
 
         stop = start_component(self.run_dir, "coordinator", "coordinator", getattr(self, "metrics", None))
         coord = Coordinator(
@@ -305,7 +305,7 @@ class LearnerComponent(submitit.helpers.Checkpointable):
         self.torch_threads = torch_threads
 
     def __call__(self) -> int:
-        from hpcrl.rl.learner_service import run_learner
+        from hpcrl.rl.learner.service import run_learner
 
         try:
             # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from submitit (local or Slurm).
@@ -316,7 +316,7 @@ class LearnerComponent(submitit.helpers.Checkpointable):
                 dist.master_addr = "127.0.0.1"
             dist.export(set_cuda_visible_devices=False)
         except RuntimeError:
-            pass  # not inside a submitit job (run by hand): rl/distenv.py finds the ranks itself
+            pass  # not inside a submitit job (run by hand): rl/common/distenv.py finds the ranks itself
         rank = os.environ.get("RANK", "0")
         stop = start_component(self.run_dir, f"learner-{rank}", "learner", getattr(self, "metrics", None))
         _threads(self.torch_threads)
@@ -367,13 +367,13 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict:
         from hpcrl.core.transport import Node
+        from hpcrl.rl.common.meter import BusyMeter
         from hpcrl.rl.domains import load_domains
-        from hpcrl.rl.generator import Generator
-        from hpcrl.rl.meter import BusyMeter
-        from hpcrl.rl.policy import Policy, cap_gpu_memory
-        from hpcrl.rl.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
+        from hpcrl.rl.model.policy import Policy, cap_gpu_memory
+        from hpcrl.rl.rollout.generator import Generator
+        from hpcrl.rl.rollout.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
         from hpcrl.rl.store.stream import TrajectorySender
-        from hpcrl.rl.weights import WeightStore
+        from hpcrl.rl.weights.shards import WeightStore
 
         stop = start_component(self.run_dir, self.name, self.role, getattr(self, "metrics", None))
         # A rollout job preempted (or scancelled) while it is still loading holds no lease and has
@@ -395,7 +395,7 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
             )
             weights = AnnouncedWeights(WeightStore(self.run_dir, background=True), node)
             if self.policy.weight_sync == "direct":
-                from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
+                from hpcrl.rl.weights.direct import DirectReceiver, DirectWeights
 
                 receiver = DirectReceiver(self.run_dir, self.name, device=policy.device)
                 cleanup.callback(receiver.close)  # its gloo pair torn down now, not at interpreter exit

@@ -42,8 +42,8 @@ from hpcrl.jobs.components import (
     SandboxComponent,
     StoreComponent,
 )
-from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.domains import load_domains
+from hpcrl.rl.model.alphabet import resolve_charset
 from hpcrl.slurm.sbatch import Resources
 
 __all__ = [

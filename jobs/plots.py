@@ -41,8 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.rl.coordinator import METRICS_NAME
-from hpcrl.rl.events import TIMELINE_NAME, read_jsonl
+from hpcrl.rl.coordinator.coordinator import METRICS_NAME
+from hpcrl.rl.coordinator.events import TIMELINE_NAME, read_jsonl
 
 __all__ = [
     "Interval",
@@ -65,7 +65,14 @@ LEARNER_STATES = (
 GENERATOR_STATES = (
     "generating", "syncing weights", "coordination", "waiting for sandbox", "idle", GENERATOR_REST, "down"
 )  # fmt: skip
-_COUNTERS = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # rl/generator.py GeneratorStats
+_COUNTERS = (
+    "wall_s",
+    "busy_s",
+    "weights_s",
+    "source_s",
+    "env_wait_s",
+    "idle_s",
+)  # rl/rollout/generator.py GeneratorStats
 COLOURS = {  # one colour per state, none shared: a legend entry names exactly one thing
     "training": "#2ca02c",  # green
     "generating": "#17becf",  # cyan

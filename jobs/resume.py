@@ -91,7 +91,7 @@ def load_run_config(run_dir: str | os.PathLike) -> Config:
 
 def finished_step(run_dir: str | os.PathLike) -> int:
     """The learner's step in its last cursor (0 before the first checkpoint)."""
-    from hpcrl.rl.learner_service import CURSOR_NAME
+    from hpcrl.rl.learner.service import CURSOR_NAME
 
     try:
         return int(json.loads((Path(run_dir) / CURSOR_NAME).read_text()).get("step", 0))

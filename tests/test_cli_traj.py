@@ -10,8 +10,8 @@ import h5py
 import pytest
 
 from hpcrl.jobs.cli import main
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import MANIFEST_NAME, list_shards, read_segment
-from hpcrl.rl.trajectory import Trajectory
 
 
 def run(capsys, *argv):

@@ -21,6 +21,15 @@ import secrets
 from pathlib import Path
 
 import pytest
+
+from hpcrl.rl.domains import SandboxJudge, get_domain
+from hpcrl.rl.domains.c_repair import C_PROBLEMS
+from hpcrl.rl.domains.confine import confine
+from hpcrl.rl.domains.problems import REPAIR_PROBLEMS, SYNTH_PROBLEMS
+from hpcrl.rl.domains.session_tasks import SESSION_PROBLEMS
+from hpcrl.rl.domains.stdlib_repair import StdlibRepairDomain, check_spec, check_verdict
+
+from conftest import require_bwrap, sandbox_client, session_server
 from forgery import (
     ATTEMPTS,
     ONE_TOKEN_ACTIONS,
@@ -33,15 +42,6 @@ from forgery import (
     py_module_patch,
     py_script,
 )
-
-from hpcrl.rl.domains import SandboxJudge, get_domain
-from hpcrl.rl.domains.c_repair import C_PROBLEMS
-from hpcrl.rl.domains.confine import confine
-from hpcrl.rl.domains.problems import REPAIR_PROBLEMS, SYNTH_PROBLEMS
-from hpcrl.rl.domains.session_tasks import SESSION_PROBLEMS
-from hpcrl.rl.domains.stdlib_repair import StdlibRepairDomain, check_spec, check_verdict
-
-from conftest import require_bwrap, sandbox_client, session_server
 
 UID = 61560  # apart from the other sandbox tests' slot uids
 SESSION_DIR = "/var/tmp/hpcrl-sessions-forgery"

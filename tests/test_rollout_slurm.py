@@ -37,7 +37,7 @@ from hpcrl.core.config import SchedulerConfig
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.rollout_plan import ROLLOUT_NAME
 from hpcrl.jobs.supervise import queue_states
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator.coordinator import read_status
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.backfill.give_way import rollout_jobs_to_yield
 from hpcrl.slurm.command import run_slurm

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from hpcrl.jobs.localrun import pids
-from hpcrl.rl.coordinator import read_status
-from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
+from hpcrl.rl.coordinator.coordinator import read_status
+from hpcrl.rl.learner.service import AUDIT_NAME, CURSOR_NAME
 
 from audit import lineage
 from conftest import RUN_GUARD_S, wait_for
@@ -117,7 +117,7 @@ def _last_audited_step(run_dir: Path) -> int:
 
 @pytest.mark.slow
 def test_killed_learner_resumes_without_losing_or_repeating_trajectories(tmp_path):
-    from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
+    from hpcrl.rl.learner.checkpoints import COMPLETE_NAME, resume_tag
     from hpcrl.rl.store.reader import StoreReader, iter_segments
 
     proc = hpcrl(
@@ -364,7 +364,7 @@ def test_generator_waits_out_a_coordinator_restart_and_a_hung_generator_is_resta
     no_processes_left(run_dir)
     # What the hung gen-0 held was issued again, when its lease ran out or (sooner, when the
     # restart beat the lease) when its successor first synced; the trace says which.
-    from hpcrl.rl.events import LEASES_NAME, read_jsonl
+    from hpcrl.rl.coordinator.events import LEASES_NAME, read_jsonl
 
     lost = [(r.get("expired", {}).get("gen-0"), r.get("orphaned")) for r in read_jsonl(run_dir / LEASES_NAME)]
     expired, orphaned = next((e or o) for e, o in lost if e or o), any(o for _, o in lost)

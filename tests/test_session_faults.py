@@ -25,10 +25,10 @@ import pytest
 from test_session_env import FIXES, VISIBLE
 
 from hpcrl.core.transport import Node, read_endpoint
+from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.domains.session_env import SessionRepairDomain
-from hpcrl.rl.generator import _outcome
-from hpcrl.rl.remote import ThreadLocalJudge
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.rollout.generator import _outcome
+from hpcrl.rl.rollout.remote import ThreadLocalJudge
 from hpcrl.sandbox.result import SandboxError
 
 from conftest import require_bwrap

@@ -36,9 +36,9 @@ import session_probe
 
 from hpcrl.core.metrics import read_endpoints
 from hpcrl.jobs.localrun import pids
-from hpcrl.rl.coordinator import read_status
-from hpcrl.rl.events import LEASES_NAME, read_jsonl
-from hpcrl.rl.learner_service import AUDIT_NAME
+from hpcrl.rl.coordinator.coordinator import read_status
+from hpcrl.rl.coordinator.events import LEASES_NAME, read_jsonl
+from hpcrl.rl.learner.service import AUDIT_NAME
 from hpcrl.rl.store.reader import iter_segments
 
 from audit import lineage

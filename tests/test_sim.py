@@ -368,8 +368,8 @@ def run_dir(tmp_path_factory):
     """A run directory with stored trajectories, written by the real shard writer (no training run)."""
     import numpy as np
 
+    from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
     from hpcrl.rl.store.writer import ShardWriter
-    from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 
     run = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(4)

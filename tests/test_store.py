@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
     QUARANTINE_DIR,
@@ -33,7 +34,6 @@ from hpcrl.rl.store.layout import (
 )
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import SynthShape, synth_trajectory
 
 SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
 
@@ -356,7 +356,7 @@ def test_recovery_keeps_flushed_segments_and_quarantines_damage(tmp_path):
         import os, signal, numpy as np
         from hpcrl.core.config import StoreConfig
         from hpcrl.rl.store.writer import ShardWriter
-        from hpcrl.rl.synth import synth_trajectory, TINY_SHAPE
+        from hpcrl.rl.record.synth import synth_trajectory, TINY_SHAPE
         rng = np.random.default_rng(0)
         w = ShardWriter({str(tmp_path)!r}, "w0", StoreConfig(flush_every=2))
         for i in range(6):

@@ -220,7 +220,7 @@ def test_sigkill_loop_loses_nothing_acknowledged(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
     # pytest too: the child unpickles its target from this module, which imports pytest.
     ctx.set_forkserver_preload(
-        ["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.synth", "h5py", "numpy", "pytest"]
+        ["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.record.synth", "h5py", "numpy", "pytest"]
     )
     rng = random.Random(1234)
     acked: dict[int, int] = {}

@@ -20,7 +20,7 @@ import pytest
 
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.supervise import queue_states
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator.coordinator import read_status
 
 from conftest import wait_for
 
@@ -310,7 +310,7 @@ def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_pat
 
 
 def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tmp_path):
-    from hpcrl.rl.learner_service import AUDIT_NAME
+    from hpcrl.rl.learner.service import AUDIT_NAME
     from hpcrl.slurm.command import run_slurm
 
     from audit import account, lineage
@@ -403,7 +403,7 @@ def test_cancel_stops_every_job_and_finalizes_the_store(slurm_cluster, tmp_path)
 
 
 def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(slurm_cluster, tmp_path):
-    from hpcrl.rl.learner_service import AUDIT_NAME
+    from hpcrl.rl.learner.service import AUDIT_NAME
     from hpcrl.slurm.command import run_slurm
 
     from audit import lineage

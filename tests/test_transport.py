@@ -39,9 +39,9 @@ from hpcrl.core.transport import (
     publish_endpoint,
     read_endpoint,
 )
+from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.store.layout import list_shards, read_segment
 from hpcrl.rl.store.stream import TrajectorySender
-from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 
 from conftest import server_thread
 
@@ -447,7 +447,7 @@ def test_ack_and_resend_across_a_writer_kill_loses_and_duplicates_nothing(tmp_pa
 
 def test_invalid_trajectory_is_rejected_and_receiver_keeps_serving(tmp_path, caplog):
     from hpcrl.core.config import StoreConfig
-    from hpcrl.rl.store.columns import Columns
+    from hpcrl.rl.record.columns import Columns
     from hpcrl.rl.store.stream import TrajectoryReceiver
     from hpcrl.rl.store.writer import ShardWriter
 

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpcrl.jobs.cli import UsageError
-    from hpcrl.rl.models import build_tiny_hf
+    from hpcrl.rl.model.models import build_tiny_hf
 
     if args.hidden % args.heads or args.heads % args.kv_heads:
         raise UsageError("--heads must divide --hidden and --kv-heads must divide --heads")

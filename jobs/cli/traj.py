@@ -9,7 +9,7 @@
     hpcrl traj show runs/... 12 [--json]                        # its steps: text, reward, sandbox command, tests
 
 RUN_OR_DIR is a run directory (its `trajectories/` store is used) or a store directory; `trace`
-needs a run directory or a run id under config.yaml's run_root (rl/trace.py says what it joins).
+needs a run directory or a run id under config.yaml's run_root (rl/audit/trace.py says what it joins).
 `synth` writes through the real ShardWriter, so it doubles as a benchmark load and a fault
 drill: every total it prints is durable, whatever happens to the process afterwards.
 Exit codes: 0 ok, 1 verify found damage, 2 bad input.
@@ -266,7 +266,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from hpcrl.jobs.cli.status import resolve_run_dir
-    from hpcrl.rl.trace import TraceError, trace
+    from hpcrl.rl.audit.trace import TraceError, trace
 
     run_dir = resolve_run_dir(args.path, args.config)
     try:
@@ -289,10 +289,10 @@ def _find(store: Path, ident: str) -> list:
     """The stored trajectories `ident` names (an episode number or run/generator/episode).
     Segments whose manifest entry gives an episode range without it are not opened, so the
     cost follows what matches, not the size of the store."""
+    from hpcrl.rl.audit.trace import TraceError, _matches, parse_ident
     from hpcrl.rl.store.layout import list_shards
     from hpcrl.rl.store.reader import _segments_of
     from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
-    from hpcrl.rl.trace import TraceError, _matches, parse_ident
 
     try:
         episode, suffix = parse_ident(ident)
@@ -323,7 +323,7 @@ def _decoder(store: Path):
 
         cfg = load_config(str(store.parent / "config.resolved.yaml"), [])
         # Only now: the tokenizer's import (transformers, torch) costs more than the lookup.
-        from hpcrl.rl.policy import load_tokenizer
+        from hpcrl.rl.model.policy import load_tokenizer
 
         tok = load_tokenizer(cfg.policy)
         return lambda ids: tok.decode([int(i) for i in ids])
@@ -425,10 +425,10 @@ def run_synth(args: argparse.Namespace) -> int:
 
     from hpcrl.core.config import StoreConfig
     from hpcrl.core.schema import from_dict
+    from hpcrl.rl.record.synth import DEFAULT_SHAPE, TINY_SHAPE, synth_trajectory
     from hpcrl.rl.store.layout import StoreError
     from hpcrl.rl.store.reader import resolve_store
     from hpcrl.rl.store.writer import ShardWriter
-    from hpcrl.rl.synth import DEFAULT_SHAPE, TINY_SHAPE, synth_trajectory
 
     if args.count < 1:
         raise UsageError(f"--count must be >= 1 (got {args.count})")

@@ -38,6 +38,7 @@ import importlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
 
+from hpcrl.rl.common.registry import Registry, UnknownName
 from hpcrl.rl.domains.arith import make_arith
 from hpcrl.rl.domains.base import (
     ActionSpec,
@@ -56,7 +57,6 @@ from hpcrl.rl.domains.libcall import make_libcall
 from hpcrl.rl.domains.rewards import REWARDS
 from hpcrl.rl.domains.session_env import make_session_repair
 from hpcrl.rl.domains.stdlib_repair import StdlibRepairDomain
-from hpcrl.rl.registry import Registry, UnknownName
 
 __all__ = [
     "DOMAIN_FAMILIES",

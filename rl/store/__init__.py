@@ -4,9 +4,8 @@
     from hpcrl.rl.store.reader import StoreReader        # arrival order, exactly-once cursor
     from hpcrl.rl.store.stream import TrajectorySender   # generators -> writer over CURVE ZeroMQ, acked
 
-`columns` is the one layout of a batch of trajectories outside a generator (two record tables,
-three flat arrays): the wire sends it and a segment stores it; `records` holds its tables'
-dtypes and upgrades an older schema's. `layout` is the on-disk shape
+A segment stores a batch in the record's columnar form (`hpcrl.rl.record.columns`).
+`layout` is the on-disk shape
 (shards of immutable segments, manifests, recovery and quarantine) and why it survives a kill
 at any moment; `index` is each finalized shard's id index and per-domain sums, which a
 restarted writer's dedup check, `hpcrl report` and `hpcrl traj show` read instead of the

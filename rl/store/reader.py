@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.tables import ARRAY_NAMES
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
     SegmentError,
@@ -44,8 +46,6 @@ from hpcrl.rl.store.layout import (
     read_segment,
     read_shard,
 )
-from hpcrl.rl.store.records import ARRAY_NAMES
-from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["StoreReader", "Batch", "iter_segments", "resolve_store"]
 

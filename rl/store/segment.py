@@ -56,7 +56,7 @@ from h5py import h5a, h5d, h5f, h5p, h5s, h5t, h5z
 
 from hpcrl import __version__
 from hpcrl.core.files import fsync_path
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
 
 SEGMENT_FORMAT = "hpcrl-trajectory-segment"
 SEGMENT_FORMAT_VERSION = 2

@@ -21,8 +21,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpcrl.rl.store.columns import Columns, ColumnsError
-from hpcrl.rl.store.records import ARRAY_NAMES, upgrade_tables
+from hpcrl.rl.record.columns import Columns, ColumnsError
+from hpcrl.rl.record.tables import ARRAY_NAMES, upgrade_tables
 from hpcrl.rl.store.segment import (
     _CRC_AT,
     _HEAD,

@@ -29,10 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.core.files import fsync_path
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import SegmentInfo, StoreError, is_fenced
 from hpcrl.rl.store.segment import create_segment, start_writeback
-from hpcrl.rl.trajectory import Trajectory
 
 MAX_INFLIGHT = 4  # segments written but not yet durable, at most
 

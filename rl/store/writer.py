@@ -56,7 +56,8 @@ from pathlib import Path
 
 from hpcrl.core.config import StoreConfig
 from hpcrl.core.files import atomic_write_json, fsync_path, read_json
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.index import IndexPart, index_part, read_index
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
@@ -73,7 +74,6 @@ from hpcrl.rl.store.layout import (
 )
 from hpcrl.rl.store.lease import StoredIds, hold_shard, owner_alive, release_shard, take_over
 from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
-from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 

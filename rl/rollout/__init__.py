@@ -1,0 +1,10 @@
+"""Rollout: decoding, generating trajectories, evaluating.
+
+    from hpcrl.rl.rollout.generator import Generator   # many episodes in flight, batched sampling
+
+`engine` decodes with continuous batching and KV caches kept across an episode's turns
+(`sampler` is a one-call batch sampler over it), `explore` raises the temperature of a task
+whose last group was all wrong, `generator` produces trajectories from environments,
+`remote` links a generator to the run (coordinator, store, sandboxes, policy versions) and
+`evaluate` measures pass@k of a policy version on held-out tasks.
+"""

@@ -1,5 +1,5 @@
 """Backfill rollout jobs in a real run on the dev Slurm cluster: do they fill the partition's holes
-without delaying anyone? (issue 12, item 4)
+without delaying anyone?
 
     make devcluster && .venv/bin/python bench/backfill_live.py [--json] [--seed 7]   # about 6 minutes
     .venv/bin/python bench/backfill_live.py --rollout-partition scavenger   # Slurm preempts them
@@ -176,7 +176,7 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     from hpcrl.jobs.launch import read_jobs, role_resources
     from hpcrl.jobs.supervise import queue_states
     from hpcrl.rl.audit.audit import AUDIT_NAME, account, lineage
-    from hpcrl.rl.coordinator.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
     from hpcrl.slurm import queries
     from hpcrl.slurm.backfill.book import rollout_job_counts
     from hpcrl.slurm.backfill.planner import describe

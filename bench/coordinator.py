@@ -44,8 +44,10 @@ import zmq
 
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.rpc import RequestClient
-from hpcrl.core.transport import Node, WireLimits, read_endpoint
-from hpcrl.rl.coordinator.coordinator import Coordinator, ticket_from_row
+from hpcrl.core.transport import Node, read_endpoint
+from hpcrl.core.wire import WireLimits
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.coordinator.tasks import ticket_from_row
 
 WEIGHTS = {"arith/copy": 3.0, "code-repair": 1.0}
 GROUP = 8

@@ -1,4 +1,4 @@
-"""Generation tokens/s: hpcrl's generator against transformers' own `generate` (issue 13).
+"""Generation tokens/s: hpcrl's generator against transformers' own `generate`.
 
     python bench/generate.py [--episodes 16] [--action 32] [--hidden 256 --layers 4] [--rounds 3]
                              [--hf-cache dynamic|static] [--json]

@@ -1,4 +1,4 @@
-"""Peak memory of the learner's log-probability pass, full log_softmax vs chunked (issue 13).
+"""Peak memory of the learner's log-probability pass, full log_softmax vs chunked.
 
     python bench/learner_memory.py [--vocab 32768] [--batch 8] [--tokens 512] [--chunk 1024] [--json]
 

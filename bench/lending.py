@@ -3,7 +3,7 @@
     .venv/bin/python bench/lending.py [--env judge|remote] [--seconds 20] [--rounds 3]
         [--in-flight 16] [--lend 16] [--json out.json]
 
-Lending (issue 12 part 2): an episode waiting on its sandbox leaves its row of the batch idle;
+Lending: an episode waiting on its sandbox leaves its row of the batch idle;
 with `lend_episodes` N the generator takes up to N more episodes meanwhile, still decoding at most
 `episodes_in_flight` rows at once. Three configurations run in turn, `--rounds` times
 (interleaved, so load drifts hit all alike), each for `--seconds` after a warm-up:

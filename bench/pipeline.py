@@ -105,7 +105,7 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
     from hpcrl.jobs.launch import plan
     from hpcrl.jobs.localrun import LocalRun, pids
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.rl.coordinator.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
 
     run_dir = create_run_dir(cfg)
     jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir))

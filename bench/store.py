@@ -50,7 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.rl.record.columns import Columns, EncodeBuffers, wire_bytes
+from hpcrl.rl.record.columns import Columns, wire_bytes
+from hpcrl.rl.record.flat import EncodeBuffers
 from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 from hpcrl.rl.store.index import INDEX_NAME
 from hpcrl.rl.store.reader import StoreReader

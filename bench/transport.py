@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from hpcrl.core.transport import Node, encode
+from hpcrl.core.transport import Node
+from hpcrl.core.wire import encode
 from hpcrl.rl.record.columns import Columns
 from hpcrl.rl.record.synth import synth_trajectory
 from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender

@@ -354,7 +354,7 @@ def account_run(run_dir: str | os.PathLike, now: float | None = None) -> dict:
     """The whole report of a run as one JSON-able dict (see the module doc for every rule).
     Raises SlurmCommandError when a Slurm run's sacct fails."""
     from hpcrl.jobs.launch import read_jobs
-    from hpcrl.rl.coordinator.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
 
     run_dir = Path(run_dir)
     now = time.time() if now is None else now

@@ -367,11 +367,11 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
 
     def __call__(self) -> dict:
         from hpcrl.core.transport import Node
-        from hpcrl.rl.common.meter import BusyMeter
         from hpcrl.rl.domains import load_domains
         from hpcrl.rl.model.policy import Policy, cap_gpu_memory
         from hpcrl.rl.rollout.generator import Generator
         from hpcrl.rl.rollout.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
+        from hpcrl.rl.rollout.report import GeneratorReport
         from hpcrl.rl.store.stream import TrajectorySender
         from hpcrl.rl.weights.shards import WeightStore
 
@@ -410,52 +410,9 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
                 executor=judge,
                 weights=weights,
             )
-            busy, sandbox = BusyMeter(), BusyMeter()
-
-            def stats() -> dict:
-                s = gen.stats
-                # sandbox_s_rate: sandbox seconds per second (> 1 with several slots busy).
-                return {
-                    "busy_fraction": busy.fraction(s.busy_s),
-                    "sandbox_s_rate": sandbox.rate(s.sandbox_s),
-                    "sandbox_slots": self.sandbox_slots,
-                    "trajectories": s.trajectories,
-                    "steps": s.steps,
-                    "failed": s.failed,
-                    "version": gen.version,
-                    "in_flight": len(gen.episodes),
-                    "busy_s": s.busy_s,
-                    "wall_s": s.wall_s,
-                    "source_s": s.source_s,
-                    "weights_s": s.weights_s,
-                    "idle_s": s.idle_s,
-                    "env_wait_s": s.env_wait_s,
-                    "batches": s.batches,
-                    "batch_rows": s.batch_rows,
-                    "overlap_batches": s.overlap_batches,
-                    "lent": s.lent,
-                    "hot_episodes": gen.stuck.hot_episodes,
-                    "reward_mean": s.reward_sum / max(s.trajectories, 1),
-                }
-
-            source = self.wrap_source(RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats))
-            provide(
-                lambda: {
-                    "generator_trajectories_total": gen.stats.trajectories,
-                    "generator_steps_total": gen.stats.steps,
-                    "generator_failed_total": gen.stats.failed,
-                    "generator_busy_fraction": busy.fraction(gen.stats.busy_s),
-                    "generator_busy_seconds_total": gen.stats.busy_s,
-                    "generator_sandbox_seconds_total": gen.stats.sandbox_s,
-                    "generator_weights_seconds_total": gen.stats.weights_s,
-                    "generator_idle_seconds_total": gen.stats.idle_s,
-                    "generator_env_wait_seconds_total": gen.stats.env_wait_s,
-                    "generator_in_flight": len(gen.episodes),
-                    "generator_version": gen.version,
-                    "generator_unacked": source.sender.unacked,
-                    "generator_resent_total": source.sender.resent,
-                }
-            )
+            report = GeneratorReport(gen, self.sandbox_slots)
+            source = self.wrap_source(RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), report.stats))
+            provide(lambda: report.metrics(source.sender))
             if early:
                 signal.signal(signal.SIGTERM, on_term)  # from here on SIGTERM hands back what it holds
             try:

@@ -33,7 +33,7 @@ from hpcrl.jobs.components import LAUNCHER_ENV
 from hpcrl.jobs.launch import SUPERVISOR, Role, component_jobs, link_logs, make_executor
 from hpcrl.jobs.restarts import Watch
 from hpcrl.jobs.supervise import RunFailed, error_line, failed_twice, stop_coordinator, verdict, why_ended
-from hpcrl.rl.coordinator.coordinator import METRICS_NAME, read_status
+from hpcrl.rl.coordinator.report import METRICS_NAME, read_status
 
 __all__ = ["LocalRun", "live_procs", "pids", "STOP_STAGE_S"]
 

@@ -41,8 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.rl.coordinator.coordinator import METRICS_NAME
 from hpcrl.rl.coordinator.events import TIMELINE_NAME, read_jsonl
+from hpcrl.rl.coordinator.report import METRICS_NAME
 
 __all__ = [
     "Interval",

@@ -143,7 +143,7 @@ class RolloutPlanner:
             self._next_plan = now + self.sched.plan_interval_s
             jobs_free, gpus_free = self.free()
             if jobs_free > 0 and gpus_free >= self.gpus_per_job:
-                from hpcrl.rl.coordinator.coordinator import read_status
+                from hpcrl.rl.coordinator.report import read_status
 
                 if coordinator_has_work(read_status(self.run_dir), self.max_ahead):
                     changed = self.backend.plan(self, now, jobs_free, gpus_free) or changed

@@ -84,7 +84,7 @@ def _rollout_row(run_dir: Path, name: str, planned: dict, now: float) -> dict:
 
 def snapshot(run_dir: str | os.PathLike) -> dict:
     from hpcrl.jobs.launch import read_jobs
-    from hpcrl.rl.coordinator.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
 
     run_dir = Path(run_dir)
     now = time.time()

@@ -64,7 +64,7 @@ from hpcrl.jobs.launch import (
     write_jobs,
 )
 from hpcrl.jobs.restarts import Watch
-from hpcrl.rl.coordinator.coordinator import METRICS_NAME
+from hpcrl.rl.coordinator.report import METRICS_NAME
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 

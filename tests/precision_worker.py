@@ -23,8 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from hpcrl.core.config import load_config
-from hpcrl.rl.learner.dsconfig import deepspeed_config
-from hpcrl.rl.learner.learner import import_deepspeed
+from hpcrl.rl.learner.dsconfig import deepspeed_config, import_deepspeed
 from hpcrl.rl.model.logprobs import PolicyHead
 from hpcrl.rl.model.policy import build_policy_model, load_tokenizer
 

@@ -218,6 +218,11 @@ def test_wings_form_no_circle_and_list_their_order():
     assert on_disk == set(WINGS), f"wings on disk and in WINGS differ: {sorted(on_disk ^ set(WINGS))}"
 
 
+def test_no_source_file_over_the_line_limit():
+    found = long_files()
+    assert not found, f"files over {MAX_LINES} lines (split them along a seam):\n" + "\n".join(found)
+
+
 def test_the_checker_sees_an_upward_import_and_a_circle():
     # The rules themselves, on a made-up graph: a test that cannot fail proves nothing.
     graph = {"hpcrl.core.a": {"hpcrl.rl.b"}, "hpcrl.rl.b": {"hpcrl.core.a"}, "hpcrl.jobs.c": {"hpcrl.rl.b"}}

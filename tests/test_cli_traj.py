@@ -1,4 +1,4 @@
-"""`hpcrl traj ls|stats|verify|export|synth` (issue 3, deliverable 6)."""
+"""`hpcrl traj ls|stats|verify|export|synth`: the store's command line."""
 
 from __future__ import annotations
 

@@ -11,7 +11,9 @@ import time
 import pytest
 
 from hpcrl.core.config import CoordinatorConfig
-from hpcrl.rl.coordinator.coordinator import Coordinator, read_status, ticket_from_row
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.coordinator.report import read_status
+from hpcrl.rl.coordinator.tasks import ticket_from_row
 
 
 def make(tmp_path, **cfg) -> Coordinator:
@@ -259,7 +261,8 @@ def _serving(c: Coordinator, run):
     """`c.serve` over the run's real transport in a thread; returns its stop event and thread."""
     import threading
 
-    from hpcrl.core.transport import Node, WireLimits
+    from hpcrl.core.transport import Node
+    from hpcrl.core.wire import WireLimits
 
     stop = threading.Event()
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 import zmq
 
-from hpcrl.core.transport import encode, read_endpoint
+from hpcrl.core.transport import read_endpoint
+from hpcrl.core.wire import encode
 from hpcrl.rl.common.distenv import RunStore
 from hpcrl.rl.weights.direct import SERVICE, DirectReceiver, DirectSender
 

@@ -1,4 +1,4 @@
-"""`hpcrl report RUN` (issue 15 part 7, accounting): GPU-/CPU-hours and queue wait per role from
+"""`hpcrl report RUN` (accounting): GPU-/CPU-hours and queue wait per role from
 sacct, split across domains by the trajectories' own costs.
 
 The rules are checked on sacct rows captured from the dev cluster (requeued lives, a pending

@@ -26,7 +26,8 @@ import threading
 from typing import Any
 
 from hpcrl.core.config import CoordinatorConfig, GeneratorConfig, PolicyConfig, TinyModelConfig
-from hpcrl.rl.coordinator.coordinator import Coordinator, ticket_from_row
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.coordinator.tasks import ticket_from_row
 from hpcrl.rl.domains import ActionSpec, Domain, Environment, PromptDomain, StepResult, Task
 from hpcrl.rl.learner.batch import GroupBuffer
 from hpcrl.rl.model.policy import Policy, full_state_dict

@@ -1,4 +1,4 @@
-"""State that survives a crash (issue 15): a corrupt state file falls back to its previous copy
+"""State that survives a crash: a corrupt state file falls back to its previous copy
 with a warning naming it, both corrupt is a one-line error, and a learner resumes from the newest
 whole checkpoint. The DeepSpeed side of the last is in tests/test_learner.py."""
 

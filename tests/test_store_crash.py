@@ -1,4 +1,4 @@
-"""Crash consistency of the shard writer under SIGKILL (issue 3, deliverable 3; issue 16).
+"""Crash consistency of the shard writer under SIGKILL.
 
 A writer (`hpcrl traj synth`, the real CLI code path) is killed with SIGKILL again and again,
 in the same store directory with the same writer name, so each new writer first recovers the

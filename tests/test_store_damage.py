@@ -1,4 +1,4 @@
-"""Damaged segment files (issue 16): every damage is a SegmentError, recovery quarantines, the
+"""Damaged segment files: every damage is a SegmentError, recovery quarantines, the
 reader rejects and goes on, and the checksum covers the enum tables and the row count too."""
 
 from __future__ import annotations

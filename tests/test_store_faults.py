@@ -1,4 +1,4 @@
-"""Filesystem faults under the shard writer (issue 16): a failed directory fsync, ENOSPC, an HDF5
+"""Filesystem faults under the shard writer: a failed directory fsync, ENOSPC, an HDF5
 error at close. Whatever fails, nothing unproven is acknowledged, no sequence number names two
 files, nothing is stored twice or lost, and the writer never ends up unusable by accident."""
 

@@ -1,4 +1,4 @@
-"""A writer stalled past its lease is fenced (issue 16): it cannot publish anything once a newer
+"""A writer stalled past its lease is fenced: it cannot publish anything once a newer
 writer has recovered its shard, so nothing it acknowledges is ever missing from the store.
 
 The stalled writer is a real process (SIGSTOP, as a debugger, a hung NFS/Lustre call or an

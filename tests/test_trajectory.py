@@ -1,4 +1,4 @@
-"""The trajectory record and its columnar form (issue 3, deliverable 1)."""
+"""The trajectory record, its checks and its columnar form."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ZeroMQ layer: envelopes, CURVE + ZAP, bad input, request/reply, PUB/SUB, acked delivery (issue 3, deliverable 5)."""
+"""ZeroMQ layer: envelopes, CURVE + ZAP, bad input, request/reply, PUB/SUB, acked delivery."""
 
 from __future__ import annotations
 
@@ -27,18 +27,8 @@ from hpcrl.core.rpc import (
     VersionPublisher,
     VersionSubscriber,
 )
-from hpcrl.core.transport import (
-    BadMessage,
-    Endpoint,
-    Node,
-    RunKeys,
-    TransportError,
-    WireLimits,
-    decode,
-    encode,
-    publish_endpoint,
-    read_endpoint,
-)
+from hpcrl.core.transport import Endpoint, Node, RunKeys, TransportError, publish_endpoint, read_endpoint
+from hpcrl.core.wire import BadMessage, WireLimits, decode, encode
 from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.store.layout import list_shards, read_segment
 from hpcrl.rl.store.stream import TrajectorySender

@@ -63,7 +63,7 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
     import json
 
     from hpcrl.jobs.slurmstatus import snapshot, snapshot_text
-    from hpcrl.rl.coordinator.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
 
     if args.json:
         snap = snapshot(run_dir)

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.rl.coordinator.coordinator import METRICS_NAME
+from hpcrl.rl.coordinator.report import METRICS_NAME
 
 __all__ = ["AUDIT_NAME", "CURSOR_NAME", "lineage", "Accounting", "account", "step_rewards"]
 

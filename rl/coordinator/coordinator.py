@@ -55,19 +55,18 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.core.config import CoordinatorConfig
-from hpcrl.core.files import atomic_write_text, read_state_json
+from hpcrl.core.files import read_state_json
 from hpcrl.core.liveness import beat
 from hpcrl.rl.coordinator.events import LEASES_NAME, TIMELINE_NAME, JsonLines
-from hpcrl.rl.coordinator.tasks import EpisodeTicket, TaskSampler, domain_report
+from hpcrl.rl.coordinator.report import METRICS_NAME, RunReport, atomic_json, finite_json
+from hpcrl.rl.coordinator.tasks import EpisodeTicket, TaskSampler, domain_report, ticket_row
 
-__all__ = ["Coordinator", "STATUS_NAME", "METRICS_NAME", "read_status", "domain_report"]
+__all__ = ["Coordinator"]
 
 log = logging.getLogger("hpcrl.coordinator")
-STATUS_NAME = "status.json"
 # Episode numbers reserved in state.json ahead of those handed out (_reserve): one save per this
 # many episodes, a few seconds of a busy run.
 _RESERVE_EPISODES = 4096
-METRICS_NAME = "metrics.jsonl"
 _TELL_ABANDONED = 4096  # the most recent groups with a given-up episode named in each reply to the learner
 
 
@@ -78,10 +77,6 @@ class _Lease:
     renewed: float
 
 
-def _atomic_json(path: Path, data: Any, keep_previous: bool = False) -> None:
-    atomic_write_text(path, json.dumps(data, indent=1, default=str), keep_previous=keep_previous)
-
-
 def _check_state(state: dict) -> None:
     """What `_restore` needs of state.json (KeyError/TypeError: read_state_json takes the .prev)."""
     state["sampler"], int(state["groups_issued"])
@@ -90,14 +85,7 @@ def _check_state(state: dict) -> None:
             raise ValueError(f"an outstanding episode row of {len(row)} fields, not 5")
 
 
-def read_status(run_dir: str | os.PathLike) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / STATUS_NAME).read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-class Coordinator:
+class Coordinator(RunReport):
     def __init__(
         self,
         run_dir: str | os.PathLike,
@@ -158,10 +146,10 @@ class Coordinator:
         self._save()  # state.json.prev too: a fallback to it must not reuse these numbers either
 
     def _save(self) -> None:
-        outstanding = [list(_ticket_row(t)) for t in self.queue] + [
-            list(_ticket_row(lease.ticket)) for lease in self.leases.values()
+        outstanding = [list(ticket_row(t)) for t in self.queue] + [
+            list(ticket_row(lease.ticket)) for lease in self.leases.values()
         ]
-        _atomic_json(
+        atomic_json(
             self._state_path,
             {
                 "sampler": self.sampler.state(),
@@ -304,7 +292,7 @@ class Coordinator:
         if event:
             self.lease_log.write({"t": time.time(), "g": name, **event})
         return {
-            "tickets": [list(_ticket_row(t)) for t in tickets],
+            "tickets": [list(ticket_row(t)) for t in tickets],
             "stop": self.stopping,
             "version": self.learner.get("version"),
         }
@@ -361,7 +349,7 @@ class Coordinator:
         row = {**body, "time": time.time(), "elapsed_s": time.time() - self.started, **self.throughput()}
         with open(self.run_dir / METRICS_NAME, "a") as f:
             # Strict JSON: a statistic with no value this step (a skipped update's ratio) is null, not NaN.
-            f.write(json.dumps(_finite(row), allow_nan=False) + "\n")
+            f.write(json.dumps(finite_json(row), allow_nan=False) + "\n")
         # A learner that restarted from an earlier checkpoint after reaching max_steps needs data again.
         self.stopping = self.stop_requested or int(body.get("step", 0)) >= self.max_steps
         return {"stop": self.stopping, "abandoned": self._tell_abandoned()}
@@ -391,85 +379,6 @@ class Coordinator:
             self.queue.appendleft(EpisodeTicket(t.domain, t.task_index, t.episode, t.group, t.attempt + 1))
         self.counts["reissued"] += len(episodes)
 
-    def throughput(self) -> dict:
-        now = time.monotonic()
-        window = self.cfg.status_window_s
-        while self._done_times and now - self._done_times[0] > window:
-            self._done_times.popleft()
-        elapsed = min(window, time.time() - self.started) or 1.0
-        gens = [g.get("stats", {}) for g in self.generators.values() if not g.get("lost")]
-        busy_gen = sum(s.get("busy_fraction", 0.0) for s in gens) / len(gens) if gens else 0.0
-        sandbox_slots = max(1, sum(int(s.get("sandbox_slots", 0)) for s in gens)) if gens else 1
-        sandbox_busy = sum(s.get("sandbox_s_rate", 0.0) for s in gens) / sandbox_slots
-        return {
-            "traj_per_s": len(self._done_times) / elapsed,
-            "busy": {
-                "generator": busy_gen,
-                "learner": float(self.learner.get("busy_fraction", 0.0)),
-                "sandbox": min(1.0, sandbox_busy),
-            },
-        }
-
-    def write_status(self, final: bool = False) -> None:
-        """`final`: the coordinator is exiting: the run "finished" (the learner reached max_steps)
-        or was "stopped" before (cancel, signal); this stays in status.json."""
-        self._last_status = time.monotonic()
-        if final:
-            state = "finished" if int(self.learner.get("step", 0)) >= self.max_steps else "stopped"
-        else:
-            state = "stopping" if self.stopping else "running"
-        status = {
-            "state": state,
-            "started": self.started,
-            "updated": time.time(),
-            "learner": {
-                k: v for k, v in self.learner.items() if k not in ("reward_by_domain", "reward_by_prompt", "domains")
-            },
-            "reward_by_domain": self.learner.get("reward_by_domain", {}),
-            "domains": self.domains(),
-            "generators": self.generators,
-            "leases": len(self.leases),
-            "queued": len(self.queue),
-            "groups_issued": self.groups_issued,
-            "counts": dict(self.counts),
-            "completed_by_domain": dict(self.done_by_domain),
-            **self.throughput(),
-        }
-        _atomic_json(self.run_dir / STATUS_NAME, status)
-
-    def metrics(self) -> dict:
-        """What the coordinator's Prometheus endpoint shows (core/metrics.py): the run as it sees it."""
-        with self._lock:
-            t = self.throughput()
-            learner = dict(self.learner)
-            gens = {n: g.get("stats", {}) for n, g in self.generators.items() if not g.get("lost")}
-            out = {
-                "episodes_total:event": dict(self.counts),
-                "completed_total:domain": dict(self.done_by_domain),
-                "leases": len(self.leases),
-                "queued_episodes": len(self.queue),
-                "groups_issued_total": self.groups_issued,
-                "trajectories_per_s": t["traj_per_s"],
-                "busy_fraction:role": dict(t["busy"]),
-                "generators": len(gens),
-                "generator_version:generator": {n: s.get("version", 0) for n, s in gens.items()},
-            }
-        for key, name in (("step", "learner_step"), ("version", "policy_version"), ("reward", "reward")):
-            if isinstance(learner.get(key), (int, float)):
-                out[name] = learner[key]
-        for key in ("staleness_max", "wait_s", "step_s", "dropped_groups", "trained_groups"):
-            if isinstance(learner.get(key), (int, float)):
-                out["learner_" + key] = learner[key]
-        if isinstance(learner.get("version"), int) and gens:
-            out["generator_staleness_max"] = max(learner["version"] - int(s.get("version", 0)) for s in gens.values())
-        if isinstance(learner.get("reward_by_domain"), dict):
-            out["reward:domain"] = learner["reward_by_domain"]
-        with self._lock:
-            domains = self.domains()
-        for key in ("issued", "trained", "dropped"):
-            out[f"domain_{key}_total:domain"] = {d: r[key] for d, r in domains.items()}
-        return out
-
     def tick(self) -> None:
         self.expire()
         if time.monotonic() - self._last_status >= self.cfg.status_every_s:
@@ -479,18 +388,6 @@ class Coordinator:
         if time.monotonic() - self._last_timeline >= self.cfg.timeline_every_s:
             with self._lock:
                 self._sample_timeline()
-
-    def _sample_timeline(self) -> None:
-        self._last_timeline = time.monotonic()
-        counters = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # GeneratorStats, cumulative
-        gens = {
-            n: {k: float(g["stats"][k]) for k in counters if isinstance(g.get("stats", {}).get(k), (int, float))}
-            | {"seen": g["last_seen"], "life": g.get("life")}  # counters as of its last sync, by which process
-            for n, g in self.generators.items()
-            if not g.get("lost")
-        }
-        if gens:
-            self.timeline.write({"t": time.time(), "gens": gens})
 
     def _answer_parked(self, server, parked: dict) -> None:
         """Answer the parked syncs that can have work now (oldest first), or whose wait is over."""
@@ -553,23 +450,3 @@ class Coordinator:
                 self._sample_timeline()
                 self.lease_log.close()
                 self.timeline.close()
-
-
-def _finite(value: Any) -> Any:
-    """`value` with every NaN or infinite float (at any depth) replaced by None."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _ticket_row(t: EpisodeTicket) -> tuple:
-    return (t.domain, t.task_index, t.episode, t.group, t.attempt)
-
-
-def ticket_from_row(row) -> EpisodeTicket:
-    d, idx, ep, grp, att = row
-    return EpisodeTicket(str(d), int(idx), int(ep), int(grp), int(att))

@@ -225,3 +225,13 @@ def domain_report(
             "trained_share": trained / total_trained,
         }
     return out
+
+
+def ticket_row(t: EpisodeTicket) -> tuple:
+    """A ticket as plain data (state.json, the coordinator's replies); `ticket_from_row` inverts it."""
+    return (t.domain, t.task_index, t.episode, t.group, t.attempt)
+
+
+def ticket_from_row(row) -> EpisodeTicket:
+    d, idx, ep, grp, att = row
+    return EpisodeTicket(str(d), int(idx), int(ep), int(grp), int(att))

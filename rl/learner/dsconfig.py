@@ -3,6 +3,7 @@ merged over them and checked.
 
     config = deepspeed_config(cfg.learner, cfg.policy, micro_steps)   # the dict deepspeed.initialize gets
     check_deepspeed_section(cfg.learner.deepspeed)                    # ConfigError naming the dotted key
+    deepspeed = import_deepspeed(device)                              # with the CPU settings it needs
 
 Defaults: ZeRO-3 with every parameter partitioned, bf16 (DeepSpeed keeps float32 master weights
 and optimizer state; the module computes in bf16) when `policy.dtype: bfloat16`, with gradients
@@ -23,13 +24,25 @@ compile, the monitors) are checked by that schema, so their errors name the nest
 from __future__ import annotations
 
 import copy
+import os
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.core.schema import ConfigError
 
-__all__ = ["deepspeed_config", "merge", "check_deepspeed_section", "layer_leaf_modules", "OWNED_KEYS"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "deepspeed_config",
+    "merge",
+    "check_deepspeed_section",
+    "import_deepspeed",
+    "layer_leaf_modules",
+    "OWNED_KEYS",
+]
 
 # Set from hpcrl's own options; the message says which.
 OWNED_KEYS = {
@@ -194,3 +207,25 @@ def check_deepspeed_section(section: Mapping[str, Any], path: str = "learner.dee
             if first.get("type") == "extra_forbidden":
                 msg = "unknown key"
             raise ConfigError(f"{path}.{key}" + (f".{loc}" if loc else ""), msg) from None
+
+
+def import_deepspeed(device: torch.device):
+    """Import DeepSpeed for `device`, with the CPU settings that avoid minute-long JIT builds."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # heavy (torch, its ops): only where a learner is built
+
+    # Its shared-memory collective op compiles ~50 s on first use and gloo does not need it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if device.type == "cpu" and "LOCAL_SIZE" not in os.environ:
+        # The CPU accelerator's device_count() runs `numactl --hardware` in a subprocess on every
+        # call unless LOCAL_SIZE is set (DeepSpeed's own launcher sets it), and ZeRO-3 asks for
+        # it in every gradient reduce-scatter: a fork per micro-step. Its answer, once.
+        from deepspeed.accelerator import get_accelerator
+
+        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
+    # DeepSpeed calls collectives torch has renamed; one warning per call drowns the logs.
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
+    )
+    return deepspeed

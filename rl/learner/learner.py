@@ -40,7 +40,7 @@ from hpcrl.rl.learner.batch import collate, collate_rows, layout, trained_tokens
 from hpcrl.rl.learner.checkpoints import CheckpointError, mark_complete, prune_checkpoints, resume_tag
 from hpcrl.rl.learner.collectives import Collectives, backend_device, resolve_backend
 from hpcrl.rl.learner.diagnostics import batch_diagnostics
-from hpcrl.rl.learner.dsconfig import check_deepspeed_section, deepspeed_config, layer_leaf_modules
+from hpcrl.rl.learner.dsconfig import check_deepspeed_section, deepspeed_config, import_deepspeed, layer_leaf_modules
 from hpcrl.rl.learner.packing import MASKED_ATTENTION, Unit, attention_mask, pack, plan_units
 from hpcrl.rl.learner.schedule import entropy_coef_at, lr_at, set_lr
 from hpcrl.rl.model.logprobs import PolicyHead
@@ -48,31 +48,9 @@ from hpcrl.rl.model.policy import build_policy_model, load_tokenizer, model_eos_
 from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.weights.shards import Bucket, ShardPublisher, WeightStore, owned_names
 
-__all__ = ["Learner", "deepspeed_config", "import_deepspeed"]  # deepspeed_config: rl/learner/dsconfig.py
+__all__ = ["Learner"]
 
 _GATHER_NUMEL = 1 << 26  # gather at most ~64M parameters at once when publishing
-
-
-def import_deepspeed(device: torch.device):
-    """Import DeepSpeed for `device`, with the CPU settings that avoid minute-long JIT builds."""
-    if device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-
-    # Its shared-memory collective op compiles ~50 s on first use and gloo does not need it.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if device.type == "cpu" and "LOCAL_SIZE" not in os.environ:
-        # The CPU accelerator's device_count() runs `numactl --hardware` in a subprocess on every
-        # call unless LOCAL_SIZE is set (DeepSpeed's own launcher sets it), and ZeRO-3 asks for
-        # it in every gradient reduce-scatter: a fork per micro-step. Its answer, once.
-        from deepspeed.accelerator import get_accelerator
-
-        os.environ["LOCAL_SIZE"] = str(get_accelerator().device_count())
-    # DeepSpeed calls collectives torch has renamed; one warning per call drowns the logs.
-    warnings.filterwarnings(
-        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
-    )
-    return deepspeed
 
 
 class Learner:

@@ -21,8 +21,8 @@ to the longest in the batch, which HDF5 stores without per-row heap objects.
 slipped past its checksum still fails loudly instead of yielding garbage. Columns from the wire
 are held to more: the layout must be canonical (each record's steps, tokens and actions follow
 the previous one's without gaps), which `take` and `concat` keep, and `row_errors` applies
-every check a Trajectory's constructor makes, vectorized over the batch, so a store writer can
-take a batch as it arrived without rebuilding one Python object per trajectory.
+every rule a Trajectory's constructor checks (the same rules, from `checks`), vectorized over
+the batch, so a store writer can take a batch as it arrived without rebuilding one Python object per trajectory.
 """
 
 from __future__ import annotations
@@ -34,23 +34,20 @@ from typing import Any
 
 import numpy as np
 
+from hpcrl.rl.record.checks import MAX_NAME_LEN, TrajectoryError, batch_ok, names_ok
+from hpcrl.rl.record.flat import EncodeBuffers, as_bytes, gather, starts
 from hpcrl.rl.record.tables import ARRAY_NAMES, STEP_DTYPE, STRING_FIELDS, TRAJ_NUMERIC, traj_dtype
 from hpcrl.rl.record.trajectory import (
-    _CONTROL,
-    _LOGPROB_SLACK,
-    MAX_NAME_LEN,
     NO_SANDBOX,
     SANDBOX_STATUSES,
-    SCHEMA_VERSION,
     TRUNCATION_REASONS,
     SandboxOutcome,
     Step,
     Trajectory,
-    TrajectoryError,
-    _sandbox_trusted,
+    sandbox_unchecked,
 )
 
-__all__ = ["Columns", "ColumnsError", "EncodeBuffers", "wire_bytes"]
+__all__ = ["Columns", "ColumnsError", "wire_bytes"]
 
 
 class ColumnsError(ValueError):
@@ -63,55 +60,6 @@ def wire_bytes(traj: Trajectory) -> int:
     return n + sum(
         4 * (len(s.prompt_tokens) + len(s.observation_tokens)) + 9 * len(s.action_tokens) for s in traj.steps
     )
-
-
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    """Exclusive cumulative sum: where each of back-to-back pieces of these lengths starts."""
-    out = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1], out=out[1:])
-    return out
-
-
-def _gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Indices of the ranges [start, start + length) one after another (for numpy fancy indexing)."""
-    lengths = lengths.astype(np.int64)
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    return np.repeat(starts.astype(np.int64) - _starts(lengths), lengths) + np.arange(total)
-
-
-def _as_bytes(arr: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
-
-
-def _times_ok(x: np.ndarray) -> bool:
-    return bool(np.isfinite(x).all() and (x >= 0).all())
-
-
-_GOOD_NAMES: set[bytes] = set()  # table strings that passed the name checks (names recur)
-
-
-class EncodeBuffers:
-    """Reusable storage for the flat arrays of `Columns.encode`, for code that encodes batch
-    after batch and is done with each Columns before encoding the next (a shard writer).
-
-    Why: fresh MB-sized arrays per batch can be fresh pages. With HDF5's per-file
-    allocations in between, glibc often handed the freed heap top back to the kernel after a
-    flush, and a writer then took ~500 page faults per flush of 64 trajectories (~0.25 ms, a
-    tenth of its CPU). Columns encoded with buffers are views into them, valid until the next
-    encode with the same buffers.
-    """
-
-    def __init__(self) -> None:
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def take(self, name: str, n: int, dtype) -> np.ndarray:
-        buf = self._arrays.get(name)
-        if buf is None or len(buf) < n:
-            # Headroom: age-triggered flushes and long episodes vary the size a little.
-            buf = self._arrays[name] = np.empty(max(n + n // 4, 2 * len(buf) if buf is not None else 0), dtype)
-        return buf[:n]
 
 
 @dataclass(frozen=True)
@@ -253,7 +201,7 @@ class Columns:
         tables as their raw bytes (the transport carries no structured dtypes)."""
         widths = [self.traj.dtype[n].itemsize for n in STRING_FIELDS]
         body = {"ids": self.ids(), "widths": widths, "names": [list(self.truncation_names), list(self.sandbox_names)]}
-        return body, [_as_bytes(self.traj), _as_bytes(self.steps), self.tokens, self.logprobs, self.loss_mask]
+        return body, [as_bytes(self.traj), as_bytes(self.steps), self.tokens, self.logprobs, self.loss_mask]
 
     @classmethod
     def from_wire(cls, body: Any, arrays: Sequence[np.ndarray]) -> Columns:
@@ -295,28 +243,10 @@ class Columns:
         """Per row, None or why the trajectory would be refused: every check of the Trajectory and
         Step constructors, plus the columns' own derived fields. Vectorized over the batch; rows
         are looked at one by one only when something is wrong, to name the culprit."""
-        t, s = self.traj, self.steps
         derived = self._derived_ok()
-        ok = bool(
-            derived.all()
-            and (t["episode"] >= 0).all()
-            and np.isfinite(t["final_reward"]).all()
-            and _times_ok(t["started_at"])
-            and _times_ok(t["finished_at"])
-            and ((t["schema_version"] >= 1) & (t["schema_version"] <= SCHEMA_VERSION)).all()
-            and (s["policy_version"] >= 0).all()
-            and np.isfinite(s["reward"]).all()
-            and _times_ok(s["sandbox_s"])
-            and _times_ok(s["generate_s"])
-            and _times_ok(s["env_s"])
-            and (s["tests_passed"] >= 0).all()
-            and (s["tests_passed"] <= s["tests_total"]).all()
-            and (np.isfinite(s["temperature"]) & (s["temperature"] >= 0)).all()
-            and ((s["top_p"] > 0) & (s["top_p"] <= 1)).all()
-            and (s["top_k"] >= 0).all()
-            and (not len(self.tokens) or self.tokens.min() >= 0)
-            and (not len(self.logprobs) or (np.isfinite(self.logprobs).all() and self.logprobs.max() <= _LOGPROB_SLACK))
-            and (not len(self.loss_mask) or self.loss_mask.max() <= 1)
+        ok = (
+            bool(derived.all())
+            and batch_ok(self.traj, self.steps, self.tokens, self.logprobs, self.loss_mask)
             and all(self._names_ok(i) for i in range(self.rows))
         )
         return [None] * self.rows if ok else [self._row_error(i, bool(derived[i])) for i in range(self.rows)]
@@ -336,24 +266,7 @@ class Columns:
         )
 
     def _names_ok(self, i: int) -> bool:
-        r = self.traj[i]
-        for name in STRING_FIELDS:
-            v = r[name]
-            if v not in _GOOD_NAMES:
-                try:
-                    text = v.decode()
-                except UnicodeDecodeError:
-                    return False
-                limit = 3 * MAX_NAME_LEN + 24 if name == "id" else MAX_NAME_LEN
-                if not 0 < len(text) <= limit or _CONTROL.search(text):
-                    return False
-                if name != "id" and len(_GOOD_NAMES) < 65536:
-                    _GOOD_NAMES.add(v)
-        return (
-            b"/" not in r["run"]
-            and b"/" not in r["generator"]
-            and (r["id"] == b"%s/%s/%d" % (r["run"], r["generator"], int(r["episode"])))
-        )
+        return names_ok(self.traj[i], STRING_FIELDS)
 
     def _row_error(self, i: int, derived_ok: bool) -> str | None:
         tid = self.traj[i]["id"].decode(errors="replace")
@@ -372,12 +285,12 @@ class Columns:
     def take(self, rows: Sequence[int]) -> Columns:
         """These rows (in this order) as Columns of their own, offsets re-based (arrays copied)."""
         t = self.traj[np.asarray(rows, np.int64)]
-        steps = self.steps[_gather(t["step_start"], t["n_steps"])]
+        steps = self.steps[gather(t["step_start"], t["n_steps"])]
         lens = steps["prompt_len"].astype(np.int64) + steps["action_len"] + steps["obs_len"]
-        act = _gather(steps["action_start"], steps["action_len"])
-        tokens = self.tokens[_gather(steps["token_start"], lens)]
-        t["step_start"] = _starts(t["n_steps"])
-        steps["token_start"], steps["action_start"] = _starts(lens), _starts(steps["action_len"])
+        act = gather(steps["action_start"], steps["action_len"])
+        tokens = self.tokens[gather(steps["token_start"], lens)]
+        t["step_start"] = starts(t["n_steps"])
+        steps["token_start"], steps["action_start"] = starts(lens), starts(steps["action_len"])
         return Columns(
             t, steps, tokens, self.logprobs[act], self.loss_mask[act], self.truncation_names, self.sandbox_names
         )
@@ -463,11 +376,11 @@ class Columns:
             n = t["n_steps"].astype(np.int64)
             lens = s["prompt_len"].astype(np.int64) + s["action_len"] + s["obs_len"]
             act = s["action_len"].astype(np.int64)
-            if (t["step_start"] != _starts(n)).any() or int(n.sum()) != len(s):
+            if (t["step_start"] != starts(n)).any() or int(n.sum()) != len(s):
                 raise ColumnsError("trajectory table: records' steps are not back to back")
-            if (s["token_start"] != _starts(lens)).any() or int(lens.sum()) != len(self.tokens):
+            if (s["token_start"] != starts(lens)).any() or int(lens.sum()) != len(self.tokens):
                 raise ColumnsError("steps table: steps' tokens are not back to back")
-            if (s["action_start"] != _starts(act)).any() or int(act.sum()) != len(self.logprobs):
+            if (s["action_start"] != starts(act)).any() or int(act.sum()) != len(self.logprobs):
                 raise ColumnsError("steps table: steps' actions are not back to back")
 
     def trajectory(self, i: int, trusted: bool = False) -> Trajectory:
@@ -478,7 +391,7 @@ class Columns:
         """
         r = self.traj[i]
         s0, n = int(r["step_start"]), int(r["n_steps"])
-        make_step = Step._trusted if trusted else Step
+        make_step = Step.unchecked if trusted else Step
         steps = []
         rows = self.steps[s0 : s0 + n].tolist()
         for j, (
@@ -517,7 +430,7 @@ class Columns:
                         (
                             NO_SANDBOX
                             if trusted and status == 0 and code == 0 and sandbox_s == 0 and extra == ("", 0, 0, 0)
-                            else _sandbox_trusted(self.sandbox_names[status], code, sandbox_s, *extra)
+                            else sandbox_unchecked(self.sandbox_names[status], code, sandbox_s, *extra)
                             if trusted
                             else SandboxOutcome(self.sandbox_names[status], code, sandbox_s, *extra)
                         ),
@@ -545,7 +458,7 @@ class Columns:
             fault=r["fault"].decode(errors="replace"),
         )
         try:
-            traj = Trajectory._trusted(tuple(steps), **fields) if trusted else Trajectory(steps=tuple(steps), **fields)
+            traj = Trajectory.unchecked(tuple(steps), **fields) if trusted else Trajectory(steps=tuple(steps), **fields)
         except (TrajectoryError, UnicodeDecodeError) as exc:
             raise ColumnsError(f"row {i}: {exc}") from None
         if traj.id != r["id"].decode():

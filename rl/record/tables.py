@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hpcrl.rl.record.trajectory import MAX_COMMAND_BYTES, MAX_FAULT_BYTES
+from hpcrl.rl.record.checks import MAX_COMMAND_BYTES, MAX_FAULT_BYTES
 
 __all__ = ["ARRAY_NAMES", "STEP_DTYPE", "STRING_FIELDS", "TRAJ_NUMERIC", "traj_dtype", "upgrade_tables"]
 

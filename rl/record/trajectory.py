@@ -18,8 +18,9 @@ those of that distribution (rl/rollout/engine.py), and the learner scores the cu
 same parameters. Temperature 0 is greedy: a point mass, recorded with log-probability 0 and
 never trained (the learner masks such steps whatever their loss mask says).
 
-Every value is checked on construction; a bad one raises `TrajectoryError` naming the
-trajectory, the field and what is expected. Token arrays become read-only int32 views, so a
+Every value is checked on construction (by the rules of `checks`, which a batch in columns is
+held to as well); a bad one raises `TrajectoryError` naming the trajectory, the field and what
+is expected. Token arrays become read-only int32 views, so a
 record cannot change after it was validated. `SCHEMA_VERSION` is stored with every record;
 readers refuse records from a newer schema with a message that says to upgrade.
 
@@ -30,13 +31,30 @@ or use a fresh generator name after a restart).
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from hpcrl.rl.record.checks import (
+    MAX_COMMAND_BYTES,
+    MAX_FAULT_BYTES,
+    SANDBOX_RULES,
+    SCHEMA_VERSION,
+    STEP_RULES,
+    TRAJ_RULES,
+    TrajectoryError,
+    check_int,
+    check_name,
+    check_tokens,
+    clip_text,
+    fail,
+    frozen,
+    logprobs_ok,
+    mask_ok,
+    tests_ok,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -49,12 +67,6 @@ __all__ = [
     "Trajectory",
 ]
 
-# v2: per-step command, tests passed/total and session resumes; the trajectory's fault.
-# v3: per-step sampling parameters (temperature, top_p, top_k). Older records read as current
-# with the new fields at their defaults: v1/v2 generators recorded the model's own
-# log-probabilities (temperature 1, untruncated), which is what those defaults say.
-SCHEMA_VERSION = 3
-
 # Codes are positions in these tuples (stored as uint8). Append new names at the end only:
 # stored files keep their own copy of the tuple, so old files decode even if this one grows.
 TRUNCATION_REASONS = ("none", "max_steps", "max_tokens", "timeout", "sandbox_error", "aborted")
@@ -62,89 +74,6 @@ SANDBOX_STATUSES = ("none", "ok", "error", "timeout", "oom", "crash")
 
 TruncationReason = Literal["none", "max_steps", "max_tokens", "timeout", "sandbox_error", "aborted"]
 SandboxStatus = Literal["none", "ok", "error", "timeout", "oom", "crash"]
-
-MAX_NAME_LEN = 200
-MAX_COMMAND_BYTES = 96  # a step's sandbox command as stored: a label for reading, not the program
-MAX_FAULT_BYTES = 200  # the trajectory's infrastructure fault message as stored
-_CONTROL = re.compile(r"[\x00-\x1f]")
-# log p <= 0 in exact arithmetic; samplers working in bf16/fp16 can overshoot a little.
-_LOGPROB_SLACK = 1e-3
-_INT32_MAX = np.iinfo(np.int32).max
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-class TrajectoryError(ValueError):
-    """A trajectory field is invalid; the message names the record, the field and the fix."""
-
-
-def _fail(where: str, msg: str) -> TrajectoryError:
-    return TrajectoryError(f"{where}: {msg}")
-
-
-def _name(value: Any, where: str, allow_slash: bool = True) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(where, f"expected a non-empty string (got {value!r})")
-    if len(value) > MAX_NAME_LEN:
-        raise _fail(where, f"at most {MAX_NAME_LEN} characters (got {len(value)})")
-    if _CONTROL.search(value):
-        raise _fail(where, f"control characters are not allowed (got {value!r})")
-    if not allow_slash and "/" in value:
-        raise _fail(where, f"'/' is not allowed: it separates the parts of a trajectory id (got {value!r})")
-    return value
-
-
-def _int(value: Any, where: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise _fail(where, f"expected an int (got {type(value).__name__} {value!r})")
-    value = int(value)
-    if value < lo or value > _INT64_MAX:
-        raise _fail(where, f"must be >= {lo} and fit in int64 (got {value})")
-    return value
-
-
-def _float(value: Any, where: str, finite: bool = True, ge: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise _fail(where, f"expected a number (got {type(value).__name__} {value!r})")
-    value = float(value)
-    if finite and not math.isfinite(value):
-        raise _fail(where, f"must be finite (got {value})")
-    if ge is not None and value < ge:
-        raise _fail(where, f"must be >= {ge} (got {value})")
-    return value
-
-
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    # A view, so the caller's own array keeps its flags; the record's copy cannot be written.
-    view = arr.view()
-    view.flags.writeable = False
-    return view
-
-
-def _tokens(value: Any, where: str) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise _fail(where, f"expected a 1-D sequence of token ids (got shape {arr.shape})")
-    if arr.size == 0:
-        return _frozen(np.zeros(0, np.int32))
-    if arr.dtype.kind not in "iu":
-        raise _fail(where, f"token ids must be integers (got dtype {arr.dtype})")
-    lo = int(arr.min())
-    hi = int(arr.max()) if arr.dtype != np.int32 else 0  # int32 cannot exceed the bound
-    if lo < 0 or hi > _INT32_MAX:
-        raise _fail(where, f"token ids must be in 0..{_INT32_MAX} (got {lo}..{int(arr.max())})")
-    if arr.dtype != np.int32:
-        arr = arr.astype(np.int32)
-    return _frozen(np.ascontiguousarray(arr))
-
-
-def clip_text(text: str, max_bytes: int) -> str:
-    """`text` on one line, cut to at most `max_bytes` of UTF-8 (at a character boundary, '...' marking
-    a cut): commands and fault messages are stored in fixed-width fields."""
-    text = _CONTROL.sub(" ", str(text))
-    raw = text.encode()
-    if len(raw) <= max_bytes:
-        return text
-    return raw[: max_bytes - 3].decode("utf-8", "ignore") + "..."
 
 
 @dataclass(frozen=True)
@@ -173,16 +102,13 @@ class SandboxOutcome:
         ):
             raise TrajectoryError(f"sandbox.exit_code: expected an int32 (got {self.exit_code!r})")
         object.__setattr__(self, "exit_code", int(self.exit_code))
-        object.__setattr__(self, "duration_s", _float(self.duration_s, "sandbox.duration_s", ge=0.0))
+        object.__setattr__(self, "duration_s", SANDBOX_RULES["duration_s"].check(self.duration_s, "sandbox.duration_s"))
         if not isinstance(self.command, str):
             raise TrajectoryError(f"sandbox.command: expected a string (got {type(self.command).__name__})")
         object.__setattr__(self, "command", clip_text(self.command, MAX_COMMAND_BYTES))
-        for k, hi in (("tests_passed", _INT32_MAX), ("tests_total", _INT32_MAX), ("resumes", 255)):
-            v = _int(getattr(self, k), f"sandbox.{k}")
-            if v > hi:
-                raise TrajectoryError(f"sandbox.{k}: at most {hi} (got {v})")
-            object.__setattr__(self, k, v)
-        if self.tests_passed > self.tests_total:
+        for k in ("tests_passed", "tests_total", "resumes"):
+            object.__setattr__(self, k, SANDBOX_RULES[k].check(getattr(self, k), f"sandbox.{k}"))
+        if not tests_ok(self.tests_passed, self.tests_total):
             raise TrajectoryError(
                 f"sandbox.tests_passed: {self.tests_passed} is more than tests_total {self.tests_total}"
             )
@@ -191,7 +117,7 @@ class SandboxOutcome:
 NO_SANDBOX = SandboxOutcome()
 
 
-def _sandbox_trusted(
+def sandbox_unchecked(
     status: str,
     exit_code: int,
     duration_s: float,
@@ -236,42 +162,33 @@ class Step:
 
     def _check(self, where: str) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
-        put("policy_version", _int(self.policy_version, f"{where}.policy_version"))
+        put("policy_version", STEP_RULES["policy_version"].check(self.policy_version, f"{where}.policy_version"))
         for k in ("prompt_tokens", "action_tokens", "observation_tokens"):
-            put(k, _tokens(getattr(self, k), f"{where}.{k}"))
+            put(k, check_tokens(getattr(self, k), f"{where}.{k}"))
         n = len(self.action_tokens)
         lp = np.asarray(self.action_logprobs)
         if lp.ndim != 1 or len(lp) != n:
-            raise _fail(f"{where}.action_logprobs", f"need one value per action token ({n}) (got shape {lp.shape})")
+            raise fail(f"{where}.action_logprobs", f"need one value per action token ({n}) (got shape {lp.shape})")
         if n and lp.dtype.kind != "f":
-            raise _fail(f"{where}.action_logprobs", f"expected floats (got dtype {lp.dtype})")
+            raise fail(f"{where}.action_logprobs", f"expected floats (got dtype {lp.dtype})")
         lp = lp.astype(np.float32, copy=False)
-        if n and (not np.isfinite(lp).all() or lp.max() > _LOGPROB_SLACK):
-            raise _fail(f"{where}.action_logprobs", "log-probabilities must be finite and <= 0")
-        put("action_logprobs", _frozen(np.ascontiguousarray(lp)))
+        if not logprobs_ok(lp):
+            raise fail(f"{where}.action_logprobs", "log-probabilities must be finite and <= 0")
+        put("action_logprobs", frozen(np.ascontiguousarray(lp)))
         mask = np.asarray(self.loss_mask)
         if mask.ndim != 1 or len(mask) != n:
-            raise _fail(f"{where}.loss_mask", f"need one 0/1 value per action token ({n}) (got shape {mask.shape})")
-        if n and (mask.dtype.kind not in "biu" or mask.max() > 1 or mask.min() < 0):
-            raise _fail(f"{where}.loss_mask", "values must be 0 or 1 (or bool)")
-        put("loss_mask", _frozen(np.ascontiguousarray(mask.astype(np.uint8, copy=False))))
-        put("reward", _float(self.reward, f"{where}.reward"))
+            raise fail(f"{where}.loss_mask", f"need one 0/1 value per action token ({n}) (got shape {mask.shape})")
+        if n and (mask.dtype.kind not in "biu" or not mask_ok(mask)):
+            raise fail(f"{where}.loss_mask", "values must be 0 or 1 (or bool)")
+        put("loss_mask", frozen(np.ascontiguousarray(mask.astype(np.uint8, copy=False))))
+        put("reward", STEP_RULES["reward"].check(self.reward, f"{where}.reward"))
         if not isinstance(self.sandbox, SandboxOutcome):
-            raise _fail(f"{where}.sandbox", f"expected a SandboxOutcome (got {type(self.sandbox).__name__})")
-        put("generate_s", _float(self.generate_s, f"{where}.generate_s", ge=0.0))
-        put("env_s", _float(self.env_s, f"{where}.env_s", ge=0.0))
-        put("temperature", _float(self.temperature, f"{where}.temperature", ge=0.0))
-        top_p = _float(self.top_p, f"{where}.top_p")
-        if not 0.0 < top_p <= 1.0:
-            raise _fail(f"{where}.top_p", f"must be in (0, 1] (got {top_p})")
-        put("top_p", top_p)
-        top_k = _int(self.top_k, f"{where}.top_k")
-        if top_k > _INT32_MAX:
-            raise _fail(f"{where}.top_k", f"at most {_INT32_MAX} (got {top_k})")
-        put("top_k", top_k)
+            raise fail(f"{where}.sandbox", f"expected a SandboxOutcome (got {type(self.sandbox).__name__})")
+        for k in ("generate_s", "env_s", "temperature", "top_p", "top_k"):
+            put(k, STEP_RULES[k].check(getattr(self, k), f"{where}.{k}"))
 
     @classmethod
-    def _trusted(
+    def unchecked(
         cls,
         policy_version: int,
         prompt_tokens: np.ndarray,
@@ -299,12 +216,12 @@ class Step:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            prompt_tokens=prompt_tokens if not prompt_tokens.flags.writeable else _frozen(prompt_tokens),
-            action_tokens=action_tokens if not action_tokens.flags.writeable else _frozen(action_tokens),
-            action_logprobs=action_logprobs if not action_logprobs.flags.writeable else _frozen(action_logprobs),
-            loss_mask=loss_mask if not loss_mask.flags.writeable else _frozen(loss_mask),
+            prompt_tokens=prompt_tokens if not prompt_tokens.flags.writeable else frozen(prompt_tokens),
+            action_tokens=action_tokens if not action_tokens.flags.writeable else frozen(action_tokens),
+            action_logprobs=action_logprobs if not action_logprobs.flags.writeable else frozen(action_logprobs),
+            loss_mask=loss_mask if not loss_mask.flags.writeable else frozen(loss_mask),
             observation_tokens=(
-                observation_tokens if not observation_tokens.flags.writeable else _frozen(observation_tokens)
+                observation_tokens if not observation_tokens.flags.writeable else frozen(observation_tokens)
             ),
         )
         return self
@@ -366,39 +283,39 @@ class Trajectory:
     def __post_init__(self) -> None:
         put = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
         where = "trajectory"
-        put("run", _name(self.run, f"{where}.run", allow_slash=False))
-        put("generator", _name(self.generator, f"{where}.generator", allow_slash=False))
-        put("episode", _int(self.episode, f"{where}.episode"))
+        put("run", check_name(self.run, f"{where}.run", allow_slash=False))
+        put("generator", check_name(self.generator, f"{where}.generator", allow_slash=False))
+        put("episode", TRAJ_RULES["episode"].check(self.episode, f"{where}.episode"))
         where = f"trajectory {self.id}"
-        put("domain", _name(self.domain, f"{where}: domain"))
-        put("task", _name(self.task, f"{where}: task"))
+        put("domain", check_name(self.domain, f"{where}: domain"))
+        put("task", check_name(self.task, f"{where}: task"))
         if isinstance(self.steps, Step) or not isinstance(self.steps, Iterable):
-            raise _fail(where, "steps: expected a sequence of Step")
+            raise fail(where, "steps: expected a sequence of Step")
         steps = tuple(self.steps)
         if not steps:
-            raise _fail(where, "steps: a trajectory needs at least one step")
+            raise fail(where, "steps: a trajectory needs at least one step")
         for i, s in enumerate(steps):
             if not isinstance(s, Step):
-                raise _fail(where, f"steps[{i}]: expected a Step (got {type(s).__name__})")
+                raise fail(where, f"steps[{i}]: expected a Step (got {type(s).__name__})")
         put("steps", steps)
-        put("final_reward", _float(self.final_reward, f"{where}: final_reward"))
+        put("final_reward", TRAJ_RULES["final_reward"].check(self.final_reward, f"{where}: final_reward"))
         if self.truncation not in TRUNCATION_REASONS:
-            raise _fail(where, f"truncation: must be one of {', '.join(TRUNCATION_REASONS)} (got {self.truncation!r})")
-        put("started_at", _float(self.started_at, f"{where}: started_at", ge=0.0))
-        put("finished_at", _float(self.finished_at, f"{where}: finished_at", ge=0.0))
-        version = _int(self.schema_version, f"{where}: schema_version", lo=1)
-        if version > SCHEMA_VERSION:
-            raise _fail(
+            raise fail(where, f"truncation: must be one of {', '.join(TRUNCATION_REASONS)} (got {self.truncation!r})")
+        put("started_at", TRAJ_RULES["started_at"].check(self.started_at, f"{where}: started_at"))
+        put("finished_at", TRAJ_RULES["finished_at"].check(self.finished_at, f"{where}: finished_at"))
+        version = check_int(self.schema_version, f"{where}: schema_version", lo=1)
+        if version > SCHEMA_VERSION:  # TRAJ_RULES' bound, saying what to do
+            raise fail(
                 where, f"schema_version {version} is newer than this hpcrl reads ({SCHEMA_VERSION}); upgrade hpcrl"
             )
         if not isinstance(self.fault, str):
-            raise _fail(where, f"fault: expected a string (got {type(self.fault).__name__})")
+            raise fail(where, f"fault: expected a string (got {type(self.fault).__name__})")
         put("fault", clip_text(self.fault, MAX_FAULT_BYTES))
         put("schema_version", SCHEMA_VERSION)  # older records lack only newer defaulted fields
 
     @classmethod
-    def _trusted(cls, steps: tuple[Step, ...], **fields: Any) -> Trajectory:
-        """Build without re-checking: only for values already checked (see Step._trusted)."""
+    def unchecked(cls, steps: tuple[Step, ...], **fields: Any) -> Trajectory:
+        """Build without re-checking: only for values already checked (see Step.unchecked)."""
         self = object.__new__(cls)
         self.__dict__.update(fields, steps=steps)
         return self

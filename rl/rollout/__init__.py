@@ -4,7 +4,8 @@
 
 `engine` decodes with continuous batching and KV caches kept across an episode's turns
 (`sampler` is a one-call batch sampler over it), `explore` raises the temperature of a task
-whose last group was all wrong, `generator` produces trajectories from environments,
+whose last group was all wrong, `generator` produces trajectories from environments (`report`
+what it tells the coordinator and the metrics endpoint),
 `remote` links a generator to the run (coordinator, store, sandboxes, policy versions) and
 `evaluate` measures pass@k of a policy version on held-out tasks.
 """

@@ -20,8 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from hpcrl.core.rpc import RequestTimeout
-from hpcrl.rl.coordinator.coordinator import ticket_from_row
-from hpcrl.rl.coordinator.tasks import EpisodeTicket
+from hpcrl.rl.coordinator.tasks import EpisodeTicket, ticket_from_row
 from hpcrl.rl.record.trajectory import Trajectory
 
 __all__ = ["RemoteTaskSource", "ThreadLocalJudge", "AnnouncedWeights"]

@@ -9,7 +9,8 @@ A segment stores a batch in the record's columnar form (`hpcrl.rl.record.columns
 (shards of immutable segments, manifests, recovery and quarantine) and why it survives a kill
 at any moment; `index` is each finalized shard's id index and per-domain sums, which a
 restarted writer's dedup check, `hpcrl report` and `hpcrl traj show` read instead of the
-segments; `writer` and `reader` are its two sides (`sync` the writer's sync thread, `lease`
+segments; `writer` and `reader` are its two sides (`sync` the writer's sync thread, `shards` the
+shards it opens, retires and finalizes, `lease`
 who holds a shard and what a writer name stored); `stream` is the acknowledged, deduplicated
 delivery from generators to the writer that feeds it.
 """

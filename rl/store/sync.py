@@ -29,7 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.core.files import fsync_path
-from hpcrl.rl.record.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.flat import EncodeBuffers
 from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import SegmentInfo, StoreError, is_fenced
 from hpcrl.rl.store.segment import create_segment, start_writeback

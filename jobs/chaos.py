@@ -50,9 +50,11 @@ import psutil
 
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import read_heartbeats
+from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.localrun import live_procs
 from hpcrl.rl.audit.audit import account, step_rewards
 from hpcrl.rl.learner.checkpoints import COMPLETE_NAME, resume_tag
+from hpcrl.slurm.command import run_slurm
 
 __all__ = ["Fault", "Drill", "parse_duration", "KINDS", "TARGETS"]
 
@@ -163,7 +165,6 @@ class Drill:
         return None
 
     def _jobs(self) -> dict:
-        from hpcrl.jobs.launch import read_jobs
 
         return read_jobs(self.run_dir) or {}
 
@@ -205,7 +206,6 @@ class Drill:
 
     @staticmethod
     def _scancel(job: str, sig: signal.Signals) -> bool:
-        from hpcrl.slurm.command import run_slurm
 
         # KILL goes to the batch script too (--full), so the job ends. STOP and CONT go to the
         # job's steps only: with --full they reach srun, which cannot pass a STOP on, and the

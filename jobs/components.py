@@ -30,12 +30,17 @@ import psutil
 import submitit
 
 from hpcrl.core.files import atomic_write_json
-from hpcrl.core.liveness import beat, install
+from hpcrl.core.liveness import beat, install, read_heartbeats
 from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.jobs.boot import take_early
 from hpcrl.jobs.rundir import private_umask
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.queries import gpu_share_of_job
+
+# hpcrl imports inside functions here would load h5py, msgpack, numpy, torch, transformers, zmq for
+# every importer of this module (start-up speed).
 
 __all__ = [
     "StoreComponent",
@@ -156,8 +161,6 @@ def finish_job(stop: _Stop, result):
     """Requeue the job after a SIGUSR2 drain (rank 0 only; the same job id runs again later)."""
     job = os.environ.get("SLURM_JOB_ID")
     if stop.requeue and job and os.environ.get("SLURM_PROCID", "0") == "0":
-        from hpcrl.slurm.command import run_slurm
-
         if os.environ.get("SLURM_ARRAY_TASK_ID"):
             job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
         out = run_slurm(["scontrol", "requeue", job], check=False)
@@ -197,8 +200,6 @@ def _watch_supervisor(run_dir: Path, stop: _Stop, name: str) -> None:
     def watch() -> None:
         import subprocess
         import sys
-
-        from hpcrl.core.liveness import read_heartbeats
 
         while not stop.wait(min(15.0, quiet_s / 2)):
             last = max([b["time"] for b in read_heartbeats(run_dir, "supervisor")], default=started)
@@ -277,7 +278,6 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         from hpcrl.core.transport import Node
-        from hpcrl.rl.coordinator.coordinator import Coordinator
 
         stop = start_component(self.run_dir, "coordinator", "coordinator", getattr(self, "metrics", None))
         coord = Coordinator(

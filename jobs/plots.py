@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.jobs.report import read_metrics, write_reward_png
 from hpcrl.rl.coordinator.events import TIMELINE_NAME, read_jsonl
 from hpcrl.rl.coordinator.report import METRICS_NAME
 
@@ -235,8 +236,6 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from hpcrl.jobs.report import read_metrics, write_reward_png
 
     run_dir = Path(run_dir)
     raw = _raw_metrics(run_dir)

@@ -12,7 +12,7 @@ wing. No source file is over MAX_LINES lines: split it along a seam when it grow
 
 Every import counts, including the ones inside functions (kept there for start-up speed): a
 lazy import is still a dependency. The root package (`hpcrl`, its version) sits below core.
-`python tests/test_architecture.py --dot | dot -Tpng -o docs/imports.png` draws the floors.
+`python tests/test_architecture.py --dot` prints the floors as a Graphviz graph (`| dot -Tpng`).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def test_the_line_limit_sees_a_long_file():
 
 def floors_dot(graph: dict[str, set[str]]) -> str:
     """The floors and the imports between them (edge label: how many module-to-module imports),
-    each floor listing its sub-packages, for `dot -Tpng` (docs/imports.png)."""
+    each floor listing its sub-packages (the wings of rl/), for `dot -Tpng`."""
     counts: dict[tuple[str, str], int] = defaultdict(int)
     for mod, deps in graph.items():
         for dep in deps:

@@ -24,6 +24,8 @@ from hpcrl.jobs.checks import RunCheckError
 from hpcrl.jobs.rundir import RunDirError, private_umask
 from hpcrl.slurm.command import SlurmCommandError
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 # Verb modules in the order `--help` lists them.
 VERBS = (
     "validate",

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from hpcrl.jobs.cli import UsageError, add_run_args
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -289,9 +291,9 @@ def _find(store: Path, ident: str) -> list:
     """The stored trajectories `ident` names (an episode number or run/generator/episode).
     Segments whose manifest entry gives an episode range without it are not opened, so the
     cost follows what matches, not the size of the store."""
-    from hpcrl.rl.audit.trace import TraceError, _matches, parse_ident
+    from hpcrl.rl.audit.trace import TraceError, id_matches, parse_ident
     from hpcrl.rl.store.layout import list_shards
-    from hpcrl.rl.store.reader import _segments_of
+    from hpcrl.rl.store.reader import segments_of
     from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
 
     try:
@@ -300,14 +302,14 @@ def _find(store: Path, ident: str) -> list:
         raise UsageError(str(exc)) from None
     out = []
     for state in list_shards(store):
-        for seg in _segments_of(state):
+        for seg in segments_of(state):
             e = seg.expect
             if e is not None and e.min_episode >= 0 and not e.min_episode <= episode <= e.max_episode:
                 continue
             path = state.path / seg.name
             try:  # the id column first: only segments holding a match are read whole
                 ids = read_segment(path, seg.expect, fields=("traj",)).ids()
-                rows = [i for i, tid in enumerate(ids) if _matches(tid, episode, suffix)]
+                rows = [i for i, tid in enumerate(ids) if id_matches(tid, episode, suffix)]
                 if rows:
                     cols, _ = load_segment(path, seg.expect)
                     out += [cols.trajectory(i) for i in rows]

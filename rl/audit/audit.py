@@ -1,6 +1,6 @@
 """What the learner's audit log says the final model was trained on, checked against the store.
 
-    records, lives = _lineage(all_records)    # the step records the final model descends from
+    records, lives = lineage_of(all_records)    # the step records the final model descends from
     acct = account(run_dir)                            # Accounting: trained, dropped and why, lost, twice
     rewards = step_rewards(run_dir)                    # {step: reward} of the lineage (metrics.jsonl)
 
@@ -23,13 +23,15 @@ from pathlib import Path
 
 from hpcrl.rl.coordinator.report import METRICS_NAME
 
+# hpcrl imports inside functions here would load h5py, numpy for every importer of this module (start-up speed).
+
 __all__ = ["AUDIT_NAME", "CURSOR_NAME", "lineage", "Accounting", "account", "step_rewards"]
 
 AUDIT_NAME = "learner/trained.jsonl"  # one JSON line per life and per step, written by the learner (rank 0)
 CURSOR_NAME = "learner/cursor.json"  # what the last checkpoint holds: step, reader cursor, buffered ids
 
 
-def _records(audit_path: str | os.PathLike) -> list[dict]:
+def read_audit(audit_path: str | os.PathLike) -> list[dict]:
     lines = Path(audit_path).read_text().splitlines()
     out = []
     for n, line in enumerate(lines, 1):
@@ -46,10 +48,10 @@ def _records(audit_path: str | os.PathLike) -> list[dict]:
 def lineage(audit_path: str | os.PathLike) -> tuple[list[dict], int]:
     """The step records the final model descends from: steps redone after a restart replace the
     dead life's records from `resumed_step` on. Returns (records, number of lives)."""
-    return _lineage(_records(audit_path))
+    return lineage_of(read_audit(audit_path))
 
 
-def _lineage(all_records: list[dict]) -> tuple[list[dict], int]:
+def lineage_of(all_records: list[dict]) -> tuple[list[dict], int]:
     records: list[dict] = []
     lives = 0
     for rec in all_records:
@@ -87,8 +89,8 @@ def account(run_dir: str | os.PathLike) -> Accounting:
     from hpcrl.rl.store.reader import StoreReader, iter_segments
 
     run_dir = Path(run_dir)
-    all_records = _records(run_dir / AUDIT_NAME)
-    records, lives = _lineage(all_records)
+    all_records = read_audit(run_dir / AUDIT_NAME)
+    records, lives = lineage_of(all_records)
     steps = [r["step"] for r in records]
     redone = sum(1 for r in all_records if "step" in r) - len(records)
     trained = [i for r in records for i in r["trained"]]

@@ -26,8 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.rl.audit.audit import AUDIT_NAME, _lineage, _records
+from hpcrl.rl.audit.audit import AUDIT_NAME, lineage_of, read_audit
 from hpcrl.rl.coordinator.events import LEASES_NAME, read_jsonl
+
+# hpcrl imports inside functions here would load h5py, numpy for every importer of this module (start-up speed).
 
 __all__ = ["Event", "StoredCopy", "TraceError", "parse_ident", "trace"]
 
@@ -85,7 +87,7 @@ def parse_ident(ident: str) -> tuple[int, str | None]:
     return episode, None if len(parts) == 1 else "/".join(parts)
 
 
-def _matches(tid: str, episode: int, suffix: str | None) -> bool:
+def id_matches(tid: str, episode: int, suffix: str | None) -> bool:
     if suffix is None:
         return tid.rsplit("/", 1)[-1] == str(episode)
     return tid == suffix or tid.endswith("/" + suffix)
@@ -120,18 +122,18 @@ def _lease_events(run_dir: Path, episode: int) -> Iterator[Event]:
 def _stored(run_dir: Path, episode: int, suffix: str | None) -> list[tuple[StoredCopy, object]]:
     """Every stored copy that matches, with its Trajectory (read only for the rows that match)."""
     from hpcrl.rl.store.layout import list_shards
-    from hpcrl.rl.store.reader import _segments_of
+    from hpcrl.rl.store.reader import segments_of
     from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
 
     out = []
     for state in list_shards(run_dir / "trajectories"):
-        for seg in _segments_of(state):
+        for seg in segments_of(state):
             path = state.path / seg.name
             try:
                 ids = read_segment(path, seg.expect, fields=("traj",)).ids()
             except SegmentError:
                 continue  # damaged or being written: `hpcrl traj verify` reports it
-            rows = [i for i, tid in enumerate(ids) if _matches(tid, episode, suffix)]
+            rows = [i for i, tid in enumerate(ids) if id_matches(tid, episode, suffix)]
             if not rows:
                 continue
             try:
@@ -188,15 +190,15 @@ def _learner_events(run_dir: Path, episode: int, suffix: str | None) -> Iterator
     path = run_dir / AUDIT_NAME
     if not path.exists():
         return
-    records = _records(path)
-    final = {id(r) for r in _lineage(records)[0]}
+    records = read_audit(path)
+    final = {id(r) for r in lineage_of(records)[0]}
     for r in records:
         if "step" not in r:
             continue
         late = "" if id(r) in final else " (superseded: a later learner life redid this step after a restart)"
         t = float(r.get("time", 0.0))
         for tid in r.get("trained", []):
-            if _matches(tid, episode, suffix):
+            if id_matches(tid, episode, suffix):
                 what = (
                     f"trained in learner step {r['step']} (which made policy v{r['version']}), life {r['life']}{late}"
                 )
@@ -204,7 +206,7 @@ def _learner_events(run_dir: Path, episode: int, suffix: str | None) -> Iterator
                 yield Event(t, "trained", episode, f"{tid} {what}", None, data)
         why = r.get("dropped_why") or ["unknown"] * len(r.get("dropped", []))
         for tid, reason in zip(r.get("dropped", []), why):
-            if _matches(tid, episode, suffix):
+            if id_matches(tid, episode, suffix):
                 what = f"dropped by learner step {r['step']}, {_WHY.get(reason, reason)}; life {r['life']}{late}"
                 data = {"id": tid, "step": r["step"], "reason": reason, "superseded": bool(late)}
                 yield Event(t, "dropped", episode, f"{tid} {what}", None, data)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hpcrl.core.rpc import DEFERRED, Reply, RequestClient, RequestServer
 from hpcrl.core.transport import Node
+from hpcrl.slurm.parse import expand_hostlist
 
 __all__ = [
     "DistEnv",
@@ -100,8 +101,6 @@ def resolve_dist_env(run_key: str = "hpcrl") -> DistEnv:
         local = int(env.get("LOCAL_RANK", rank))
         return _checked(DistEnv(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), _port(), "env"))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        from hpcrl.slurm.parse import expand_hostlist
-
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or socket.gethostname()
         master = env.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
         rank, world = _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS")

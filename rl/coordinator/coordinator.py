@@ -61,6 +61,8 @@ from hpcrl.rl.coordinator.events import LEASES_NAME, TIMELINE_NAME, JsonLines
 from hpcrl.rl.coordinator.report import METRICS_NAME, RunReport, atomic_json, finite_json
 from hpcrl.rl.coordinator.tasks import EpisodeTicket, TaskSampler, domain_report, ticket_row
 
+# hpcrl imports inside functions here would load msgpack, numpy, zmq for every importer of this module (start-up speed).
+
 __all__ = ["Coordinator"]
 
 log = logging.getLogger("hpcrl.coordinator")

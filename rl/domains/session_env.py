@@ -52,9 +52,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from hpcrl.rl.domains.base import Domain, Environment, ExecFeedback, StepResult, Task
-from hpcrl.rl.domains.code import _outcome
+from hpcrl.rl.domains.code import sandbox_outcome
 from hpcrl.rl.domains.toolcalls import ListFiles, Read, Run, Submit, ToolCall, Write, parse_action
+from hpcrl.sandbox.judge import FunctionTask
 from hpcrl.sandbox.result import SandboxError
+
+# hpcrl imports inside functions here would load msgpack, zmq for every importer of this module (start-up speed).
 
 __all__ = ["SessionEnv", "SessionDomain", "FAULT_POLICIES"]
 
@@ -262,7 +265,6 @@ class SessionEnv(Environment):
         return f"{head} {fb.status}, exit code {fb.exit_code}\n{out}", fb
 
     def _submit(self) -> StepResult:
-        from hpcrl.sandbox.judge import FunctionTask
 
         self._step_calls.append("submit")
         d = self.task.data
@@ -313,7 +315,7 @@ class SessionEnv(Environment):
     def _judged(self, task, what: str = "hidden tests") -> StepResult:
         """End the episode with the server's judge_function verdict on `task`."""
         v = self._judge_call(lambda client: client.judge_function(task))
-        status, code, wall = _outcome(v.result)  # a sandbox_error raises: the infrastructure's
+        status, code, wall = sandbox_outcome(v.result)  # a sandbox_error raises: the infrastructure's
         return self._verdict(v.passed, status, code, wall, f"{what} passed" if v.passed else f"{what} failed", v.reason)
 
     def _verdict(self, passed: bool, status: str, code: int, wall: float, message: str, reason: str = "") -> StepResult:
@@ -379,7 +381,7 @@ class SessionEnv(Environment):
             # A restarted server swept the session (or never opened one): the model's work is gone.
             raise SandboxError(f"sandbox session {op['op']} on {self._service}: {r.get('error')}")
         if r.get("ok") and op["op"] == "run" and r.get("status") == "sandbox_error":
-            _outcome(_Result(r))  # raises SandboxError, as the code domains' judge does
+            sandbox_outcome(_Result(r))  # raises SandboxError, as the code domains' judge does
         return r
 
     def _end(self) -> None:
@@ -399,7 +401,7 @@ class SessionEnv(Environment):
 
 
 class _Result:
-    """The attributes of an ExecResult that `_outcome` reads, over a session run's result mapping."""
+    """The attributes of an ExecResult that `sandbox_outcome` reads, over a session run's result mapping."""
 
     def __init__(self, r: dict):
         self.status, self.exit_code, self.signal = r.get("status"), r.get("exit_code"), r.get("signal")
@@ -410,7 +412,7 @@ class _Result:
 def _feedback(r: dict, message: str) -> ExecFeedback:
     """A run's outcome; tests passed/total from unittest's summary where it printed one, else
     the run itself as one test (passed when it exited 0)."""
-    status, code, wall = _outcome(_Result(r))
+    status, code, wall = sandbox_outcome(_Result(r))
     passed, total = int(code == 0 and status == "ok"), 1
     out = bytes(r.get("stdout") or b"") + bytes(r.get("stderr") or b"")
     ran = _UNITTEST_RAN.findall(out)

@@ -26,8 +26,10 @@ from hpcrl.rl.learner.batch import GroupBuffer
 from hpcrl.rl.learner.learner import Learner
 from hpcrl.rl.model.alphabet import resolve_charset
 from hpcrl.rl.model.policy import Policy
+from hpcrl.rl.rollout.evaluate import PeriodicEvaluator
 from hpcrl.rl.rollout.generator import Generator
 from hpcrl.rl.weights.shards import WeightStore
+from hpcrl.sandbox.auto import make_backend
 
 __all__ = ["train_in_process"]
 
@@ -50,8 +52,6 @@ def train_in_process(
     resumed = learner.setup()
     executor = None
     if any(d.needs_executor for d in domains.values()):
-        from hpcrl.sandbox.auto import make_backend
-
         executor = SandboxJudge(make_backend(cfg.sandbox))
     policy = Policy.load(cfg.policy, seed=seed)
     gen = Generator(
@@ -72,9 +72,6 @@ def train_in_process(
     source = LocalTaskSource(sampler)
     evaluator = None
     if cfg.learner.eval.every_steps:
-        from hpcrl.rl.rollout.evaluate import PeriodicEvaluator
-        from hpcrl.sandbox.auto import make_backend
-
         # Synchronous like the rest of this loop: the evaluation runs in line after publishing.
         def make_judge():  # the training's own sandbox, or one for code domains evaluated alone
             return executor or SandboxJudge(make_backend(cfg.sandbox))

@@ -42,10 +42,12 @@ from hpcrl.rl.learner.collectives import Collectives, backend_device, resolve_ba
 from hpcrl.rl.learner.diagnostics import batch_diagnostics
 from hpcrl.rl.learner.dsconfig import check_deepspeed_section, deepspeed_config, import_deepspeed, layer_leaf_modules
 from hpcrl.rl.learner.packing import MASKED_ATTENTION, Unit, attention_mask, pack, plan_units
+from hpcrl.rl.learner.reference import ReferencePolicy, kl_penalty
 from hpcrl.rl.learner.schedule import entropy_coef_at, lr_at, set_lr
 from hpcrl.rl.model.logprobs import PolicyHead
 from hpcrl.rl.model.policy import build_policy_model, load_tokenizer, model_eos_ids, resolve_device
 from hpcrl.rl.record.trajectory import Trajectory
+from hpcrl.rl.weights.direct import DirectSender
 from hpcrl.rl.weights.shards import Bucket, ShardPublisher, WeightStore, owned_names
 
 __all__ = ["Learner"]
@@ -109,13 +111,9 @@ class Learner:
         self.eos_ids = frozenset({self.tokenizer.eos_token_id, *model_eos_ids(self.policy_cfg)} - {None})
         self.engine = self._build_engine(config)
         if self.cfg.algorithm.beta > 0:
-            from hpcrl.rl.learner.reference import ReferencePolicy
-
             self.reference = ReferencePolicy(ds, self._initial_model, config, self.cfg.logit_chunk_tokens)
         self.publisher = ShardPublisher(self.weights, self.rank, self.world)
         if self.policy_cfg.weight_sync == "direct" and self.rank == 0:
-            from hpcrl.rl.weights.direct import DirectSender
-
             self.direct = DirectSender(self.run_dir, backend)
 
         extra: dict[str, Any] = {}
@@ -374,7 +372,6 @@ class Learner:
     def _add_reference_kl(self, loss_sum: torch.Tensor, stats: dict, own_lp: torch.Tensor, tb):
         """loss + beta x KL(pi || reference) over the micro-batch's action tokens (rl/learner/reference.py:
         k2, each token weighted by pi / mu, capped as the policy loss caps its weight)."""
-        from hpcrl.rl.learner.reference import kl_penalty
 
         ref_lp = self.reference.logprobs(tb.input_ids, tb.attention_mask)
         mask = tb.action_mask

@@ -31,10 +31,15 @@ from hpcrl.core.config import LearnerConfig, PolicyConfig
 from hpcrl.core.files import atomic_write_json
 from hpcrl.core.liveness import beat
 from hpcrl.core.metrics import provide
+from hpcrl.core.rpc import RequestClient, VersionPublisher
+from hpcrl.core.transport import Node
 from hpcrl.rl.audit.audit import AUDIT_NAME, CURSOR_NAME
 from hpcrl.rl.common.meter import BusyMeter
 from hpcrl.rl.learner.batch import GroupBuffer
 from hpcrl.rl.learner.learner import Learner
+from hpcrl.rl.rollout.remote import ThreadLocalJudge
+
+# hpcrl imports inside functions here would load h5py, transformers for every importer of this module (start-up speed).
 
 __all__ = ["run_learner", "AUDIT_NAME", "CURSOR_NAME"]
 
@@ -46,8 +51,6 @@ class _Rank0:
     """What only rank 0 does: store, buffer, transport, audit."""
 
     def __init__(self, run_dir: Path, cfg: LearnerConfig, learner: Learner, extra: dict, policy: PolicyConfig):
-        from hpcrl.core.rpc import RequestClient, VersionPublisher
-        from hpcrl.core.transport import Node
         from hpcrl.rl.store.reader import StoreReader
 
         self.run_dir, self.cfg, self.learner = run_dir, cfg, learner
@@ -83,7 +86,6 @@ class _Rank0:
 
     def _sandbox_judge(self):
         """The run's sandbox servers (as generators use them), for evaluating code domains."""
-        from hpcrl.rl.rollout.remote import ThreadLocalJudge
 
         services = sorted(p.stem for p in (self.run_dir / "endpoints").glob("sandbox-*.json"))
         return ThreadLocalJudge(self.node, services)

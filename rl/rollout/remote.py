@@ -19,9 +19,12 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from hpcrl.core.rpc import RequestTimeout
+from hpcrl.core.rpc import RequestClient, RequestTimeout, VersionSubscriber
+from hpcrl.core.transport import TransportError, read_endpoint
 from hpcrl.rl.coordinator.tasks import EpisodeTicket, ticket_from_row
 from hpcrl.rl.record.trajectory import Trajectory
+
+# hpcrl imports inside functions here would load yaml for every importer of this module (start-up speed).
 
 __all__ = ["RemoteTaskSource", "ThreadLocalJudge", "AnnouncedWeights"]
 
@@ -40,7 +43,6 @@ class RemoteTaskSource:
         idle_sync_s: float = 0.5,
         empty_backoff_s: float = 0.05,
     ):
-        from hpcrl.core.rpc import RequestClient
 
         self.name = name
         # Tells the coordinator this process from a predecessor of the same name that died
@@ -242,8 +244,6 @@ class AnnouncedWeights:
         self._announced = -1  # newest version announced so far
 
     def _subscriber(self):
-        from hpcrl.core.rpc import VersionSubscriber
-        from hpcrl.core.transport import TransportError, read_endpoint
 
         try:
             ep = read_endpoint(self.node.run_dir, "policy")

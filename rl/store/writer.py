@@ -68,7 +68,7 @@ from hpcrl.rl.store.layout import (
 )
 from hpcrl.rl.store.lease import StoredIds, owner_alive, release_shard, take_over
 from hpcrl.rl.store.shards import ShardLifecycle
-from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
+from hpcrl.rl.store.sync import MAX_INFLIGHT, Fenced, InFlight, SyncThread, Unproven
 
 __all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 
@@ -121,8 +121,8 @@ class ShardWriter(ShardLifecycle):
         self._parts: list[IndexPart] = []  # ... and their index entries (hpcrl.rl.store.index)
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
         self._seq = 0
-        self._inflight: deque[_InFlight] = deque()
-        self._done: list[_InFlight] = []  # synced, not yet reported in a FlushResult
+        self._inflight: deque[InFlight] = deque()
+        self._done: list[InFlight] = []  # synced, not yet reported in a FlushResult
         self._sync = SyncThread(f"hpcrl-store-{writer}")
         self._last_beat = 0.0
         self.total_rows = 0
@@ -297,7 +297,7 @@ class ShardWriter(ShardLifecycle):
         attrs = {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now}
         self._seq = seq
         ids = [tid for p in parts for tid in p.ids()]
-        item = _InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
+        item = InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
         item.make = (parts, attrs, self.cfg.compression)
         item.index = index_part(parts)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
@@ -325,10 +325,10 @@ class ShardWriter(ShardLifecycle):
         item = self._inflight[0]
         try:
             item.future.result()
-        except _Unproven as exc:
+        except Unproven as exc:
             self._stop(f"syncing {item.path.name}: {exc}")
             raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}") from exc
-        except _Fenced as exc:
+        except Fenced as exc:
             self._fenced(exc.shard)
         except Exception as exc:  # never visible: take every unsynced batch back
             self._rebuffer()
@@ -338,7 +338,7 @@ class ShardWriter(ShardLifecycle):
             ) from exc
         self._complete(self._inflight.popleft())
 
-    def _release(self, item: _InFlight) -> None:
+    def _release(self, item: InFlight) -> None:
         if item.fd >= 0:
             os.close(item.fd)
         if item.bufs is not None:
@@ -346,7 +346,7 @@ class ShardWriter(ShardLifecycle):
             item.bufs = None
         item.make = None  # drops its references to the batches
 
-    def _complete(self, item: _InFlight) -> None:
+    def _complete(self, item: InFlight) -> None:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
         self._release(item)
         self._segments.append(item.info)
@@ -393,7 +393,7 @@ class ShardWriter(ShardLifecycle):
         while self._inflight:
             item = self._inflight.popleft()
             self._release(item)
-            if not isinstance(item.future.exception(), _Unproven):
+            if not isinstance(item.future.exception(), Unproven):
                 item.tmp.unlink(missing_ok=True)
         for shard in [self._shard] + [s for s, _, _ in self._unfinalized]:
             if shard is not None:

@@ -99,50 +99,11 @@ def _emit(args: argparse.Namespace, data, lines: list[str]) -> None:
         print("\n".join(lines))
 
 
-def _shard_rows(state) -> tuple[int, int, list[str]]:
-    """(rows, bytes, problems) of a shard from its manifest, or its visible segments if open."""
-    from hpcrl.rl.store.layout import SegmentError, read_segment
-
-    if state.manifest is not None:
-        return state.manifest.rows, sum(s.bytes for s in state.manifest.segments), []
-    rows = size = 0
-    problems = []
-    for name in state.segment_names:
-        path = state.path / name
-        try:
-            rows += read_segment(path, fields=("traj",)).rows
-            size += path.stat().st_size
-        except (SegmentError, OSError) as exc:
-            problems.append(f"{name}: {exc}")
-    return rows, size, problems
-
-
-def _status(state) -> str:
-    from hpcrl.rl.store.writer import owner_alive
-
-    if state.manifest is not None:
-        return state.manifest.status
-    return "open" if owner_alive(state, lease_s=60.0) else "orphaned"
-
-
 def run_ls(args: argparse.Namespace) -> int:
-    from hpcrl.rl.store.layout import list_shards
+    from hpcrl.rl.store.verify import list_store, store_lease_s
 
-    shards = []
-    for state in list_shards(_store(args)):
-        rows, size, problems = _shard_rows(state)
-        nseg = len(state.manifest.segments) if state.manifest else len(state.segment_names)
-        shards.append(
-            {
-                "shard": state.name,
-                "writer": state.writer,
-                "status": _status(state),
-                "segments": nseg,
-                "rows": rows,
-                "bytes": size,
-                "problems": problems,
-            }
-        )
+    store = _store(args)
+    shards = list_store(store, store_lease_s(store))
     lines = [f"{'shard':<56} {'status':<10} {'segments':>8} {'rows':>9} {'bytes':>13}"]
     lines += [f"{s['shard']:<56} {s['status']:<10} {s['segments']:>8} {s['rows']:>9} {s['bytes']:>13}" for s in shards]
     lines.append(
@@ -210,44 +171,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from hpcrl.rl.store.layout import SegmentError, list_shards, read_segment, read_shard, recover_shard
-    from hpcrl.rl.store.writer import owner_alive
+    from hpcrl.rl.store.verify import store_lease_s, verify_store
 
     store = _store(args)
-    report = []
-    for state in list_shards(store):
-        if args.repair and state.manifest is None and not owner_alive(state, lease_s=60.0):
-            if recover_shard(store, state.path).removed:
-                continue
-            state = read_shard(state.path)
-        problems = []
-        if state.manifest_error:
-            problems.append(state.manifest_error)
-        if state.manifest is not None:
-            listed = {s.name: s for s in state.manifest.segments}
-            problems += [f"{n}: not listed in the manifest" for n in state.segment_names if n not in listed]
-            checks = [(n, info) for n, info in listed.items()]
-        else:
-            checks = [(n, None) for n in state.segment_names]
-        rows = 0
-        for name, expect in checks:
-            if not (state.path / name).exists():
-                problems.append(f"{name}: listed in the manifest but missing")
-                continue
-            try:
-                rows += read_segment(state.path / name, expect).rows
-            except SegmentError as exc:
-                problems.append(f"{name}: {exc}")
-        report.append(
-            {
-                "shard": state.name,
-                "status": _status(state),
-                "segments": len(checks),
-                "rows": rows,
-                "ok": not problems,
-                "problems": problems,
-            }
-        )
+    report = verify_store(store, store_lease_s(store), repair=args.repair)
     ok = all(r["ok"] for r in report)
     lines = [
         f"{'OK ' if r['ok'] else 'BAD'} {r['shard']} ({r['status']}, {r['segments']} segments, {r['rows']} rows)"

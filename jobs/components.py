@@ -16,7 +16,6 @@ so a USR2 that arrives before the component installed its own handler still requ
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -30,7 +29,7 @@ import psutil
 import submitit
 
 from hpcrl.core.files import atomic_write_json
-from hpcrl.core.liveness import beat, install, read_heartbeats
+from hpcrl.core.liveness import install, read_heartbeats
 from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.jobs.boot import take_early
@@ -366,14 +365,9 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         self.search_path, self.sandbox_slots, self.torch_threads = tuple(search_path), sandbox_slots, torch_threads
 
     def __call__(self) -> dict:
-        from hpcrl.core.transport import Node
         from hpcrl.rl.domains import load_domains
-        from hpcrl.rl.model.policy import Policy, cap_gpu_memory
-        from hpcrl.rl.rollout.generator import Generator
-        from hpcrl.rl.rollout.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
-        from hpcrl.rl.rollout.report import GeneratorReport
-        from hpcrl.rl.store.stream import TrajectorySender
-        from hpcrl.rl.weights.shards import WeightStore
+        from hpcrl.rl.model.policy import cap_gpu_memory
+        from hpcrl.rl.rollout.service import serve_generator
 
         stop = start_component(self.run_dir, self.name, self.role, getattr(self, "metrics", None))
         # A rollout job preempted (or scancelled) while it is still loading holds no lease and has
@@ -386,73 +380,21 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         share = gpu_share_of_job()  # on GPU shards: this job's part of the GPU, before anything is allocated
         if share is not None and cap_gpu_memory(share):
             log.info("%s: GPU memory capped at %.0f%% (its GPU shards)", self.name, 100 * share)
-        policy = Policy.load(self.policy, seed=self.seed)
-        with Node(self.run_dir, self.name) as node, contextlib.ExitStack() as cleanup:
-            judge = (
-                ThreadLocalJudge(node, self.sandbox_services)
-                if any(d.needs_executor for d in domains.values())
-                else None
-            )
-            weights = AnnouncedWeights(WeightStore(self.run_dir, background=True), node)
-            if self.policy.weight_sync == "direct":
-                from hpcrl.rl.weights.direct import DirectReceiver, DirectWeights
-
-                receiver = DirectReceiver(self.run_dir, self.name, device=policy.device)
-                cleanup.callback(receiver.close)  # its gloo pair torn down now, not at interpreter exit
-                weights = DirectWeights(weights, receiver)
-            gen = Generator(
-                self.cfg,
-                policy,
-                domains,
-                run=self.run_dir.name,
-                name=self.name,
-                seed=self.seed,
-                executor=judge,
-                weights=weights,
-            )
-            report = GeneratorReport(gen, self.sandbox_slots)
-            source = self.wrap_source(RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), report.stats))
-            provide(lambda: report.metrics(source.sender))
-            if early:
-                signal.signal(signal.SIGTERM, on_term)  # from here on SIGTERM hands back what it holds
-            try:
-                gen.run(
-                    source,
-                    source.sink,
-                    stop=lambda: beat() or stop.is_set() or source.should_stop() or self.should_end(),
-                )
-                t_loop = time.time()
-                held = gen.in_flight()
-                source.release(held)  # unfinished episodes go back to the coordinator at once
-                # Tell the coordinator before closing: close() waits for environment steps still
-                # running (a sandbox run up to its limit), which held the hand-back up as long.
-                source.finish(timeout_s=60.0)
-                t_acked = time.time()
-                gen.close()
-            finally:
-                source.close()
-            # Where a stop's time went (a preempted rollout job's exit delays whoever preempted it).
-            t0 = stop.signalled_at or t_loop
-            log.info(
-                "%s: stopped (%s): loop ended %.3f s after it, %d episodes handed back and the store's "
-                "acknowledgements in %.3f s more, closed %.3f s after it",
-                self.name,
-                "signal" if stop.signalled_at else "no signal",
-                t_loop - t0,
-                len(held),
-                t_acked - t_loop,
-                time.time() - t0,
-            )
-            # "coordinator": the run is over; "signal": asked to stop (the runner may restart it);
-            # "window": a rollout job's window ended (jobs/rollout.py: never requeued).
-            by = "coordinator" if source.should_stop() else "window" if self.should_end() else "signal"
-            if self.role == "rollout":
-                stop.requeue = False  # its window is over, whatever the signal: not a job to run again
-            return finish_job(
-                stop,
-                {
-                    "stopped_by": by,
-                    "trajectories": gen.stats.trajectories,
-                    "busy_fraction": gen.stats.busy_fraction,
-                },
-            )
+        result = serve_generator(
+            self.run_dir,
+            self.name,
+            self.cfg,
+            self.policy,
+            domains,
+            self.sandbox_services,
+            seed=self.seed,
+            sandbox_slots=self.sandbox_slots,
+            stop=stop,
+            signalled_at=lambda: stop.signalled_at,
+            wrap_source=self.wrap_source,
+            should_end=self.should_end,
+            on_ready=(lambda: signal.signal(signal.SIGTERM, on_term)) if early else None,
+        )
+        if self.role == "rollout":
+            stop.requeue = False  # its window is over, whatever the signal: not a job to run again
+        return finish_job(stop, result)

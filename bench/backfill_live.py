@@ -1,5 +1,5 @@
 """Backfill rollout jobs in a real run on the dev Slurm cluster: do they fill the partition's holes
-without delaying anyone? (issue 12, item 4)
+without delaying anyone?
 
     make devcluster && .venv/bin/python bench/backfill_live.py [--json] [--seed 7]   # about 6 minutes
     .venv/bin/python bench/backfill_live.py --rollout-partition scavenger   # Slurm preempts them
@@ -28,7 +28,7 @@ filled_gpu_h (GPU-hours rollout jobs held in the backfill run over the same span
 filled_fraction and filled_of_fillable, rollout_jobs {submitted, started, ended_in_window: ended
 before the window they were sized to closed, gave_way: cancelled by the planner, preempted: by
 Slurm, withdrawn: pending past scheduler.rollout_withdraw_s, cancelled before they ran},
-trained_from_rollout_jobs, lost and duplicated (rl/audit.py account: must be 0), max_delay_s
+trained_from_rollout_jobs, lost and duplicated (rl/audit/audit.py account: must be 0), max_delay_s
 (largest start delay of a background job, backfill vs baseline, each from its t0, read from the
 job's own clock as it starts: sacct's whole seconds cannot tell a delay from the 1-s
 bf_interval; max_delay_sacct_s beside) against bf_interval_s, max_added_wait_s (each background
@@ -175,8 +175,8 @@ def run_once(mode: str, tmp: Path, args) -> dict:
     from hpcrl.jobs.accounting import run_members
     from hpcrl.jobs.launch import read_jobs, role_resources
     from hpcrl.jobs.supervise import queue_states
-    from hpcrl.rl.audit import AUDIT_NAME, account, lineage
-    from hpcrl.rl.coordinator import read_status
+    from hpcrl.rl.audit.audit import AUDIT_NAME, account, lineage
+    from hpcrl.rl.coordinator.report import read_status
     from hpcrl.slurm import queries
     from hpcrl.slurm.backfill.book import rollout_job_counts
     from hpcrl.slurm.backfill.planner import describe

@@ -4,7 +4,7 @@ CURVE sockets; how many episodes per second it serves, at what latency and CPU, 
     .venv/bin/python bench/coordinator.py [--max-generators 1024] [--per-sync 4] [--period-s 0.25]
                                           [--level-s 4] [--quick] [--json]
 
-The coordinator (rl/coordinator.py, unchanged: its request handler, lease log and status file)
+The coordinator (rl/coordinator/coordinator.py, unchanged: its request handler, lease log and status file)
 serves in a process of its own. One driver process runs N generators, each a DEALER of its own
 with the generator's request client: every `--period-s` (open loop: a late reply does not
 lower the offered rate, the next sync goes out at once) a generator syncs, reporting done the
@@ -44,8 +44,10 @@ import zmq
 
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.rpc import RequestClient
-from hpcrl.core.transport import Node, WireLimits, read_endpoint
-from hpcrl.rl.coordinator import Coordinator, ticket_from_row
+from hpcrl.core.transport import Node, read_endpoint
+from hpcrl.core.wire import WireLimits
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.coordinator.tasks import ticket_from_row
 
 WEIGHTS = {"arith/copy": 3.0, "code-repair": 1.0}
 GROUP = 8

@@ -1,9 +1,9 @@
-"""Generation tokens/s: hpcrl's generator against transformers' own `generate` (issue 13).
+"""Generation tokens/s: hpcrl's generator against transformers' own `generate`.
 
     python bench/generate.py [--episodes 16] [--action 32] [--hidden 256 --layers 4] [--rounds 3]
                              [--hf-cache dynamic|static] [--json]
 
-One model built here (a random Llama with a byte-level BPE tokenizer, rl/models.py), the same
+One model built here (a random Llama with a byte-level BPE tokenizer, rl/model/models.py), the same
 prompts (64-256 tokens of local text), the same action lengths (exactly `--action` tokens: no
 eos is allowed to end one early, in either system), sampling at temperature 1, one torch thread:
 
@@ -38,8 +38,8 @@ from pathlib import Path
 
 def build(args):
     from hpcrl.core.config import PolicyConfig
-    from hpcrl.rl.models import build_tiny_hf, local_corpus
-    from hpcrl.rl.policy import Policy
+    from hpcrl.rl.model.models import build_tiny_hf, local_corpus
+    from hpcrl.rl.model.policy import Policy
 
     folder = Path(tempfile.mkdtemp(prefix="hpcrl-bench-gen-")) / "model"
     build_tiny_hf(folder, "llama", args.vocab, hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
@@ -89,9 +89,9 @@ def hf_rollout(policy, prompts, turns, action, obs_ids, cache="dynamic"):
 def hpcrl_rollout(policy, prompts, turns, action, feedback):
     """The same episodes through hpcrl's Generator."""
     from hpcrl.core.config import GeneratorConfig
+    from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
     from hpcrl.rl.domains import ActionSpec, Domain, Environment, StepResult, Task
-    from hpcrl.rl.generator import Generator
-    from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+    from hpcrl.rl.rollout.generator import Generator
 
     class Env(Environment):
         def __init__(self, prompt, n):

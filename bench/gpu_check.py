@@ -7,10 +7,10 @@ a GPU machine; `--cpu` runs the same code on the CPU (gloo) with a small model, 
     python bench/gpu_check.py --cpu [--json]                                                   # its CPU half
 
 1. A random Llama (bfloat16 on GPU, float32 on CPU) and a byte-level BPE tokenizer trained on
-   local text, saved with `save_pretrained` (rl/models.py `build_tiny_hf`).
+   local text, saved with `save_pretrained` (rl/model/models.py `build_tiny_hf`).
 2. learner: `--gpus` processes (one per GPU: RANK, LOCAL_RANK, WORLD_SIZE), each the real
    `Learner` (DeepSpeed ZeRO-3, `dist_backend: auto`: NCCL on GPU, gloo on CPU) training
-   `--steps` optimizer steps on synthetic trajectories of the model's vocabulary (rl/synth.py),
+   `--steps` optimizer steps on synthetic trajectories of the model's vocabulary (rl/record/synth.py),
    then publishing its weights (gather + shard write, `ShardPublisher.flush`). Reported: the
    median step seconds after the first, trajectories/s, the publish's GB/s (policy-dtype bytes
    of the whole model over the publish's seconds), and the peak memory of rank 0
@@ -76,8 +76,8 @@ def learner_rank(a, model_dir: Path, run_dir: Path) -> None:
     import torch
 
     from hpcrl.core.config import load_config
-    from hpcrl.rl.learner import Learner
-    from hpcrl.rl.synth import SynthShape, synth_trajectory
+    from hpcrl.rl.learner.learner import Learner
+    from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 
     cfg = load_config(None, _overrides(a, model_dir))
     learner = Learner(cfg.learner, cfg.policy, run_dir, seed=0)
@@ -121,8 +121,8 @@ def generate(a, model_dir: Path) -> None:
     import torch
 
     from hpcrl.core.config import PolicyConfig
-    from hpcrl.rl.engine import DecodeEngine, SamplingSpec
-    from hpcrl.rl.policy import Policy
+    from hpcrl.rl.model.policy import Policy
+    from hpcrl.rl.rollout.engine import DecodeEngine, SamplingSpec
 
     torch.manual_seed(0)
     policy = Policy.load(
@@ -157,11 +157,11 @@ def generate(a, model_dir: Path) -> None:
 
 
 def _shard_cap(device) -> str:
-    """A generator on GPU shards caps its memory (rl/policy.py cap_gpu_memory): after capping at
+    """A generator on GPU shards caps its memory (rl/model/policy.py cap_gpu_memory): after capping at
     half the GPU, a tenth of it still allocates and six tenths must fail."""
     import torch
 
-    from hpcrl.rl.policy import cap_gpu_memory
+    from hpcrl.rl.model.policy import cap_gpu_memory
 
     if device.type != "cuda" or not cap_gpu_memory(0.5):
         return "no GPU"
@@ -246,7 +246,7 @@ def main() -> int:
         print(f"gpu_check: {a.gpus} GPU(s) asked, torch sees {torch.cuda.device_count()}; "
               "run with --cpu for the CPU half, or --gpus N", file=sys.stderr)  # fmt: skip
         return 2
-    from hpcrl.rl.models import build_tiny_hf
+    from hpcrl.rl.model.models import build_tiny_hf
 
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="hpcrl-gpucheck-"))
     root.mkdir(parents=True, exist_ok=True)

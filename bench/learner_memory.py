@@ -1,10 +1,10 @@
-"""Peak memory of the learner's log-probability pass, full log_softmax vs chunked (issue 13).
+"""Peak memory of the learner's log-probability pass, full log_softmax vs chunked.
 
     python bench/learner_memory.py [--vocab 32768] [--batch 8] [--tokens 512] [--chunk 1024] [--json]
 
 One forward and backward pass of a small Llama (hidden 64, 2 layers) over batch x tokens with
 a `vocab`-token head, scored as the learner scores it: `full` is the old path (float32
-log_softmax over [B, T, V], kept for backward), `chunked` is rl/logprobs.py (`chunk` tokens at a
+log_softmax over [B, T, V], kept for backward), `chunked` is rl/model/logprobs.py (`chunk` tokens at a
 time, recomputed in backward). Each variant runs in its own process; the figure is its peak
 resident memory (ru_maxrss) above the same process's after the model was built, in MiB. On a
 GPU the figure to compare would be torch.cuda.max_memory_allocated (not measured here: no GPU).
@@ -24,7 +24,7 @@ def _child(variant: str, vocab: int, batch: int, tokens: int, chunk: int) -> Non
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpcrl.rl.logprobs import full_logprobs, token_logprobs
+    from hpcrl.rl.model.logprobs import full_logprobs, token_logprobs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -34,14 +34,14 @@ def _child(steps: int, overrides: list[str]) -> dict:
     import torch
 
     from hpcrl.core.config import load_config
-    from hpcrl.rl.alphabet import resolve_charset
-    from hpcrl.rl.batch import layout
+    from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
     from hpcrl.rl.domains import load_domains
-    from hpcrl.rl.generator import Generator
-    from hpcrl.rl.learner import Learner
-    from hpcrl.rl.packing import plan_units
-    from hpcrl.rl.policy import Policy
-    from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+    from hpcrl.rl.learner.batch import layout
+    from hpcrl.rl.learner.learner import Learner
+    from hpcrl.rl.learner.packing import plan_units
+    from hpcrl.rl.model.alphabet import resolve_charset
+    from hpcrl.rl.model.policy import Policy
+    from hpcrl.rl.rollout.generator import Generator
 
     torch.set_num_threads(1)  # as each component does
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@
     .venv/bin/python bench/lending.py [--env judge|remote] [--seconds 20] [--rounds 3]
         [--in-flight 16] [--lend 16] [--json out.json]
 
-Lending (issue 12 part 2): an episode waiting on its sandbox leaves its row of the batch idle;
+Lending: an episode waiting on its sandbox leaves its row of the batch idle;
 with `lend_episodes` N the generator takes up to N more episodes meanwhile, still decoding at most
 `episodes_in_flight` rows at once. Three configurations run in turn, `--rounds` times
 (interleaved, so load drifts hit all alike), each for `--seconds` after a warm-up:
@@ -68,9 +68,9 @@ def remote_domain(latency_ms: float, seed: int):
 
 def measure(cfg, domains, judge, seconds: float) -> dict:
     """One configuration: the generator alone, tasks from an in-process sampler, trajectories dropped."""
-    from hpcrl.rl.generator import Generator
-    from hpcrl.rl.policy import Policy
-    from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+    from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
+    from hpcrl.rl.model.policy import Policy
+    from hpcrl.rl.rollout.generator import Generator
 
     gen = Generator(cfg.generators, Policy.load(cfg.policy, seed=0), domains, run="b", name="g", seed=0, executor=judge)
     rows: list[int] = []
@@ -115,8 +115,8 @@ def main() -> None:
     import torch
 
     from hpcrl.core.config import load_config
-    from hpcrl.rl.alphabet import resolve_charset
     from hpcrl.rl.domains import load_domains
+    from hpcrl.rl.model.alphabet import resolve_charset
 
     torch.set_num_threads(1)  # as each component does
     k, n = args.in_flight, args.lend

@@ -44,11 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def baseline(cfg, seconds: float) -> dict:
     import torch
 
-    from hpcrl.rl.alphabet import resolve_charset
+    from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
     from hpcrl.rl.domains import load_domains
-    from hpcrl.rl.generator import Generator
-    from hpcrl.rl.policy import Policy
-    from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+    from hpcrl.rl.model.alphabet import resolve_charset
+    from hpcrl.rl.model.policy import Policy
+    from hpcrl.rl.rollout.generator import Generator
 
     torch.set_num_threads(1)  # as each component does
     domains = load_domains(cfg.domains)
@@ -105,7 +105,7 @@ def pipeline(cfg, seconds: float, warmup: float, pinned: tuple[set[int], set[int
     from hpcrl.jobs.launch import plan
     from hpcrl.jobs.localrun import LocalRun, pids
     from hpcrl.jobs.rundir import create_run_dir
-    from hpcrl.rl.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
 
     run_dir = create_run_dir(cfg)
     jobs = LocalRun(cfg, run_dir, plan(cfg, run_dir))

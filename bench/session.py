@@ -1,4 +1,4 @@
-"""Sandbox sessions (issue 14) against today's fresh executions, side by side, through one real
+"""Sandbox sessions against today's fresh executions, side by side, through one real
 sandbox server (CURVE ZeroMQ, bwrap slots) in this process.
 
     .venv/bin/python bench/session.py [--runs 100] [--files 200] [--slots 1] [--json out.json]

@@ -50,12 +50,13 @@ from pathlib import Path
 import numpy as np
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.rl.store.columns import Columns, EncodeBuffers, wire_bytes
+from hpcrl.rl.record.columns import Columns, wire_bytes
+from hpcrl.rl.record.flat import EncodeBuffers
+from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 from hpcrl.rl.store.index import INDEX_NAME
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.segment import publish_segment, write_segment
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import SynthShape, synth_trajectory
 
 
 def batches(trajs, n):

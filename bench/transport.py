@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from hpcrl.core.transport import Node, encode
-from hpcrl.rl.store.columns import Columns
+from hpcrl.core.transport import Node
+from hpcrl.core.wire import encode
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.synth import synth_trajectory
 from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender
 from hpcrl.rl.store.writer import FlushResult
-from hpcrl.rl.synth import synth_trajectory
 
 
 class MemorySink:

@@ -168,8 +168,8 @@ def domain_of(task: Path, label: str, overrides: list[str]):
     """The hpcrl config and the domain the task module makes (for the alphabet and action length)."""
     sys.path.insert(0, str(task.parent))
     from hpcrl.core.config import load_config
-    from hpcrl.rl.alphabet import resolve_charset
     from hpcrl.rl.domains import load_domains
+    from hpcrl.rl.model.alphabet import resolve_charset
 
     cfg = load_config(
         ROOT / "config.yaml", [f'domains=[{{name: {label}, module: "{task.stem}:make_domain"}}]', *overrides]

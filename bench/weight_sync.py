@@ -57,8 +57,8 @@ def receiver(run_dir: str, hidden: int, layers: int, vocab: int, dtype_name: str
     """Child: receive `rounds` versions directly, swap each into a model, say when done."""
     import torch
 
-    from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
-    from hpcrl.rl.weights import WeightStore
+    from hpcrl.rl.weights.direct import DirectReceiver, DirectWeights
+    from hpcrl.rl.weights.shards import WeightStore
 
     model = build(hidden, layers, vocab, getattr(torch, dtype_name))
     recv = DirectReceiver(run_dir, "bench", timeout_s=600)
@@ -115,9 +115,9 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.rl.policy import full_state_dict
-    from hpcrl.rl.weight_direct import DirectSender
-    from hpcrl.rl.weights import Bucket, WeightStore
+    from hpcrl.rl.model.policy import full_state_dict
+    from hpcrl.rl.weights.direct import DirectSender
+    from hpcrl.rl.weights.shards import Bucket, WeightStore
 
     torch.set_num_threads(1)
     dtype = getattr(torch, a.dtype)

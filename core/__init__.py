@@ -6,11 +6,12 @@
 
 `schema` turns YAML into frozen dataclasses (strict keys, types, bounds, dotted overrides);
 `config` is the experiment's tree built on it (one section per component, `Limits` of a
-sandboxed execution among them); `transport` is the message layer (envelopes, keys, endpoint
-files, sockets) and `rpc` the patterns on it (RequestServer/RequestClient, VersionPublisher/
-VersionSubscriber); `files` writes the run directory's state atomically and durably;
-`liveness` has the heartbeats components write and the supervisor's supervision.json;
-`metrics` serves each component's Prometheus endpoint and `sinks` writes each learner step's
-metrics to TensorBoard and Weights & Biases under the same names.
+sandboxed execution among them; `slurmconfig` its Slurm, scheduler and supervision sections);
+`wire` is a message's form (msgpack envelope, zero-copy array frames), `transport` the layer
+that moves it (keys, endpoint files, CURVE sockets) and `rpc` the patterns on it
+(RequestServer/RequestClient, VersionPublisher/VersionSubscriber); `files` writes the run
+directory's state atomically and durably; `liveness` has the heartbeats components write and the
+supervisor's supervision.json; `metrics` serves each component's Prometheus endpoint and `sinks`
+writes each learner step's metrics to TensorBoard and Weights & Biases under the same names.
 Everything above imports downwards only (tests/test_architecture.py keeps it so).
 """

@@ -50,7 +50,8 @@ import numpy as np
 import zmq
 
 from hpcrl.core.liveness import peer_starting
-from hpcrl.core.transport import BadMessage, Envelope, Node, TransportError, decode, encode, read_endpoint, send_frames
+from hpcrl.core.transport import Node, TransportError, read_endpoint
+from hpcrl.core.wire import BadMessage, Envelope, decode, encode, send_frames
 
 __all__ = [
     "Reply",

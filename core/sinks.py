@@ -37,7 +37,7 @@ __all__ = ["MetricSinks", "series", "STATE_NAME"]
 log = logging.getLogger("hpcrl.sinks")
 STATE_NAME = "sinks.json"  # {"offset": bytes of metrics.jsonl already passed to the sinks}
 
-# Row keys with a Prometheus series of another name (rl/coordinator.py metrics()).
+# Row keys with a Prometheus series of another name (rl/coordinator/coordinator.py metrics()).
 _NAMES = {"step": "learner_step", "version": "policy_version", "reward": "reward", "traj_per_s": "trajectories_per_s"}
 # Row keys holding {label value: number}, and the label (the Prometheus series' where one exists).
 _LABELLED = {"reward_by_domain": ("reward", "domain"), "busy": ("busy_fraction", "role")}

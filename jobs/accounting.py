@@ -45,7 +45,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpcrl.core.liveness import read_heartbeats
+from hpcrl.rl.audit.audit import AUDIT_NAME, lineage
+from hpcrl.rl.coordinator.report import read_status
+from hpcrl.slurm import queries
 from hpcrl.slurm.queries import JobRecord
+
+# hpcrl imports inside functions here would load h5py, msgpack, numpy, psutil, submitit, yaml, zmq for
+# every importer of this module (start-up speed).
 
 __all__ = [
     "ROLES",
@@ -284,10 +291,9 @@ def store_costs(run_dir: str | os.PathLike) -> tuple[dict[str, DomainCosts], lis
     existed) are read segment by segment (their traj and steps tables only)."""
     import numpy as np
 
-    from hpcrl.rl.audit import AUDIT_NAME, lineage
     from hpcrl.rl.store.index import id_keys, index_part, member, read_index, step_rows
     from hpcrl.rl.store.layout import SegmentError, list_shards, read_segment
-    from hpcrl.rl.store.reader import _segments_of
+    from hpcrl.rl.store.reader import segments_of
 
     run_dir = Path(run_dir)
     notes: list[str] = []
@@ -324,7 +330,7 @@ def store_costs(run_dir: str | os.PathLike) -> tuple[dict[str, DomainCosts], lis
         if idx is not None:
             add(idx.sums, idx.keys, np.array(idx.domains, dtype=str)[np.asarray(idx.domain)], idx.tokens)
             continue
-        for seg in _segments_of(state):
+        for seg in segments_of(state):
             try:
                 cols = read_segment(state.path / seg.name, seg.expect, fields=("traj", "steps"))
                 rows = step_rows(cols.traj["step_start"], cols.traj["n_steps"])
@@ -354,7 +360,6 @@ def account_run(run_dir: str | os.PathLike, now: float | None = None) -> dict:
     """The whole report of a run as one JSON-able dict (see the module doc for every rule).
     Raises SlurmCommandError when a Slurm run's sacct fails."""
     from hpcrl.jobs.launch import read_jobs
-    from hpcrl.rl.coordinator import read_status
 
     run_dir = Path(run_dir)
     now = time.time() if now is None else now
@@ -370,8 +375,6 @@ def account_run(run_dir: str | os.PathLike, now: float | None = None) -> dict:
         "sacct": bool(jobs),
     }
     if jobs:
-        from hpcrl.slurm import queries
-
         members = run_members(jobs)
         requests: dict[str, tuple[float, float]] = {}
         if any(len(m) > 1 for m in members.values()):
@@ -387,7 +390,6 @@ def account_run(run_dir: str | os.PathLike, now: float | None = None) -> dict:
             )
         metrics = ("cpu_h", "gpu_h")
     else:
-        from hpcrl.core.liveness import read_heartbeats
         from hpcrl.jobs.localrun import live_procs
 
         stems = sorted(p.stem for p in (run_dir / "heartbeats").glob("*.json"))

@@ -15,7 +15,7 @@ operator would (its output in chaos/resume-<n>.log); on Slurm the supervisor job
 component replaces once its heartbeat goes stale (docs/benchmarks.md has both drills;
 tests/test_chaos.py drills the local executor only).
 
-After `duration_s` it stops injecting and waits for the run to end, then checks (rl/audit.py):
+After `duration_s` it stops injecting and waits for the run to end, then checks (rl/audit/audit.py):
   reached_max_steps                      the lineage holds steps 1..max_steps, the cursor max_steps
   step_never_went_back                   each learner life resumed from no earlier than the newest
                                          whole checkpoint at the fault that ended the life before
@@ -50,9 +50,11 @@ import psutil
 
 from hpcrl.core.config import Config
 from hpcrl.core.liveness import read_heartbeats
+from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.localrun import live_procs
-from hpcrl.rl.audit import account, step_rewards
-from hpcrl.rl.checkpoints import COMPLETE_NAME, resume_tag
+from hpcrl.rl.audit.audit import account, step_rewards
+from hpcrl.rl.learner.checkpoints import COMPLETE_NAME, resume_tag
+from hpcrl.slurm.command import run_slurm
 
 __all__ = ["Fault", "Drill", "parse_duration", "KINDS", "TARGETS"]
 
@@ -163,7 +165,6 @@ class Drill:
         return None
 
     def _jobs(self) -> dict:
-        from hpcrl.jobs.launch import read_jobs
 
         return read_jobs(self.run_dir) or {}
 
@@ -205,7 +206,6 @@ class Drill:
 
     @staticmethod
     def _scancel(job: str, sig: signal.Signals) -> bool:
-        from hpcrl.slurm.command import run_slurm
 
         # KILL goes to the batch script too (--full), so the job ends. STOP and CONT go to the
         # job's steps only: with --full they reach srun, which cannot pass a STOP on, and the

@@ -16,7 +16,6 @@ so a USR2 that arrives before the component installed its own handler still requ
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -30,12 +29,17 @@ import psutil
 import submitit
 
 from hpcrl.core.files import atomic_write_json
-from hpcrl.core.liveness import beat, install
+from hpcrl.core.liveness import install, read_heartbeats
 from hpcrl.core.metrics import provide
 from hpcrl.core.metrics import serve as serve_metrics
 from hpcrl.jobs.boot import take_early
 from hpcrl.jobs.rundir import private_umask
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.slurm.command import run_slurm
 from hpcrl.slurm.queries import gpu_share_of_job
+
+# hpcrl imports inside functions here would load h5py, msgpack, numpy, torch, transformers, zmq for
+# every importer of this module (start-up speed).
 
 __all__ = [
     "StoreComponent",
@@ -156,8 +160,6 @@ def finish_job(stop: _Stop, result):
     """Requeue the job after a SIGUSR2 drain (rank 0 only; the same job id runs again later)."""
     job = os.environ.get("SLURM_JOB_ID")
     if stop.requeue and job and os.environ.get("SLURM_PROCID", "0") == "0":
-        from hpcrl.slurm.command import run_slurm
-
         if os.environ.get("SLURM_ARRAY_TASK_ID"):
             job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
         out = run_slurm(["scontrol", "requeue", job], check=False)
@@ -197,8 +199,6 @@ def _watch_supervisor(run_dir: Path, stop: _Stop, name: str) -> None:
     def watch() -> None:
         import subprocess
         import sys
-
-        from hpcrl.core.liveness import read_heartbeats
 
         while not stop.wait(min(15.0, quiet_s / 2)):
             last = max([b["time"] for b in read_heartbeats(run_dir, "supervisor")], default=started)
@@ -266,7 +266,7 @@ class SandboxComponent(submitit.helpers.Checkpointable):
 
 
 class CoordinatorComponent(submitit.helpers.Checkpointable):
-    """The coordinator (hpcrl.rl.coordinator)."""
+    """The coordinator (hpcrl.rl.coordinator.coordinator)."""
 
     def __init__(self, run_dir, coordinator_cfg, domains, learner_cfg, seed: int, sizes=None):
         self.run_dir, self.cfg, self.seed = Path(run_dir), coordinator_cfg, seed
@@ -277,7 +277,6 @@ class CoordinatorComponent(submitit.helpers.Checkpointable):
 
     def __call__(self) -> str:
         from hpcrl.core.transport import Node
-        from hpcrl.rl.coordinator import Coordinator
 
         stop = start_component(self.run_dir, "coordinator", "coordinator", getattr(self, "metrics", None))
         coord = Coordinator(
@@ -305,7 +304,7 @@ class LearnerComponent(submitit.helpers.Checkpointable):
         self.torch_threads = torch_threads
 
     def __call__(self) -> int:
-        from hpcrl.rl.learner_service import run_learner
+        from hpcrl.rl.learner.service import run_learner
 
         try:
             # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from submitit (local or Slurm).
@@ -316,7 +315,7 @@ class LearnerComponent(submitit.helpers.Checkpointable):
                 dist.master_addr = "127.0.0.1"
             dist.export(set_cuda_visible_devices=False)
         except RuntimeError:
-            pass  # not inside a submitit job (run by hand): rl/distenv.py finds the ranks itself
+            pass  # not inside a submitit job (run by hand): rl/common/distenv.py finds the ranks itself
         rank = os.environ.get("RANK", "0")
         stop = start_component(self.run_dir, f"learner-{rank}", "learner", getattr(self, "metrics", None))
         _threads(self.torch_threads)
@@ -366,14 +365,9 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         self.search_path, self.sandbox_slots, self.torch_threads = tuple(search_path), sandbox_slots, torch_threads
 
     def __call__(self) -> dict:
-        from hpcrl.core.transport import Node
         from hpcrl.rl.domains import load_domains
-        from hpcrl.rl.generator import Generator
-        from hpcrl.rl.meter import BusyMeter
-        from hpcrl.rl.policy import Policy, cap_gpu_memory
-        from hpcrl.rl.remote import AnnouncedWeights, RemoteTaskSource, ThreadLocalJudge
-        from hpcrl.rl.store.stream import TrajectorySender
-        from hpcrl.rl.weights import WeightStore
+        from hpcrl.rl.model.policy import cap_gpu_memory
+        from hpcrl.rl.rollout.service import serve_generator
 
         stop = start_component(self.run_dir, self.name, self.role, getattr(self, "metrics", None))
         # A rollout job preempted (or scancelled) while it is still loading holds no lease and has
@@ -386,116 +380,21 @@ class GeneratorComponent(submitit.helpers.Checkpointable):
         share = gpu_share_of_job()  # on GPU shards: this job's part of the GPU, before anything is allocated
         if share is not None and cap_gpu_memory(share):
             log.info("%s: GPU memory capped at %.0f%% (its GPU shards)", self.name, 100 * share)
-        policy = Policy.load(self.policy, seed=self.seed)
-        with Node(self.run_dir, self.name) as node, contextlib.ExitStack() as cleanup:
-            judge = (
-                ThreadLocalJudge(node, self.sandbox_services)
-                if any(d.needs_executor for d in domains.values())
-                else None
-            )
-            weights = AnnouncedWeights(WeightStore(self.run_dir, background=True), node)
-            if self.policy.weight_sync == "direct":
-                from hpcrl.rl.weight_direct import DirectReceiver, DirectWeights
-
-                receiver = DirectReceiver(self.run_dir, self.name, device=policy.device)
-                cleanup.callback(receiver.close)  # its gloo pair torn down now, not at interpreter exit
-                weights = DirectWeights(weights, receiver)
-            gen = Generator(
-                self.cfg,
-                policy,
-                domains,
-                run=self.run_dir.name,
-                name=self.name,
-                seed=self.seed,
-                executor=judge,
-                weights=weights,
-            )
-            busy, sandbox = BusyMeter(), BusyMeter()
-
-            def stats() -> dict:
-                s = gen.stats
-                # sandbox_s_rate: sandbox seconds per second (> 1 with several slots busy).
-                return {
-                    "busy_fraction": busy.fraction(s.busy_s),
-                    "sandbox_s_rate": sandbox.rate(s.sandbox_s),
-                    "sandbox_slots": self.sandbox_slots,
-                    "trajectories": s.trajectories,
-                    "steps": s.steps,
-                    "failed": s.failed,
-                    "version": gen.version,
-                    "in_flight": len(gen.episodes),
-                    "busy_s": s.busy_s,
-                    "wall_s": s.wall_s,
-                    "source_s": s.source_s,
-                    "weights_s": s.weights_s,
-                    "idle_s": s.idle_s,
-                    "env_wait_s": s.env_wait_s,
-                    "batches": s.batches,
-                    "batch_rows": s.batch_rows,
-                    "overlap_batches": s.overlap_batches,
-                    "lent": s.lent,
-                    "hot_episodes": gen.stuck.hot_episodes,
-                    "reward_mean": s.reward_sum / max(s.trajectories, 1),
-                }
-
-            source = self.wrap_source(RemoteTaskSource(node, self.name, TrajectorySender(node, "store"), stats))
-            provide(
-                lambda: {
-                    "generator_trajectories_total": gen.stats.trajectories,
-                    "generator_steps_total": gen.stats.steps,
-                    "generator_failed_total": gen.stats.failed,
-                    "generator_busy_fraction": busy.fraction(gen.stats.busy_s),
-                    "generator_busy_seconds_total": gen.stats.busy_s,
-                    "generator_sandbox_seconds_total": gen.stats.sandbox_s,
-                    "generator_weights_seconds_total": gen.stats.weights_s,
-                    "generator_idle_seconds_total": gen.stats.idle_s,
-                    "generator_env_wait_seconds_total": gen.stats.env_wait_s,
-                    "generator_in_flight": len(gen.episodes),
-                    "generator_version": gen.version,
-                    "generator_unacked": source.sender.unacked,
-                    "generator_resent_total": source.sender.resent,
-                }
-            )
-            if early:
-                signal.signal(signal.SIGTERM, on_term)  # from here on SIGTERM hands back what it holds
-            try:
-                gen.run(
-                    source,
-                    source.sink,
-                    stop=lambda: beat() or stop.is_set() or source.should_stop() or self.should_end(),
-                )
-                t_loop = time.time()
-                held = gen.in_flight()
-                source.release(held)  # unfinished episodes go back to the coordinator at once
-                # Tell the coordinator before closing: close() waits for environment steps still
-                # running (a sandbox run up to its limit), which held the hand-back up as long.
-                source.finish(timeout_s=60.0)
-                t_acked = time.time()
-                gen.close()
-            finally:
-                source.close()
-            # Where a stop's time went (a preempted rollout job's exit delays whoever preempted it).
-            t0 = stop.signalled_at or t_loop
-            log.info(
-                "%s: stopped (%s): loop ended %.3f s after it, %d episodes handed back and the store's "
-                "acknowledgements in %.3f s more, closed %.3f s after it",
-                self.name,
-                "signal" if stop.signalled_at else "no signal",
-                t_loop - t0,
-                len(held),
-                t_acked - t_loop,
-                time.time() - t0,
-            )
-            # "coordinator": the run is over; "signal": asked to stop (the runner may restart it);
-            # "window": a rollout job's window ended (jobs/rollout.py: never requeued).
-            by = "coordinator" if source.should_stop() else "window" if self.should_end() else "signal"
-            if self.role == "rollout":
-                stop.requeue = False  # its window is over, whatever the signal: not a job to run again
-            return finish_job(
-                stop,
-                {
-                    "stopped_by": by,
-                    "trajectories": gen.stats.trajectories,
-                    "busy_fraction": gen.stats.busy_fraction,
-                },
-            )
+        result = serve_generator(
+            self.run_dir,
+            self.name,
+            self.cfg,
+            self.policy,
+            domains,
+            self.sandbox_services,
+            seed=self.seed,
+            sandbox_slots=self.sandbox_slots,
+            stop=stop,
+            signalled_at=lambda: stop.signalled_at,
+            wrap_source=self.wrap_source,
+            should_end=self.should_end,
+            on_ready=(lambda: signal.signal(signal.SIGTERM, on_term)) if early else None,
+        )
+        if self.role == "rollout":
+            stop.requeue = False  # its window is over, whatever the signal: not a job to run again
+        return finish_job(stop, result)

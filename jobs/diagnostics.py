@@ -10,7 +10,7 @@ fraction of groups with zero reward variance (no gradient) and of trajectories w
 advantage; advantage statistics; the importance ratio (min, mean, max) and the clip fraction;
 the staleness histogram (share of each batch 0, 1, 2... versions behind); completion length
 and the share ending with eos; and per-prompt success over time (the most frequent prompts,
-rows, by step bins; blank where a prompt was not in a batch). rl/diagnostics.py defines them.
+rows, by step bins; blank where a prompt was not in a batch). rl/learner/diagnostics.py defines them.
 """
 
 from __future__ import annotations

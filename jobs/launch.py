@@ -42,8 +42,9 @@ from hpcrl.jobs.components import (
     SandboxComponent,
     StoreComponent,
 )
-from hpcrl.rl.alphabet import resolve_charset
 from hpcrl.rl.domains import load_domains
+from hpcrl.rl.model.alphabet import resolve_charset
+from hpcrl.slurm.queries import show_config
 from hpcrl.slurm.sbatch import Resources
 
 __all__ = [
@@ -313,7 +314,6 @@ def dry_run_scripts(cfg: Config, run_dir: str | os.PathLike, roles: Sequence[Rol
 
 def preflight(cfg: Config) -> list[str]:
     """Warnings about cluster settings (`scontrol show config`) that break requeue or signals."""
-    from hpcrl.slurm.queries import show_config
 
     conf = show_config()
     warn = []

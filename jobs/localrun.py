@@ -34,8 +34,9 @@ from hpcrl.core.sinks import MetricSinks
 from hpcrl.jobs.components import LAUNCHER_ENV
 from hpcrl.jobs.launch import SUPERVISOR, Role, component_jobs, link_logs, make_executor
 from hpcrl.jobs.restarts import Watch
+from hpcrl.jobs.rollout_plan import rollout_planner
 from hpcrl.jobs.supervise import RunFailed, error_line, failed_twice, stop_coordinator, verdict, why_ended
-from hpcrl.rl.coordinator import METRICS_NAME, read_status
+from hpcrl.rl.coordinator.report import METRICS_NAME, read_status
 
 __all__ = ["LocalRun", "live_procs", "pids", "STOP_STAGE_S"]
 
@@ -114,7 +115,6 @@ class LocalRun:
         serve_metrics(self.run_dir, SUPERVISOR, self.cfg.metrics)
         provide(self.metrics)
         self.sinks = MetricSinks(self.run_dir, self.cfg.metrics, self.run_dir / METRICS_NAME, to_dict(self.cfg))
-        from hpcrl.jobs.rollout_plan import rollout_planner
 
         self.rollouts = rollout_planner(self.cfg, self.run_dir, self.roles)
         for role in self.roles:

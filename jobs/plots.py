@@ -41,8 +41,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.rl.coordinator import METRICS_NAME
-from hpcrl.rl.events import TIMELINE_NAME, read_jsonl
+from hpcrl.jobs.report import read_metrics, write_reward_png
+from hpcrl.rl.coordinator.events import TIMELINE_NAME, read_jsonl
+from hpcrl.rl.coordinator.report import METRICS_NAME
 
 __all__ = [
     "Interval",
@@ -65,7 +66,14 @@ LEARNER_STATES = (
 GENERATOR_STATES = (
     "generating", "syncing weights", "coordination", "waiting for sandbox", "idle", GENERATOR_REST, "down"
 )  # fmt: skip
-_COUNTERS = ("wall_s", "busy_s", "weights_s", "source_s", "env_wait_s", "idle_s")  # rl/generator.py GeneratorStats
+_COUNTERS = (
+    "wall_s",
+    "busy_s",
+    "weights_s",
+    "source_s",
+    "env_wait_s",
+    "idle_s",
+)  # rl/rollout/generator.py GeneratorStats
 COLOURS = {  # one colour per state, none shared: a legend entry names exactly one thing
     "training": "#2ca02c",  # green
     "generating": "#17becf",  # cyan
@@ -228,8 +236,6 @@ def write_plots(run_dir: str | os.PathLike) -> tuple[list[Path], dict]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from hpcrl.jobs.report import read_metrics, write_reward_png
 
     run_dir = Path(run_dir)
     raw = _raw_metrics(run_dir)

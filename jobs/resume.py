@@ -36,6 +36,11 @@ import psutil
 
 from hpcrl.core.config import RESOLVED_NAME, Config, load_config
 from hpcrl.core.files import atomic_write_json, read_json
+from hpcrl.core.liveness import read_heartbeats
+from hpcrl.slurm.command import outside_job, run_slurm
+
+# hpcrl imports inside functions here would load msgpack, numpy, submitit, torch, zmq for every
+# importer of this module (start-up speed).
 
 __all__ = [
     "RunLocked",
@@ -91,7 +96,7 @@ def load_run_config(run_dir: str | os.PathLike) -> Config:
 
 def finished_step(run_dir: str | os.PathLike) -> int:
     """The learner's step in its last cursor (0 before the first checkpoint)."""
-    from hpcrl.rl.learner_service import CURSOR_NAME
+    from hpcrl.rl.learner.service import CURSOR_NAME
 
     try:
         return int(json.loads((Path(run_dir) / CURSOR_NAME).read_text()).get("step", 0))
@@ -149,7 +154,6 @@ def local_resume_check(run_dir: str | os.PathLike, cfg: Config, wait_s: float = 
 def _hung(run_dir: Path, name: str, job_id: str, state: str, started: float | None, stale_s: float | None) -> bool:
     """A RUNNING supervisor job whose heartbeat (or, before its first, its start) is older than
     stale_s. A pending one is never hung: it has not had its chance yet."""
-    from hpcrl.core.liveness import read_heartbeats
 
     if stale_s is None or state != "RUNNING":
         return False
@@ -167,7 +171,6 @@ def ensure_supervisor(run_dir: str | os.PathLike, revive: bool = False, stale_s:
     replaced (without it, any supervisor still in the queue counts as alive)."""
     from hpcrl.jobs.launch import SUPERVISOR, read_jobs, slurm_executor, write_jobs
     from hpcrl.jobs.supervise import CANCEL_NAME, SupervisorComponent, queue_jobs
-    from hpcrl.slurm.command import outside_job, run_slurm
 
     run_dir = Path(run_dir)
     with run_lock(run_dir):

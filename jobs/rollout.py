@@ -43,6 +43,7 @@ from pathlib import Path
 from hpcrl.core.config import SchedulerConfig
 from hpcrl.core.files import atomic_write_json
 from hpcrl.jobs.components import GeneratorComponent, exit_now
+from hpcrl.slurm import parse, queries
 from hpcrl.slurm.backfill.estimates import DurationEstimator
 from hpcrl.slurm.backfill.lending import may_lease, must_end
 
@@ -54,7 +55,6 @@ log = logging.getLogger("hpcrl.rollout")
 
 def slurm_deadline(job_id: str) -> float:
     """The job's EndTime (unix seconds) as the controller has it now."""
-    from hpcrl.slurm import parse, queries
 
     rec = queries.show_job(job_id) or {}
     end = parse.parse_timestamp(rec.get("EndTime", ""))

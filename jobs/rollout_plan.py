@@ -58,10 +58,15 @@ from hpcrl.core.config import Config
 from hpcrl.core.files import atomic_write_json
 from hpcrl.jobs.rollout import ROLLOUT_DIR, RolloutComponent
 from hpcrl.jobs.rollout_slurm import SlurmBackend
+from hpcrl.rl.coordinator.report import read_status
+from hpcrl.slurm import queries
 from hpcrl.slurm.backfill.give_way import give_way_interval_s
 from hpcrl.slurm.backfill.lending import room_for_another_generator
 from hpcrl.slurm.backfill.planner import RolloutJobSize, withdraw_after_s
 from hpcrl.slurm.backfill.snapshot import backfill_parameters
+from hpcrl.slurm.preempt import check_preemptible
+
+# hpcrl imports inside functions here would load numpy for every importer of this module (start-up speed).
 
 __all__ = [
     "coordinator_has_work",
@@ -143,8 +148,6 @@ class RolloutPlanner:
             self._next_plan = now + self.sched.plan_interval_s
             jobs_free, gpus_free = self.free()
             if jobs_free > 0 and gpus_free >= self.gpus_per_job:
-                from hpcrl.rl.coordinator import read_status
-
                 if coordinator_has_work(read_status(self.run_dir), self.max_ahead):
                     changed = self.backend.plan(self, now, jobs_free, gpus_free) or changed
                 else:
@@ -300,8 +303,6 @@ def check_rollout_partition(cfg: Config) -> None:
     """ConfigError unless scheduler.rollout_partition (when set, for a Slurm run with rollout jobs)
     is preemptible by slurm.generator.partition on the live cluster (slurm/preempt.py)."""
     if cfg.executor == "slurm" and cfg.scheduler.rollout_partition and rollout_jobs_on(cfg):
-        from hpcrl.slurm.preempt import check_preemptible
-
         check_preemptible(cfg.scheduler.rollout_partition, cfg.slurm.generator.partition)
 
 
@@ -351,8 +352,6 @@ def rollout_planner(cfg: Config, run_dir: str | os.PathLike, roles, own_job_ids=
             ex = submitit.SlurmExecutor(folder=run_dir / "submitit", max_num_timeout=0, python=BOOT_PYTHON)
             ex.update_parameters(**rollout_job_parameters(cfg, f"hpcrl-{run_dir.name}-{name}", size))
             return ex
-
-        from hpcrl.slurm import queries
 
         params = queries.scheduler_parameters()  # once: they change only with a reconfigure
         yield_after_s = s.rollout_yield_after_s if s.rollout_partition else 0.0

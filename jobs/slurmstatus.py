@@ -18,6 +18,12 @@ from pathlib import Path
 
 from hpcrl.core.metrics import read_endpoints
 from hpcrl.jobs.report import domain_lines, learning_signal, next_steps
+from hpcrl.rl.coordinator.report import read_status
+from hpcrl.slurm import parse, queries
+from hpcrl.slurm.command import SlurmCommandError, run_slurm
+
+# hpcrl imports inside functions here would load msgpack, numpy, psutil, submitit, yaml, zmq for every
+# importer of this module (start-up speed).
 
 __all__ = ["snapshot", "snapshot_text", "recent_runs"]
 
@@ -25,8 +31,6 @@ _SQUEUE_FIELDS = ("job_id", "state", "nodes", "elapsed", "time_left")
 
 
 def _squeue(job_ids: list[str]) -> dict[str, dict]:
-    from hpcrl.slurm import parse
-    from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
     if not job_ids:
         return {}
@@ -84,7 +88,6 @@ def _rollout_row(run_dir: Path, name: str, planned: dict, now: float) -> dict:
 
 def snapshot(run_dir: str | os.PathLike) -> dict:
     from hpcrl.jobs.launch import read_jobs
-    from hpcrl.rl.coordinator import read_status
 
     run_dir = Path(run_dir)
     now = time.time()
@@ -143,8 +146,6 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
     gone = [i for i in ids if i not in queued]
     records = {}
     if gone:
-        from hpcrl.slurm import queries
-
         records = queries.job_records(gone)
     for name, c in entries:
         jid = c["job_id"]

@@ -64,7 +64,8 @@ from hpcrl.jobs.launch import (
     write_jobs,
 )
 from hpcrl.jobs.restarts import Watch
-from hpcrl.rl.coordinator import METRICS_NAME
+from hpcrl.jobs.rollout_plan import rollout_planner
+from hpcrl.rl.coordinator.report import METRICS_NAME
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
@@ -257,7 +258,6 @@ class SupervisorComponent(submitit.helpers.Checkpointable):
         self.watch = Watch(self.run_dir, self.cfg, SUPERVISOR)
         record = read_jobs(self.run_dir)
         comps = record["components"]
-        from hpcrl.jobs.rollout_plan import rollout_planner
 
         # Backfill rollout jobs (scheduler.policy backfill): the same planner as LocalRun's; the
         # run's own jobs end no window (they are not "another job" that backfill must not delay).

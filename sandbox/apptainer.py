@@ -64,7 +64,9 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
+import hpcrl
 from hpcrl.sandbox.backend import Backend, ProcessSession, Session, rlimit_args
+from hpcrl.sandbox.languages import languages
 from hpcrl.sandbox.result import SandboxUnavailable
 from hpcrl.sandbox.seccomp import apptainer_profile
 from hpcrl.sandbox.spec import Limits, SourceFile
@@ -78,7 +80,6 @@ _MIB = 1024 * 1024
 
 def default_def_file() -> Path:
     """containers/sandbox.def shipped with hpcrl (package data)."""
-    import hpcrl
 
     return Path(hpcrl.__file__).resolve().parent / "containers" / "sandbox.def"
 
@@ -233,7 +234,6 @@ class ApptainerBackend(Backend):
         )
 
     def languages(self) -> tuple[str, ...]:
-        from hpcrl.sandbox.languages import languages
 
         return languages()  # the image installs all of them
 

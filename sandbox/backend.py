@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from hpcrl.sandbox.languages import get_language
+from hpcrl.sandbox.languages import available_languages, get_language
 from hpcrl.sandbox.process import Supervised, guard_args, reap_group, setpriv_pdeathsig
-from hpcrl.sandbox.result import ExecResult
+from hpcrl.sandbox.result import ExecResult, SandboxUnavailable
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 __all__ = [
@@ -293,7 +293,6 @@ class Backend(abc.ABC):
 
     def check(self) -> None:
         """Run a trivial program once; raise SandboxUnavailable with the reason if it fails."""
-        from hpcrl.sandbox.result import SandboxUnavailable
 
         res = self.run(ExecSpec.single("bash", "echo ok", limits=Limits(wall_s=30)))
         if res.status != "ok" or res.stdout != b"ok\n":
@@ -303,13 +302,11 @@ class Backend(abc.ABC):
             )
 
     def languages(self) -> tuple[str, ...]:
-        from hpcrl.sandbox.languages import available_languages
 
         return available_languages()
 
     def require(self, language: str) -> None:
         """Raise SandboxUnavailable if `language` cannot run here (its compiler or interpreter is missing)."""
-        from hpcrl.sandbox.result import SandboxUnavailable
 
         lang = get_language(language)
         if lang.name not in self.languages():

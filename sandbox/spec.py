@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpcrl.core.config import Limits
+from hpcrl.sandbox.languages import get_language
 
 __all__ = ["Limits", "SourceFile", "ExecSpec"]
 
@@ -89,7 +90,6 @@ class ExecSpec:
     @classmethod
     def single(cls, language: str, source: str | bytes, **kw: Any) -> ExecSpec:
         """A one-file program under the language's main file name."""
-        from hpcrl.sandbox.languages import get_language
 
         return cls(language=language, files=(SourceFile(get_language(language).main_file, source),), **kw)
 

@@ -29,6 +29,10 @@ not see: jobs that end early and pull a pending job's start into the window.
 
 from __future__ import annotations
 
+from hpcrl.slurm import queries
+
+# hpcrl imports inside functions here would load yaml for every importer of this module (start-up speed).
+
 __all__ = ["preemption_problem", "check_preemptible"]
 
 _ENDS_JOBS = ("CANCEL", "REQUEUE")
@@ -74,7 +78,6 @@ def check_preemptible(rollout: str, gpu: str) -> None:
     """Raise ConfigError on scheduler.rollout_partition (one line: what is wrong, what to set)
     unless the live cluster preempts `rollout`'s jobs for `gpu`'s."""
     from hpcrl.core.schema import ConfigError
-    from hpcrl.slurm import queries
 
     problem = preemption_problem(rollout, gpu, queries.partitions(), queries.show_config())
     if problem:

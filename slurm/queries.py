@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from hpcrl.slurm import parse
-from hpcrl.slurm.command import run_slurm
+from hpcrl.slurm.command import SlurmCommandError, run_slurm
 
 # Node states in which Slurm will not start new work.
 _UNUSABLE = (
@@ -362,7 +362,6 @@ def show_job(job_id: str) -> dict[str, str] | None:
     if out.returncode != 0:
         if "Invalid job id" in out.stderr:
             return None
-        from hpcrl.slurm.command import SlurmCommandError
 
         raise SlurmCommandError(list(out.argv), out.returncode, out.stderr)
     records = parse.parse_scontrol_records(out.stdout)
@@ -423,7 +422,6 @@ def job_states(job_ids: list[str] | tuple[str, ...]) -> dict[str, str]:
     if out.returncode != 0:
         if "Invalid job id" in out.stderr:
             return {}
-        from hpcrl.slurm.command import SlurmCommandError
 
         raise SlurmCommandError(list(out.argv), out.returncode, out.stderr)
     return {r["job_id"]: r["state"] for r in parse.parse_delimited(out.stdout, ("job_id", "state"))}

@@ -1,4 +1,4 @@
-"""Reading the learner's audit log (learner/trained.jsonl): the package's own reader (rl/audit.py),
+"""Reading the learner's audit log (learner/trained.jsonl): the package's own reader (rl/audit/audit.py),
 and the accounting the whole-run tests share."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpcrl.rl.audit import lineage
-from hpcrl.rl.learner_service import AUDIT_NAME, CURSOR_NAME
+from hpcrl.rl.audit.audit import lineage
+from hpcrl.rl.learner.service import AUDIT_NAME, CURSOR_NAME
 
 __all__ = ["lineage", "account"]
 

@@ -109,7 +109,8 @@ def judge():
 def server_thread(run_dir: Path, name: str, make, limits=None, *, close=None):
     """Run `make(node)` (a server with poll_once) in its own thread and Node until the block ends;
     `close(server)` then runs in that thread, before its Node closes."""
-    from hpcrl.core.transport import Node, WireLimits
+    from hpcrl.core.transport import Node
+    from hpcrl.core.wire import WireLimits
 
     ready, stop = threading.Event(), threading.Event()
     holder = {}

@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from hpcrl.core.config import load_config
-from hpcrl.rl.collectives import Collectives
-from hpcrl.rl.learner import Learner
-from hpcrl.rl.trajectory import Trajectory
+from hpcrl.rl.learner.collectives import Collectives
+from hpcrl.rl.learner.learner import Learner
+from hpcrl.rl.record.trajectory import Trajectory
 
 CHECKED: list[str] = []
 _OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.abspath(__file__))
@@ -120,7 +120,7 @@ def main() -> None:
         learner.comm = MetaCollectives()
         if args.inject_cpu_collective:
 
-            def buggy_sum(values):  # what rl/learner.py did before its collectives had a device
+            def buggy_sum(values):  # what rl/learner/learner.py did before its collectives had a device
                 t = torch.tensor([float(v) for v in values])
                 torch.distributed.all_reduce(t)
                 return t.tolist()

@@ -3,7 +3,7 @@ by the test):
 
     python tests/precision_worker.py OUT.json MICRO_STEPS
 
-Builds the learner's DeepSpeed ZeRO-3 engine (hpcrl's config, `rl/dsconfig.py`, and its policy
+Builds the learner's DeepSpeed ZeRO-3 engine (hpcrl's config, `rl/learner/dsconfig.py`, and its policy
 head) three times over the same tiny model, whose weights are rounded to bf16 once so that all
 three start from the same values: in float32 (the reference), in bf16 as hpcrl configures it,
 and in bf16 with DeepSpeed's own defaults (gradients accumulated and reduced in bf16). Each takes
@@ -23,10 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from hpcrl.core.config import load_config
-from hpcrl.rl.dsconfig import deepspeed_config
-from hpcrl.rl.learner import import_deepspeed
-from hpcrl.rl.logprobs import PolicyHead
-from hpcrl.rl.policy import build_policy_model, load_tokenizer
+from hpcrl.rl.learner.dsconfig import deepspeed_config, import_deepspeed
+from hpcrl.rl.model.logprobs import PolicyHead
+from hpcrl.rl.model.policy import build_policy_model, load_tokenizer
 
 BASE = [
     "policy.device=cpu",

@@ -25,7 +25,8 @@ import secrets
 from typing import Any
 
 from hpcrl.rl.domains.base import ActionSpec, Environment, StepResult, Task
-from hpcrl.rl.domains.session_env import SessionEnv, SessionRepairDomain
+from hpcrl.rl.domains.session_env import SessionEnv
+from hpcrl.rl.domains.session_repair import SessionRepairDomain
 from hpcrl.rl.domains.toolcalls import SYNTAX, Write
 
 STEPS = 4  # steps per episode; the last one is the check (below generators.max_turns: 8)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from hpcrl.core.config import AlgorithmConfig, load_config
-from hpcrl.rl.algorithms import ALGORITHMS, TokenBatch, group_advantages, make_algorithm
-from hpcrl.rl.batch import GroupBuffer, collate, layout
-from hpcrl.rl.registry import UnknownName
-from hpcrl.rl.trajectory import Step, Trajectory
+from hpcrl.rl.common.registry import UnknownName
+from hpcrl.rl.learner.algorithms import ALGORITHMS, TokenBatch, group_advantages, make_algorithm
+from hpcrl.rl.learner.batch import GroupBuffer, collate, layout
+from hpcrl.rl.record.trajectory import Step, Trajectory
 
 
 def test_group_advantages():
@@ -234,7 +234,7 @@ def test_clip_higher_lets_a_rare_good_token_rise_further():
 def test_entropy_bonus_gradient_is_the_entropy_gradient():
     """Through the learner's own head (chunked, recomputed in backward): with an identity output
     projection the hidden states are the logits, so the gradient reaches them directly."""
-    from hpcrl.rl.logprobs import chunked_logprobs
+    from hpcrl.rl.model.logprobs import chunked_logprobs
 
     z = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]])  # position 1 predicts token 2
     hidden = torch.nn.Parameter(z.clone())
@@ -337,7 +337,7 @@ def test_dynamic_sampling_drops_zero_variance_groups():
 
 def test_lr_schedule():
     from hpcrl.core.config import LearnerConfig
-    from hpcrl.rl.schedule import lr_at, set_lr
+    from hpcrl.rl.learner.schedule import lr_at, set_lr
 
     warm = LearnerConfig(lr=1e-3, lr_schedule="constant", lr_warmup_steps=4, max_steps=104)
     assert [lr_at(warm, s) for s in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
@@ -361,13 +361,13 @@ def test_lr_schedule():
 
 
 def test_entropy_coefficient_decay():
-    from hpcrl.rl.schedule import entropy_coef_at
+    from hpcrl.rl.learner.schedule import entropy_coef_at
 
     assert entropy_coef_at(AlgorithmConfig(entropy_coef=0.05), 10**6) == 0.05  # 0: constant
     decay = AlgorithmConfig(entropy_coef=0.05, entropy_decay_steps=100)
     assert [entropy_coef_at(decay, s) for s in (0, 50, 100, 500)] == pytest.approx([0.05, 0.025, 0.0, 0.0])
     # The coefficient handed to token_loss is the one used: at 0 the bonus adds no gradient.
-    from hpcrl.rl.logprobs import chunked_logprobs
+    from hpcrl.rl.model.logprobs import chunked_logprobs
 
     z = torch.nn.Parameter(torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.0, -1.0]]]))
     ids = torch.tensor([[0, 1, 2]])
@@ -387,7 +387,7 @@ def test_reference_kl_is_weighted_as_the_policy_loss(loss_agg):
     """k2 per action token, hand-computed, each weighted by its importance weight; the loss term
     weights each token as the policy loss does (1/|o| per sequence under seq), so beta means the
     same under every loss_agg. The statistic is the weighted k3 (d = ref - lp)."""
-    from hpcrl.rl.reference import kl_penalty
+    from hpcrl.rl.learner.reference import kl_penalty
 
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.5, 0.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, -1.5, -3.0]])

@@ -4,10 +4,15 @@
     sandbox/   slurm/                     import core only
     rl/                                   imports core, sandbox, slurm
     jobs/                                 imports anything (CLI, launching, supervision)
+    bench/                                imports anything; nothing imports bench/
+
+Inside rl/ the same holds between its wings (sub-packages): WINGS says which wing may import
+which, so the dependencies between them run one way, and no module sits loose in rl/ outside a
+wing. No source file is over MAX_LINES lines: split it along a seam when it grows.
 
 Every import counts, including the ones inside functions (kept there for start-up speed): a
 lazy import is still a dependency. The root package (`hpcrl`, its version) sits below core.
-`python tests/test_architecture.py --dot | dot -Tpng -o docs/imports.png` draws the floors.
+`python tests/test_architecture.py --dot` prints the floors as a Graphviz graph (`| dot -Tpng`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "sandbox", "slurm", "rl", "jobs")
+PACKAGES = ("core", "sandbox", "slurm", "rl", "jobs", "bench")
 # What each top-level package may import (besides itself and the root package).
 ALLOWED = {
     "core": set(),
@@ -26,7 +31,25 @@ ALLOWED = {
     "slurm": {"core"},
     "rl": {"core", "sandbox", "slurm"},
     "jobs": {"core", "sandbox", "slurm", "rl"},
+    "bench": {"core", "sandbox", "slurm", "rl", "jobs"},
 }
+# The wings of rl/ and what each may import (besides itself, the root packages and rl/'s own
+# `__init__`), in the order rl/__init__.py lists them: a wing imports only wings before it.
+WINGS = {
+    "common": set(),
+    "record": set(),
+    "store": {"record"},
+    "model": {"common"},
+    "domains": {"common"},
+    "coordinator": {"common", "record", "domains"},
+    "audit": {"common", "record", "store", "coordinator"},
+    "weights": {"common", "model"},
+    "rollout": {"common", "record", "store", "model", "domains", "coordinator", "weights"},
+    "learner": {"common", "record", "store", "model", "domains", "coordinator", "audit", "weights", "rollout"},
+}
+MAX_LINES = 500
+# Where the line limit applies: the source of every floor and the tests.
+SIZED = (*PACKAGES, "tests")
 
 
 def _modules() -> dict[str, Path]:
@@ -92,6 +115,37 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def _wing(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "rl" else None
+
+
+def wing_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between rl/'s wings that WINGS does not allow, and modules outside any wing."""
+    bad = []
+    for mod, deps in graph.items():
+        here = _wing(mod)
+        if _floor(mod) == "rl" and mod != "hpcrl.rl" and here not in WINGS:
+            bad.append(f"{mod} is in no wing of rl/ (wings: {', '.join(WINGS)})")
+            continue
+        for dep in sorted(deps):
+            there = _wing(dep)
+            if here and there and there != here and there not in WINGS.get(here, set()):
+                allowed = ", ".join(sorted(WINGS.get(here, set()))) or "no other wing"
+                bad.append(f"{mod} -> {dep} (rl/{here}/ may import {allowed})")
+    return bad
+
+
+def long_files(limit: int = MAX_LINES) -> list[str]:
+    out = []
+    for pkg in SIZED:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            n = len(path.read_text().splitlines())
+            if n > limit:
+                out.append(f"{path.relative_to(ROOT)}: {n} lines")
+    return out
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
@@ -149,16 +203,55 @@ def test_no_import_circles():
     )
 
 
+def test_rl_wings_import_one_way():
+    bad = wing_imports(import_graph())
+    assert not bad, "imports against the wings of rl/:\n" + "\n".join(bad)
+
+
+def test_wings_form_no_circle_and_list_their_order():
+    # WINGS itself must be one direction: each wing's allowed set only names wings listed before it.
+    order = list(WINGS)
+    for i, (wing, allowed) in enumerate(WINGS.items()):
+        assert allowed <= set(order[:i]), f"rl/{wing}/ may import a wing listed after it: {allowed - set(order[:i])}"
+        assert (ROOT / "rl" / wing / "__init__.py").exists(), f"rl/{wing}/ is listed in WINGS but missing"
+    on_disk = {p.parent.name for p in (ROOT / "rl").glob("*/__init__.py")}
+    assert on_disk == set(WINGS), f"wings on disk and in WINGS differ: {sorted(on_disk ^ set(WINGS))}"
+
+
+def test_no_source_file_over_the_line_limit():
+    found = long_files()
+    assert not found, f"files over {MAX_LINES} lines (split them along a seam):\n" + "\n".join(found)
+
+
 def test_the_checker_sees_an_upward_import_and_a_circle():
     # The rules themselves, on a made-up graph: a test that cannot fail proves nothing.
     graph = {"hpcrl.core.a": {"hpcrl.rl.b"}, "hpcrl.rl.b": {"hpcrl.core.a"}, "hpcrl.jobs.c": {"hpcrl.rl.b"}}
     assert upward_imports(graph) == ["hpcrl.core.a -> hpcrl.rl.b (core/ may import nothing)"]
     assert cycles(graph) == [["hpcrl.core.a", "hpcrl.rl.b"]]
+    # Wings: a backward import between wings, a module loose in rl/, bench/ imported from below.
+    graph = {
+        "hpcrl.rl.record.t": {"hpcrl.rl.learner.l"},
+        "hpcrl.rl.learner.l": {"hpcrl.rl.record.t"},
+        "hpcrl.rl.loose": set(),
+        "hpcrl.jobs.x": {"hpcrl.bench.b"},
+    }
+    assert wing_imports(graph) == [
+        "hpcrl.rl.record.t -> hpcrl.rl.learner.l (rl/record/ may import no other wing)",
+        f"hpcrl.rl.loose is in no wing of rl/ (wings: {', '.join(WINGS)})",
+    ]
+    assert upward_imports(graph) == [
+        "hpcrl.jobs.x -> hpcrl.bench.b (jobs/ may import core, rl, sandbox, slurm)",
+    ]
+
+
+def test_the_line_limit_sees_a_long_file():
+    assert long_files(limit=0), "every file is over 0 lines"
+    assert not long_files(limit=10**9)
 
 
 def floors_dot(graph: dict[str, set[str]]) -> str:
     """The floors and the imports between them (edge label: how many module-to-module imports),
-    each floor listing its sub-packages, for `dot -Tpng` (docs/imports.png)."""
+    each floor listing its sub-packages (the wings of rl/), for `dot -Tpng`."""
     counts: dict[tuple[str, str], int] = defaultdict(int)
     for mod, deps in graph.items():
         for dep in deps:
@@ -187,4 +280,6 @@ if __name__ == "__main__":
     else:
         g = import_graph()
         print("\n".join(upward_imports(g)) or "floors: ok")
+        print("\n".join(wing_imports(g)) or "wings: ok")
         print("\n".join(" <-> ".join(c) for c in cycles(g)) or "circles: none")
+        print("\n".join(long_files()) or f"no file over {MAX_LINES} lines")

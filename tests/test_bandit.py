@@ -1,9 +1,9 @@
 """hpcrl's policy gradient and KL penalty on a bandit, where the exact answers are known.
 
 One state, V arms, the policy's logits a parameter vector theta: tokens are drawn by the decode
-engine's own sampling function (rl/engine.py `sample_tokens`), scored by the learner's own
-log-probability function (rl/logprobs.py `chunked_logprobs`, the logits being theta through a
-one-column "hidden state"), and pushed through the real losses (rl/algorithms.py, rl/reference.py).
+engine's own sampling function (rl/rollout/engine.py `sample_tokens`), scored by the learner's own
+log-probability function (rl/model/logprobs.py `chunked_logprobs`, the logits being theta through a
+one-column "hidden state"), and pushed through the real losses (rl/learner/algorithms.py, rl/learner/reference.py).
 
 * The mean of the policy gradient over many samples is the exact gradient of the expected reward
   under the distribution the samples were drawn from, at temperature 1, at temperature 2, and
@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from hpcrl.core.config import AlgorithmConfig
-from hpcrl.rl.algorithms import TokenBatch, make_algorithm
-from hpcrl.rl.engine import sample_tokens
-from hpcrl.rl.logprobs import Shaping, chunked_logprobs
-from hpcrl.rl.reference import kl_penalty
+from hpcrl.rl.learner.algorithms import TokenBatch, make_algorithm
+from hpcrl.rl.learner.reference import kl_penalty
+from hpcrl.rl.model.logprobs import Shaping, chunked_logprobs
+from hpcrl.rl.rollout.engine import sample_tokens
 
 V = 6
 THETA = torch.tensor([1.2, 0.6, 0.1, -0.4, -1.0, -2.0])

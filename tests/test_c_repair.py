@@ -1,4 +1,4 @@
-"""`c-repair` (issue 14 part 4c): small C projects with a build step on a real sandbox session.
+"""`c-repair`: small C projects with a build step on a real sandbox session.
 
 Compile errors reach the model as observations; every project's seeded bug fails the hidden
 tests and its fix passes them; a library that exits 0 from a constructor does not pass (the

@@ -20,7 +20,7 @@ from hpcrl.core.files import atomic_write_json
 from hpcrl.jobs.chaos import Drill, parse_duration
 from hpcrl.jobs.launch import make_executor
 from hpcrl.jobs.resume import job_processes, local_resume_check
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator.report import read_status
 
 from conftest import RUN_GUARD_S, wait_for
 from test_run import ROOT, finish, hpcrl, no_processes_left

@@ -1,4 +1,4 @@
-"""`hpcrl traj ls|stats|verify|export|synth` (issue 3, deliverable 6)."""
+"""`hpcrl traj ls|stats|verify|export|synth`: the store's command line."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import h5py
 import pytest
 
 from hpcrl.jobs.cli import main
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import MANIFEST_NAME, list_shards, read_segment
-from hpcrl.rl.trajectory import Trajectory
 
 
 def run(capsys, *argv):

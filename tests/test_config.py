@@ -374,7 +374,7 @@ def test_deepspeed_passthrough_is_checked_with_dotted_paths(override, path, frag
 
 
 def test_deepspeed_passthrough_merges_over_the_defaults():
-    from hpcrl.rl.dsconfig import deepspeed_config
+    from hpcrl.rl.learner.dsconfig import deepspeed_config
 
     over = {"zero_optimization": {"stage3_prefetch_bucket_size": 5e8}, "comms_logger": {"enabled": True}}
     cfg = load_config(None, [f"learner.deepspeed={over}", "learner.offload_optimizer=cpu", "policy.dtype=bfloat16"])
@@ -396,7 +396,7 @@ def test_deepspeed_passthrough_merges_over_the_defaults():
 def test_gather_per_layer_makes_the_models_decoder_layers_zero3_leaf_modules():
     """learner.gather_per_layer: the model's _no_split_modules join DeepSpeed's leaf classes; a
     leaf_module the site configured, or a model that names no layer, leaves the config as it is."""
-    from hpcrl.rl.dsconfig import deepspeed_config, layer_leaf_modules
+    from hpcrl.rl.learner.dsconfig import deepspeed_config, layer_leaf_modules
 
     cfg = load_config(None, [])
     ds = deepspeed_config(cfg.learner, cfg.policy, micro_steps=1)

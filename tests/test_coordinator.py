@@ -11,7 +11,9 @@ import time
 import pytest
 
 from hpcrl.core.config import CoordinatorConfig
-from hpcrl.rl.coordinator import Coordinator, read_status, ticket_from_row
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.coordinator.report import read_status
+from hpcrl.rl.coordinator.tasks import ticket_from_row
 
 
 def make(tmp_path, **cfg) -> Coordinator:
@@ -85,7 +87,7 @@ def test_a_restarted_generator_does_not_keep_its_predecessors_leases(tmp_path):
     """A generator process killed holding leases and restarted under its name by the supervisor:
     the new process's syncs used to renew the dead one's leases for ever, so those episodes were
     never issued again and their groups held places in the window for the rest of the run."""
-    from hpcrl.rl.events import LEASES_NAME, read_jsonl
+    from hpcrl.rl.coordinator.events import LEASES_NAME, read_jsonl
 
     c = make(tmp_path, lease_s=60)
     held, _ = sync(c, "gen-0", want=8, life="first")
@@ -259,7 +261,8 @@ def _serving(c: Coordinator, run):
     """`c.serve` over the run's real transport in a thread; returns its stop event and thread."""
     import threading
 
-    from hpcrl.core.transport import Node, WireLimits
+    from hpcrl.core.transport import Node
+    from hpcrl.core.wire import WireLimits
 
     stop = threading.Event()
 

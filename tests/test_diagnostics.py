@@ -1,4 +1,4 @@
-"""The learner's per-step diagnostics (rl/diagnostics.py), the diagnostics plot `hpcrl run`
+"""The learner's per-step diagnostics (rl/learner/diagnostics.py), the diagnostics plot `hpcrl run`
 writes (jobs/diagnostics.py), and the store refresh that no longer re-reads finalized shards."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hpcrl.jobs.diagnostics import moving_average, write_diagnostics_png
-from hpcrl.rl.diagnostics import batch_diagnostics
-from hpcrl.rl.trajectory import Step, Trajectory
+from hpcrl.rl.learner.diagnostics import batch_diagnostics
+from hpcrl.rl.record.trajectory import Step, Trajectory
 
 EOS = 2
 
@@ -89,10 +89,10 @@ def test_diagnostics_png_from_metrics(tmp_path):
 
 def test_reader_refresh_skips_finalized_shards(tmp_path, monkeypatch):
     from hpcrl.core.config import StoreConfig
+    from hpcrl.rl.record.synth import SynthShape, synth_trajectory
     from hpcrl.rl.store import layout
     from hpcrl.rl.store.reader import StoreReader
     from hpcrl.rl.store.writer import ShardWriter
-    from hpcrl.rl.synth import SynthShape, synth_trajectory
 
     shape = SynthShape(first_prompt=(5, 10), later_prompt=(2, 4), action=(3, 6), observation=(0, 4))
     rng = np.random.default_rng(0)

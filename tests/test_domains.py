@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from hpcrl.core.config import DomainConfig, load_config
+from hpcrl.rl.common.registry import DuplicateName, Registry, UnknownName
 from hpcrl.rl.domains import (
     DOMAIN_FAMILIES,
     REWARDS,
@@ -21,7 +22,6 @@ from hpcrl.rl.domains import (
 from hpcrl.rl.domains.base import EVAL_BASE
 from hpcrl.rl.domains.code import END_MARK, extract_code
 from hpcrl.rl.domains.problems import REPAIR_HELDOUT, REPAIR_PROBLEMS, SYNTH_HELDOUT, SYNTH_PROBLEMS
-from hpcrl.rl.registry import DuplicateName, Registry, UnknownName
 
 
 def test_registry_rejects_duplicates_and_lists_known_names():
@@ -250,7 +250,7 @@ def test_code_domains_refuse_to_run_without_a_sandbox():
 
 
 def test_sampler_visits_a_finite_task_list_in_a_seeded_order_per_pass():
-    from hpcrl.rl.tasks import TaskSampler
+    from hpcrl.rl.coordinator.tasks import TaskSampler
 
     def indices(sampler, n):
         return [sampler.next_group()[0].task_index for _ in range(n)]
@@ -275,8 +275,8 @@ def test_sampler_visits_a_finite_task_list_in_a_seeded_order_per_pass():
 
 
 def test_charset_auto_is_the_domains_alphabet():
-    from hpcrl.rl.alphabet import domain_charset, resolve_charset
-    from hpcrl.rl.policy import Policy
+    from hpcrl.rl.model.alphabet import domain_charset, resolve_charset
+    from hpcrl.rl.model.policy import Policy
 
     sums = PromptDomain("sum", [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)])
     assert sums.alphabet == "+0123456789="

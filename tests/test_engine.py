@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
+from hpcrl.rl.coordinator.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
 from hpcrl.rl.domains import ActionSpec, PromptDomain, get_domain
-from hpcrl.rl.engine import ContextTooLong, DecodeEngine, SamplingSpec
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.logprobs import token_logprobs
-from hpcrl.rl.policy import Policy
-from hpcrl.rl.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
+from hpcrl.rl.model.logprobs import token_logprobs
+from hpcrl.rl.model.policy import Policy
+from hpcrl.rl.rollout.engine import ContextTooLong, DecodeEngine, SamplingSpec
+from hpcrl.rl.rollout.generator import Generator
 
 TINY = PolicyConfig(
     tiny=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_context=256), device="cpu"
@@ -111,7 +111,7 @@ def test_a_shaped_sample_records_the_distribution_that_drew_it_as_the_learner_sc
     """Hot, cool-and-truncated, top-k: each token's recorded log-probability is log q of the
     distribution it was drawn from, which the learner's head recomputes from the full context
     under the same parameters (on-policy ratio 1), and not the model's own log p."""
-    from hpcrl.rl.logprobs import PolicyHead, Shaping
+    from hpcrl.rl.model.logprobs import PolicyHead, Shaping
 
     specs = {"hot": SamplingSpec(temperature=2.0), "cool": SamplingSpec(temperature=0.6, top_p=0.9),
              "k": SamplingSpec(temperature=1.3, top_k=5)}  # fmt: skip
@@ -157,8 +157,8 @@ def test_context_longer_than_max_context_is_a_clear_error(policy):
 
 
 def test_weight_swap_restart_drops_actions_in_flight(tmp_path):
-    from hpcrl.rl.policy import full_state_dict
-    from hpcrl.rl.weights import WeightStore
+    from hpcrl.rl.model.policy import full_state_dict
+    from hpcrl.rl.weights.shards import WeightStore
 
     store = WeightStore(tmp_path)
     p = Policy.load(TINY, seed=0)
@@ -206,7 +206,7 @@ def test_multi_turn_generator_keeps_caches_and_matches_full_recompute():
 
 
 def test_draws_follow_the_probabilities_and_never_pick_a_zero():
-    from hpcrl.rl.engine import _draw
+    from hpcrl.rl.rollout.engine import _draw
 
     # Unnormalised rows with zeros at both ends and inside (what top-k/top-p cuts leave).
     p = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 3.0], [2.0, 1.0, 1.0, 0.0, 0.0, 0.0]])
@@ -240,7 +240,7 @@ def test_decode_steps_write_the_cache_in_place_and_it_grows_past_its_room(policy
 
 
 def test_rows_of_very_different_lengths_prefill_in_groups_with_the_same_logprobs(policy):
-    from hpcrl.rl.engine import _groups
+    from hpcrl.rl.rollout.engine import _groups
 
     assert _groups([65, 257, 250, 70, 240]) == [[1, 2, 4], [3, 0]]
     assert _groups([33, 33, 33]) == [[0, 1, 2]]

@@ -16,9 +16,9 @@ from hpcrl.core.config import load_config, write_resolved
 from hpcrl.jobs.cli import main
 from hpcrl.rl.domains import PromptDomain, get_domain
 from hpcrl.rl.domains.base import EVAL_BASE
-from hpcrl.rl.evaluate import EvalError, PeriodicEvaluator, evaluate, pass_at_k
-from hpcrl.rl.policy import Policy, full_state_dict
-from hpcrl.rl.weights import WeightStore
+from hpcrl.rl.model.policy import Policy, full_state_dict
+from hpcrl.rl.rollout.evaluate import EvalError, PeriodicEvaluator, evaluate, pass_at_k
+from hpcrl.rl.weights.shards import WeightStore
 
 from conftest import RUN_GUARD_S
 
@@ -157,7 +157,7 @@ def test_a_run_evaluates_every_n_steps_into_metrics_and_the_plot(tmp_path):
     metrics = tmp_path / "m.jsonl"
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcrl.rl.inprocess", str(ROOT / "config.yaml"), "learner.max_steps=4",
+        [sys.executable, "-m", "hpcrl.rl.learner.inprocess", str(ROOT / "config.yaml"), "learner.max_steps=4",
          "learner.eval.every_steps=2", "learner.eval.domains=[arith/max2, humaneval]", "learner.eval.k=[1,2]",
          "learner.eval.tasks=3", "generators.max_new_tokens=16", f"sandbox.uid_base={UID}",
          "--run-dir", str(tmp_path / "run"), "--metrics", str(metrics)],

@@ -1,4 +1,4 @@
-"""Hotter sampling for stuck tasks (rl/explore.py): which groups are hot, and that the generator
+"""Hotter sampling for stuck tasks (rl/rollout/explore.py): which groups are hot, and that the generator
 samples exactly those at generators.explore_temperature and the rest at the domain's own, and
 records each step's temperature and the log-probabilities of the distribution that drew it."""
 
@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
+from hpcrl.rl.coordinator.tasks import EpisodeTicket, LocalTaskSource, TaskSampler
 from hpcrl.rl.domains import PromptDomain
-from hpcrl.rl.explore import StuckTasks
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.logprobs import PolicyHead, Shaping
-from hpcrl.rl.policy import Policy
-from hpcrl.rl.tasks import EpisodeTicket, LocalTaskSource, TaskSampler
+from hpcrl.rl.model.logprobs import PolicyHead, Shaping
+from hpcrl.rl.model.policy import Policy
+from hpcrl.rl.rollout.explore import StuckTasks
+from hpcrl.rl.rollout.generator import Generator
 
 
 def _group(tracker, task, group, rewards, base=1.0):

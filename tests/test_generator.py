@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig
+from hpcrl.rl.coordinator.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
 from hpcrl.rl.domains import ActionSpec, Domain, Environment, PromptDomain, StepResult, Task, get_domain
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.policy import Policy, full_state_dict, token_logprobs
-from hpcrl.rl.tasks import EpisodeFailed, LocalTaskSource, TaskSampler
-from hpcrl.rl.weights import WeightStore
+from hpcrl.rl.model.policy import Policy, full_state_dict, token_logprobs
+from hpcrl.rl.rollout.generator import Generator
+from hpcrl.rl.weights.shards import WeightStore
 
 TINY = PolicyConfig(
     tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=512), device="cpu"
@@ -65,7 +65,7 @@ def test_each_step_records_its_sampling_parameters_and_greedy_steps_are_never_tr
     0, and the learner's layout masks them whatever their mask says."""
     import dataclasses as dc
 
-    from hpcrl.rl.batch import layout, trained_tokens
+    from hpcrl.rl.learner.batch import layout, trained_tokens
 
     policy = Policy.load(TINY, seed=0)
     cool = PromptDomain("cool", [("1+1=", "2")], max_tokens=3)

@@ -17,7 +17,7 @@ import pytest
 
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.supervise import queue_states
-from hpcrl.rl.policy import cap_gpu_memory
+from hpcrl.rl.model.policy import cap_gpu_memory
 from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import run_slurm
 

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from hpcrl.rl.coordinator.tasks import TaskSampler
 from hpcrl.rl.domains import get_domain
 from hpcrl.rl.domains.base import EVAL_BASE
 from hpcrl.rl.domains.humaneval import (
@@ -19,7 +20,6 @@ from hpcrl.rl.domains.humaneval import (
     program_for,
     visible_asserts,
 )
-from hpcrl.rl.tasks import TaskSampler
 
 # Tricky for a judge: helpers from the prompt (10, 38), loops and random cases (32, 53), floats
 # (2), a check without visible asserts (32, 38, 50), non-ASCII prompts (72).

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from hpcrl.core.config import load_config
+from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.domains import load_domains
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.policy import Policy
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
-from hpcrl.rl.weights import WeightStore
+from hpcrl.rl.model.policy import Policy
+from hpcrl.rl.rollout.generator import Generator
+from hpcrl.rl.weights.shards import WeightStore
 
 WORKER = Path(__file__).with_name("learner_worker.py")
 LR = 1e-2  # Adam: every element moves by about lr per step
@@ -231,7 +231,7 @@ def test_per_layer_gathering_trains_exactly_as_per_submodule_gathering(setup):
 
 def test_shared_prompt_packing_trains_exactly_as_one_row_per_trajectory(setup):
     """learner.share_prompt (the default) runs each group's common prompt once, its members'
-    own tokens masked from each other (rl/packing.py), and gives whole groups to each rank: the
+    own tokens masked from each other (rl/learner/packing.py), and gives whole groups to each rank: the
     same loss, statistics and update as one row per trajectory, on one rank and on two."""
     from hpcrl.core.config import dump_config
 
@@ -297,7 +297,7 @@ def test_checkpoint_resume_restores_model_and_optimizer(setup):
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(setup):
     """A truncated shard in the newest checkpoint and a garbage DeepSpeed `latest`: the learner
-    resumes from the previous whole checkpoint (rl/checkpoints.py) instead of failing every restart."""
+    resumes from the previous whole checkpoint (rl/learner/checkpoints.py) instead of failing every restart."""
     tmp, cfg, batches = setup
     run = tmp / "damaged"
     first = run_ranks(1, cfg, run, batches, tmp / "dmg1", "--checkpoint-after", "1", "2")[0]
@@ -344,7 +344,7 @@ def test_every_collective_of_the_learner_is_on_its_backends_device(setup):
     assert len(r["steps"]) == 2 and r["steps"][0]["action_tokens"] > 0
     kinds = {c.split()[0] for c in r["checked_collectives"]}
     assert kinds == {"all_reduce", "broadcast_object_list"}, r["checked_collectives"]
-    assert all("rl/collectives.py" in c for c in r["checked_collectives"]), r["checked_collectives"]
+    assert all("rl/learner/collectives.py" in c for c in r["checked_collectives"]), r["checked_collectives"]
     with pytest.raises(AssertionError, match="a cpu tensor handed to a backend that reduces meta tensors only"):
         run_ranks(1, cfg, tmp / "meta-bug", batches, tmp / "meta-bug-out", "--device-collectives",
                   "--inject-cpu-collective")  # fmt: skip
@@ -355,7 +355,7 @@ def test_hf_model_bf16_checkpointing_and_reference_kl_on_two_ranks(setup, tmp_pa
     lm_head's forward) on two ZeRO-3 ranks in bf16 with activation checkpointing and a KL
     penalty to the reference model, itself sharded the same way."""
     from hpcrl.core.config import dump_config
-    from hpcrl.rl.models import build_tiny_hf
+    from hpcrl.rl.model.models import build_tiny_hf
 
     _, _, batches = setup
     model = build_tiny_hf(tmp_path / "qwen2", arch="qwen2", vocab=1024, max_chars=300_000)

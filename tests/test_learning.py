@@ -1,5 +1,5 @@
 """The tiny model learns the quick domains by RL: generator + one-rank ZeRO-3 learner taking turns
-(hpcrl.rl.inprocess), from scratch, on the default config.yaml. Runs in a subprocess so
+(hpcrl.rl.learner.inprocess), from scratch, on the default config.yaml. Runs in a subprocess so
 DeepSpeed's process group never lives in the pytest process."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_reward_rises_from_untrained_to_0_8(tmp_path):
         [
             sys.executable,
             "-m",
-            "hpcrl.rl.inprocess",
+            "hpcrl.rl.learner.inprocess",
             str(ROOT / "config.yaml"),
             "learner.max_steps=300",
             "--run-dir",

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from hpcrl.core.metrics import families, read_endpoints
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator.report import read_status
 
 from conftest import RUN_GUARD_S, wait_for
 from test_run import finish, hpcrl

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig
+from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.domains import ActionSpec, Domain, Environment, StepResult, Task
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.logprobs import chunked_logprobs, full_logprobs, token_logprobs
-from hpcrl.rl.models import build_tiny_hf
-from hpcrl.rl.policy import Policy
-from hpcrl.rl.sampler import Sampler
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.model.logprobs import chunked_logprobs, full_logprobs, token_logprobs
+from hpcrl.rl.model.models import build_tiny_hf
+from hpcrl.rl.model.policy import Policy
+from hpcrl.rl.rollout.generator import Generator
+from hpcrl.rl.rollout.sampler import Sampler
 
 TEXT = "  héllo wörld — 日本語 🙂 naïve\n    def f(x):\n\treturn {'k': x}  # ünïcode ∑\n"
 

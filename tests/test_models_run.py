@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.rl.models import build_tiny_hf
+from hpcrl.rl.model.models import build_tiny_hf
 
 from conftest import RUN_GUARD_S
 from test_run import finish, hpcrl

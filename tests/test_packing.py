@@ -1,4 +1,4 @@
-"""Shared-prompt packing (rl/packing.py): which groups pack and how, and that a packed forward
+"""Shared-prompt packing (rl/learner/packing.py): which groups pack and how, and that a packed forward
 pass gives every action token the log-probability, entropy and gradient it gets in a row of its
 own, under both attention implementations that take a mask."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hpcrl.rl.batch import collate_rows
-from hpcrl.rl.logprobs import PolicyHead
-from hpcrl.rl.packing import MIN_SAVED, Unit, attention_mask, pack, plan_units
+from hpcrl.rl.learner.batch import collate_rows
+from hpcrl.rl.learner.packing import MIN_SAVED, Unit, attention_mask, pack, plan_units
+from hpcrl.rl.model.logprobs import PolicyHead
 
 PAD = 0
 

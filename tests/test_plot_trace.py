@@ -19,8 +19,8 @@ from hpcrl.jobs.plots import (
     learner_intervals,
     shares,
 )
-from hpcrl.rl.events import LEASES_NAME, JsonLines, read_jsonl
-from hpcrl.rl.trace import TraceError, parse_ident, trace
+from hpcrl.rl.audit.trace import TraceError, parse_ident, trace
+from hpcrl.rl.coordinator.events import LEASES_NAME, JsonLines, read_jsonl
 
 
 def _close(a: float, b: float) -> bool:

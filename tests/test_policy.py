@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpcrl.core.config import PolicyConfig, TinyModelConfig, load_config
-from hpcrl.rl.policy import (
+from hpcrl.rl.model.policy import (
     CHARSET,
     SPECIAL_TOKENS,
     Policy,
@@ -21,7 +21,7 @@ from hpcrl.rl.policy import (
     full_state_dict,
     token_logprobs,
 )
-from hpcrl.rl.sampler import Sampler
+from hpcrl.rl.rollout.sampler import Sampler
 
 TINY = PolicyConfig(
     tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_context=256), device="cpu"

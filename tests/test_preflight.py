@@ -34,7 +34,7 @@ def hpcrl(*args: str, env: dict | None = None, timeout: float = 300) -> subproce
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from hpcrl.rl.models import build_tiny_hf
+    from hpcrl.rl.model.models import build_tiny_hf
 
     return build_tiny_hf(tmp_path_factory.mktemp("tiny"), vocab=512, hidden=16, layers=1, heads=2, kv_heads=1,
                          intermediate=32, max_context=256, max_chars=200_000)  # fmt: skip

@@ -15,9 +15,10 @@ import pytest
 import torch
 import zmq
 
-from hpcrl.core.transport import encode, read_endpoint
-from hpcrl.rl.distenv import RunStore
-from hpcrl.rl.weight_direct import SERVICE, DirectReceiver, DirectSender
+from hpcrl.core.transport import read_endpoint
+from hpcrl.core.wire import encode
+from hpcrl.rl.common.distenv import RunStore
+from hpcrl.rl.weights.direct import SERVICE, DirectReceiver, DirectSender
 
 from conftest import wait_for
 from listeners import WILDCARD, listeners
@@ -108,7 +109,7 @@ _RANK = """
 import sys
 import torch
 import torch.distributed as dist
-from hpcrl.rl.distenv import init_process_group, resolve_dist_env
+from hpcrl.rl.common.distenv import init_process_group, resolve_dist_env
 env = resolve_dist_env()
 init_process_group(env, "gloo", sys.argv[1])
 t = torch.tensor([env.rank + 1.0])
@@ -157,7 +158,7 @@ def test_the_learners_rendezvous_admits_only_its_ranks(tmp_path):
 
 
 def test_the_runs_store_keeps_torch_stores_semantics(tmp_path):
-    from hpcrl.rl.distenv import StoreServer
+    from hpcrl.rl.common.distenv import StoreServer
 
     server = StoreServer(tmp_path, "store-test")
     store = RunStore(tmp_path, "store-test", "gen-0", datetime.timedelta(seconds=2))

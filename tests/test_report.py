@@ -1,4 +1,4 @@
-"""`hpcrl report RUN` (issue 15 part 7, accounting): GPU-/CPU-hours and queue wait per role from
+"""`hpcrl report RUN` (accounting): GPU-/CPU-hours and queue wait per role from
 sacct, split across domains by the trajectories' own costs.
 
 The rules are checked on sacct rows captured from the dev cluster (requeued lives, a pending
@@ -196,7 +196,7 @@ def test_local_roles_take_wall_time_from_heartbeats_up_to_now_for_live_processes
 
 
 def _traj(domain: str, episode: int, gen_s: list[float], sandbox_s: float = 0.0):
-    from hpcrl.rl.trajectory import SandboxOutcome, Step, Trajectory
+    from hpcrl.rl.record.trajectory import SandboxOutcome, Step, Trajectory
 
     steps = [
         Step(

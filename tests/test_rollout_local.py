@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpcrl.jobs.rollout_plan import ROLLOUT_NAME
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator.report import read_status
 
 from audit import account
 from conftest import RUN_GUARD_S, wait_for

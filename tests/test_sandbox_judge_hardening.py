@@ -1,4 +1,4 @@
-"""Judge hardening (issue 14, item 5): the trusted test code runs bounded, in a process of its own,
+"""Judge hardening: the trusted test code runs bounded, in a process of its own,
 and the candidate's exceptions reach it as a distinct type that no test mistakes for control flow.
 
 Needs bubblewrap and root; skips without, fails with HPCRL_REQUIRE_SANDBOX=1 (CI).

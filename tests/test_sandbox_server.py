@@ -20,7 +20,8 @@ import zmq
 
 from hpcrl.core.config import load_config
 from hpcrl.core.rpc import RequestClient
-from hpcrl.core.transport import Node, encode, read_endpoint
+from hpcrl.core.transport import Node, read_endpoint
+from hpcrl.core.wire import encode
 from hpcrl.sandbox.client import SandboxBusy, SandboxClient
 from hpcrl.sandbox.judge import FunctionTask, IOCase
 from hpcrl.sandbox.languages import get_language

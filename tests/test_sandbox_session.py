@@ -1,4 +1,4 @@
-"""Sandbox sessions (issue 14) with real bwrap sandboxes, over the real sandbox server and its
+"""Sandbox sessions with real bwrap sandboxes, over the real sandbox server and its
 CURVE ZeroMQ transport, and through `hpcrl sandbox session --json`: files persist, runs have
 their own limits in the workspace, snapshots roll back, paths cannot leave the workspace,
 quotas and caps give clean errors, idle sessions expire and leave nothing behind.

@@ -1,4 +1,4 @@
-"""Session episodes (issue 14 part 2): the tool-call syntax, and `session-repair` environments driven
+"""Session episodes: the tool-call syntax, and `session-repair` environments driven
 by scripted policies against a real sandbox server (bwrap sandboxes, the CURVE transport):
 a fix earns reward 1, 50+ operations keep their files without re-sending the workspace,
 malformed actions are answered, and a lost server is the infrastructure's failure, not the model's.
@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from hpcrl.core.config import GeneratorConfig, PolicyConfig, TinyModelConfig, load_config
+from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
 from hpcrl.rl.domains import DomainError, get_domain
-from hpcrl.rl.domains.session_env import SessionEnv, SessionRepairDomain
+from hpcrl.rl.domains.session_env import SessionEnv
+from hpcrl.rl.domains.session_repair import SessionRepairDomain
 from hpcrl.rl.domains.session_tasks import SESSION_PROBLEMS
 from hpcrl.rl.domains.toolcalls import MAX_CALLS, ListFiles, Read, Run, Submit, Write, parse_action
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.policy import Policy
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.model.policy import Policy
+from hpcrl.rl.rollout.generator import Generator
 from hpcrl.sandbox.result import SandboxError
 
 from conftest import require_bwrap, sandbox_client, session_server
@@ -295,7 +296,7 @@ def test_the_generator_runs_session_episodes_and_fails_them_without_a_server(bwr
 @pytest.mark.slow
 def test_hpcrl_run_trains_on_session_repair_through_a_sandbox_server(bwrap_ok, tmp_path):
     """The whole run: the generator job's environments open sessions on the sandbox server job."""
-    from hpcrl.rl.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
     from hpcrl.rl.store.reader import StoreReader
 
     from conftest import RUN_GUARD_S

@@ -1,4 +1,4 @@
-"""Sandbox faults roll back, they do not poison training (issue 14 part 3): two real sandbox
+"""Sandbox faults roll back, they do not poison training: two real sandbox
 servers (`hpcrl sandbox serve` processes, bwrap sandboxes, CURVE ZeroMQ), 20 live session-repair
 episodes stepped by a scripted policy, and one server SIGKILLed once every episode has done two
 steps. With `on_fault: resume` every episode continues on the other server from its last good
@@ -25,10 +25,10 @@ import pytest
 from test_session_env import FIXES, VISIBLE
 
 from hpcrl.core.transport import Node, read_endpoint
-from hpcrl.rl.domains.session_env import SessionRepairDomain
-from hpcrl.rl.generator import _outcome
-from hpcrl.rl.remote import ThreadLocalJudge
-from hpcrl.rl.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.coordinator.tasks import LocalTaskSource, TaskSampler
+from hpcrl.rl.domains.session_repair import SessionRepairDomain
+from hpcrl.rl.rollout.generator import _outcome
+from hpcrl.rl.rollout.remote import ThreadLocalJudge
 from hpcrl.sandbox.result import SandboxError
 
 from conftest import require_bwrap

@@ -1,4 +1,4 @@
-"""Issue 14's fault test through the real pipeline: `hpcrl run` (every component a local submitit
+"""tests/test_session_faults.py's fault test through the real pipeline: `hpcrl run` (every component a local submitit
 job: store, coordinator, two sandbox servers, learner, generator with the tiny untrained model)
 on session episodes, and kill -9 of one sandbox server once 20 or more episodes hold open
 sessions. Run once with `generators.session_fault=resume` and once with `reissue`; then:
@@ -36,9 +36,9 @@ import session_probe
 
 from hpcrl.core.metrics import read_endpoints
 from hpcrl.jobs.localrun import pids
-from hpcrl.rl.coordinator import read_status
-from hpcrl.rl.events import LEASES_NAME, read_jsonl
-from hpcrl.rl.learner_service import AUDIT_NAME
+from hpcrl.rl.coordinator.events import LEASES_NAME, read_jsonl
+from hpcrl.rl.coordinator.report import read_status
+from hpcrl.rl.learner.service import AUDIT_NAME
 from hpcrl.rl.store.reader import iter_segments
 
 from audit import lineage

@@ -25,7 +25,8 @@ from hpcrl.slurm.sim.run import simulate
 from hpcrl.slurm.sim.slurm import SimJob, SimSlurm
 from hpcrl.slurm.sim.trace import EpisodeSpec, SlurmSpec, World, load_trace, parse_trace
 
-from test_sim import GOOD, TRACES, hpcrl
+from test_sim import GOOD, TRACES
+from test_sim_cli import hpcrl
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_without_rollout_jobs_backfill_is_async_under_the_coordinators_flow_cont
     """No partition to backfill and no lending: the only difference left is flow control, which
     is the coordinator's max(1, max_staleness) x batch (async: AReaL's (max_staleness + 1) x batch)."""
     from hpcrl.core.config import CoordinatorConfig
-    from hpcrl.rl.coordinator import Coordinator
+    from hpcrl.rl.coordinator.coordinator import Coordinator
 
     heavy = no_slurm(load_trace(TRACES / "sandbox-heavy.yaml"))  # 128 rows never reach 2 batches: alike
     world = World(heavy)

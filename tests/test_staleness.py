@@ -26,12 +26,13 @@ import threading
 from typing import Any
 
 from hpcrl.core.config import CoordinatorConfig, GeneratorConfig, PolicyConfig, TinyModelConfig
-from hpcrl.rl.batch import GroupBuffer
-from hpcrl.rl.coordinator import Coordinator, ticket_from_row
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.coordinator.tasks import ticket_from_row
 from hpcrl.rl.domains import ActionSpec, Domain, Environment, PromptDomain, StepResult, Task
-from hpcrl.rl.generator import Generator
-from hpcrl.rl.policy import Policy, full_state_dict
-from hpcrl.rl.weights import WeightStore
+from hpcrl.rl.learner.batch import GroupBuffer
+from hpcrl.rl.model.policy import Policy, full_state_dict
+from hpcrl.rl.rollout.generator import Generator
+from hpcrl.rl.weights.shards import WeightStore
 
 GROUP, BATCH, MAX_STALENESS = 2, 2, 8
 AHEAD = MAX_STALENESS * BATCH  # the coordinator's default window (groups outstanding)

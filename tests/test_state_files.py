@@ -1,4 +1,4 @@
-"""State that survives a crash (issue 15): a corrupt state file falls back to its previous copy
+"""State that survives a crash: a corrupt state file falls back to its previous copy
 with a warning naming it, both corrupt is a one-line error, and a learner resumes from the newest
 whole checkpoint. The DeepSpeed side of the last is in tests/test_learner.py."""
 
@@ -14,8 +14,8 @@ import pytest
 from hpcrl.core.config import CoordinatorConfig
 from hpcrl.core.files import StateFileError, atomic_write_json, previous_copy, read_state_json
 from hpcrl.jobs.launch import read_jobs, write_jobs
-from hpcrl.rl.checkpoints import COMPLETE_NAME, CheckpointError, mark_complete, prune_checkpoints, resume_tag
-from hpcrl.rl.coordinator import Coordinator
+from hpcrl.rl.coordinator.coordinator import Coordinator
+from hpcrl.rl.learner.checkpoints import COMPLETE_NAME, CheckpointError, mark_complete, prune_checkpoints, resume_tag
 
 
 def test_a_corrupt_state_file_falls_back_to_its_previous_copy(tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""`stdlib-repair` (issue 14 part 4b): seeded AST mutants of stdlib modules, kept when the module's
+"""`stdlib-repair`: seeded AST mutants of stdlib modules, kept when the module's
 own tests catch them in the real bwrap sandbox, played as session episodes on a real sandbox
 server. A scripted "model" that restores the original earns 1; the unchanged mutant, a model
 that guts the test file, and one that exits 0 at import all earn 0.

@@ -1,4 +1,4 @@
-"""Crash consistency of the shard writer under SIGKILL (issue 3, deliverable 3; issue 16).
+"""Crash consistency of the shard writer under SIGKILL.
 
 A writer (`hpcrl traj synth`, the real CLI code path) is killed with SIGKILL again and again,
 in the same store directory with the same writer name, so each new writer first recovers the
@@ -220,7 +220,7 @@ def test_sigkill_loop_loses_nothing_acknowledged(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
     # pytest too: the child unpickles its target from this module, which imports pytest.
     ctx.set_forkserver_preload(
-        ["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.synth", "h5py", "numpy", "pytest"]
+        ["hpcrl.jobs.cli.traj", "hpcrl.rl.store.writer", "hpcrl.rl.record.synth", "h5py", "numpy", "pytest"]
     )
     rng = random.Random(1234)
     acked: dict[int, int] = {}

@@ -1,4 +1,4 @@
-"""Damaged segment files (issue 16): every damage is a SegmentError, recovery quarantines, the
+"""Damaged segment files: every damage is a SegmentError, recovery quarantines, the
 reader rejects and goes on, and the checksum covers the enum tables and the row count too."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
     QUARANTINE_DIR,
@@ -25,7 +26,6 @@ from hpcrl.rl.store.layout import (
 )
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import SynthShape, synth_trajectory
 
 SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
 

@@ -1,4 +1,4 @@
-"""Filesystem faults under the shard writer (issue 16): a failed directory fsync, ENOSPC, an HDF5
+"""Filesystem faults under the shard writer: a failed directory fsync, ENOSPC, an HDF5
 error at close. Whatever fails, nothing unproven is acknowledged, no sequence number names two
 files, nothing is stored twice or lost, and the writer never ends up unusable by accident."""
 
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from hpcrl.core.config import StoreConfig
+from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 from hpcrl.rl.store.layout import StoreError, list_shards, parse_segment_name, read_segment
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter, WriterStopped
-from hpcrl.rl.synth import SynthShape, synth_trajectory
 
 SMALL = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
 
@@ -257,7 +257,7 @@ def test_an_hdf5_error_at_close_leaves_no_tmp_and_keeps_the_records(tmp_path):
         from hpcrl.core.config import StoreConfig
         from hpcrl.rl.store.layout import StoreError
         from hpcrl.rl.store.writer import ShardWriter
-        from hpcrl.rl.synth import SynthShape, synth_trajectory
+        from hpcrl.rl.record.synth import SynthShape, synth_trajectory
         shape = SynthShape(first_prompt=(20, 60), later_prompt=(2, 8), action=(10, 60), observation=(0, 40))
         rng = np.random.default_rng(0)
         store = Path({str(tmp_path / "store")!r})

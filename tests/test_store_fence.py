@@ -1,4 +1,4 @@
-"""A writer stalled past its lease is fenced (issue 16): it cannot publish anything once a newer
+"""A writer stalled past its lease is fenced: it cannot publish anything once a newer
 writer has recovered its shard, so nothing it acknowledges is ever missing from the store.
 
 The stalled writer is a real process (SIGSTOP, as a debugger, a hung NFS/Lustre call or an
@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from hpcrl.core.config import StoreConfig
+from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.store.layout import FENCE_NAME, OWNER_NAME, list_shards, read_segment
 from hpcrl.rl.store.reader import StoreReader
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 
 LEASE_S = 1.0
 DEADLINE_S = 120.0
@@ -40,7 +40,7 @@ STALE = textwrap.dedent("""
     from hpcrl.core.config import StoreConfig
     from hpcrl.rl.store.layout import StoreError, WriterStopped
     from hpcrl.rl.store.writer import ShardWriter
-    from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
+    from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
     store, when, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     def say(*words):  # one write() per line: the sync thread and the main thread both print
         os.write(1, (" ".join(words) + chr(10)).encode())

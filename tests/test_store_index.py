@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from hpcrl.core.config import StoreConfig
+from hpcrl.rl.record.synth import SynthShape, synth_trajectory
 from hpcrl.rl.store import lease
 from hpcrl.rl.store import segment_read as segment_read_module
 from hpcrl.rl.store.index import INDEX_NAME, read_index
 from hpcrl.rl.store.layout import list_shards
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import SynthShape, synth_trajectory
 
 SMALL = SynthShape(first_prompt=(5, 10), later_prompt=(2, 4), action=(5, 10), observation=(0, 5))
 CFG = StoreConfig(flush_every=4, flush_interval_s=30.0, flush_idle_s=30.0, shard_max_rows=8)

@@ -12,11 +12,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hpcrl.rl.store.columns import Columns
-from hpcrl.rl.store.segment import publish_segment, write_segment
-from hpcrl.rl.store.segment_read import read_segment
-from hpcrl.rl.synth import SynthShape, synth_trajectory
-from hpcrl.rl.trajectory import (
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.synth import SynthShape, synth_trajectory
+from hpcrl.rl.record.trajectory import (
     MAX_COMMAND_BYTES,
     MAX_FAULT_BYTES,
     SCHEMA_VERSION,
@@ -25,6 +23,8 @@ from hpcrl.rl.trajectory import (
     Trajectory,
     TrajectoryError,
 )
+from hpcrl.rl.store.segment import publish_segment, write_segment
+from hpcrl.rl.store.segment_read import read_segment
 
 SMALL = SynthShape(first_prompt=(5, 20), later_prompt=(2, 8), action=(3, 20), observation=(0, 10))
 
@@ -237,7 +237,7 @@ def test_traj_show_decodes_text_with_the_runs_tokenizer(tmp_path, capsys):
 
     from hpcrl.core.config import StoreConfig, load_config, write_resolved
     from hpcrl.jobs.cli import main
-    from hpcrl.rl.policy import load_tokenizer
+    from hpcrl.rl.model.policy import load_tokenizer
     from hpcrl.rl.store.writer import ShardWriter
 
     run_dir = tmp_path / "run"

@@ -20,7 +20,7 @@ import pytest
 
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.supervise import queue_states
-from hpcrl.rl.coordinator import read_status
+from hpcrl.rl.coordinator.report import read_status
 
 from conftest import wait_for
 
@@ -66,201 +66,6 @@ def all_ids(run_dir: Path) -> list[str]:
 
 
 # ---- input errors and rendering (no jobs are submitted) ----
-
-
-def test_submit_refuses_the_local_executor(tmp_path):
-    out = hpcrl("submit", "config.yaml", f"experiment.run_root={tmp_path}")
-    assert out.returncode == 2
-    assert "executor=slurm" in out.stderr and "hpcrl run" in out.stderr
-    assert not any(tmp_path.iterdir())
-
-
-def test_submit_dry_run_prints_each_roles_sbatch_script_and_creates_nothing(tmp_path):
-    out = hpcrl(
-        "submit",
-        "config.yaml",
-        *SMALL,
-        f"experiment.run_root={tmp_path}",
-        "generators.count=2",
-        "--dry-run",
-        "--run-id",
-        "dry",
-    )
-    assert out.returncode == 0, out.stderr
-    scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
-    assert list(scripts) == ["store", "coordinator", "learner", "gen-0", "gen-1", "supervisor"]
-    for name, text in scripts.items():
-        # The boot module runs first, so an early SIGUSR2 is held until the component can drain on it.
-        assert text.startswith("#!/bin/bash") and "-u -m hpcrl.jobs.boot -u -m submitit.core._submit" in text
-        assert f"--job-name=hpcrl-dry-{name}" in text and "#SBATCH --signal=USR2@30" in text
-        gpu = name == "learner" or name.startswith("gen-")
-        assert (f"#SBATCH --partition={'gpu' if gpu else 'cpu'}") in text
-        assert ("#SBATCH --gpus-per-node=1" in text) == gpu
-    assert "#SBATCH --cpus-per-task=2" in scripts["learner"]
-    assert not (tmp_path / "dry").exists()
-
-
-def test_dry_run_renders_sandbox_servers_as_one_array_on_the_cpu_partition(tmp_path):
-    out = hpcrl(
-        "submit",
-        "config.yaml",
-        *SMALL,
-        f"experiment.run_root={tmp_path}",
-        "sandbox.servers=3",
-        "domains=[{name: arith/copy}, {name: synth}]",
-        "--dry-run",
-        "--run-id",
-        "code",
-    )
-    assert out.returncode == 0, out.stderr
-    scripts = dict(part.split(" =====\n", 1) for part in out.stdout.split("# ===== ")[1:])
-    assert list(scripts) == ["store", "coordinator", "sandbox", "learner", "gen-0", "supervisor"]
-    assert "#SBATCH --array=0-2%3" in scripts["sandbox"] and "#SBATCH --partition=cpu" in scripts["sandbox"]
-    assert f"#SBATCH --output={tmp_path}/code/submitit/%A_%a_0_log.out" in scripts["sandbox"]
-
-
-def test_sbatch_writes_readable_scripts_and_refuses_a_multi_node_hetjob(tmp_path):
-    out = hpcrl(
-        "sbatch",
-        "config.yaml",
-        *SMALL,
-        f"experiment.run_root={tmp_path}",
-        "-o",
-        str(tmp_path / "s"),
-        "--run-id",
-        "hand",
-    )
-    assert out.returncode == 0, out.stderr
-    names = sorted(p.name for p in (tmp_path / "s").iterdir())
-    assert names == [
-        "coordinator.sbatch",
-        "gen-0.sbatch",
-        "learner.sbatch",
-        "store.sbatch",
-        "submit.sh",
-        "supervisor.sbatch",
-    ]
-    learner = (tmp_path / "s" / "learner.sbatch").read_text()
-    for line in (
-        "#SBATCH --partition=gpu",
-        "#SBATCH --gpus-per-node=1",
-        "#SBATCH --requeue",
-        "#SBATCH --signal=USR2@30",
-        f"#SBATCH --output={tmp_path}/hand/submitit/%j_0_log.out",
-        f"-m hpcrl.jobs.scripts {tmp_path}/hand learner",
-    ):
-        assert line in learner, line
-    assert subprocess.run(["bash", "-n", str(tmp_path / "s" / "submit.sh")]).returncode == 0
-    assert (tmp_path / "hand" / "config.resolved.yaml").exists()
-
-    out = hpcrl(
-        "sbatch",
-        "config.yaml",
-        *SMALL,
-        f"experiment.run_root={tmp_path}",
-        "-o",
-        str(tmp_path / "h"),
-        "--run-id",
-        "het",
-        "--hetjob",
-    )
-    assert out.returncode == 0, out.stderr
-    het = (tmp_path / "h" / "run.hetjob.sbatch").read_text()
-    assert het.count("#SBATCH hetjob") == 1  # one group per partition: cpu (store, coordinator), gpu
-    assert "#SBATCH --ntasks-per-node=2" in het and "#SBATCH --gpus-per-node=2" in het
-    assert "srun --het-group=1 --exact -n1 -c2 --mem=4096M --gres=gpu:1" in het
-
-    out = hpcrl(
-        "sbatch",
-        "config.yaml",
-        *SMALL,
-        f"experiment.run_root={tmp_path}",
-        "slurm.learner.nodes=2",
-        "-o",
-        str(tmp_path / "m"),
-        "--run-id",
-        "multi",
-        "--hetjob",
-    )
-    assert out.returncode == 2 and "nodes > 1" in out.stderr
-    assert not (tmp_path / "multi").exists()
-
-
-def test_cancel_logs_status_of_unknown_or_local_runs_exit_2(tmp_path):
-    for verb in ("cancel", "logs", "status"):
-        out = hpcrl(verb, str(tmp_path / "nope"))
-        assert out.returncode == 2 and "is not a run directory" in out.stderr, (verb, out.stderr)
-    local = tmp_path / "local"
-    local.mkdir()
-    (local / "config.resolved.yaml").write_text("executor: local\n")
-    out = hpcrl("cancel", str(local))
-    assert out.returncode == 2 and "not a Slurm run" in out.stderr, out.stderr
-    # `hpcrl logs` reads a local run's logs/index.json (tests/test_run.py); without one it says where they are.
-    out = hpcrl("logs", str(local))
-    assert out.returncode == 2 and "recorded no jobs" in out.stderr and str(local / "submitit") in out.stderr
-
-
-def fake_run(root: Path, name: str, jobs: dict | None, status: dict | None = None) -> Path:
-    run = root / name
-    run.mkdir(parents=True)
-    (run / "config.resolved.yaml").write_text("executor: slurm\n")
-    if status is not None:
-        (run / "status.json").write_text(json.dumps(status))
-    if jobs is not None:
-        (run / "jobs.json").write_text(json.dumps(jobs))
-    return run
-
-
-def test_status_without_run_lists_recent_runs_newest_first(tmp_path):
-    fake_run(tmp_path, "old", {"state": "finished", "components": {}}, {"learner": {"step": 9}})
-    time.sleep(0.05)
-    fake_run(tmp_path, "new", None, {"state": "running", "learner": {"step": 3}})
-    (tmp_path / "not-a-run").mkdir()
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"experiment: {{run_root: {tmp_path}}}\n")
-    out = hpcrl("status", "--config", str(cfg), "--json")
-    assert out.returncode == 0, out.stderr
-    runs = json.loads(out.stdout)["runs"]
-    assert [(r["run"], r["executor"], r["state"], r["step"]) for r in runs] == [
-        ("new", "local", "running", 3),
-        ("old", "slurm", "finished", 9),
-    ]
-    out = hpcrl("status", "--config", str(cfg))
-    assert out.returncode == 0 and out.stdout.index("new") < out.stdout.index("old")
-
-
-def test_logs_prints_and_follows_a_components_files(tmp_path):
-    run = fake_run(
-        tmp_path,
-        "r",
-        {
-            "state": "running",
-            "components": {"learner": {"role": "learner", "job_id": "41", "history": ["40", "41"], "restarts": 1}},
-        },
-    )
-    (run / "submitit").mkdir()
-    (run / "submitit" / "40_0_log.err").write_text("first life\n")
-    err = run / "submitit" / "41_0_log.err"
-    err.write_text("step 1\n")
-    out = hpcrl("logs", str(run), "learner")
-    assert out.returncode == 0 and "step 1" in out.stdout and "first life" not in out.stdout
-    assert "first life" in hpcrl("logs", str(run), "learner", "--all").stdout
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcrl.jobs.cli", "logs", str(run), "learner", "-f"],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
-    try:
-        assert "==> learner:" in proc.stdout.readline() and proc.stdout.readline() == "step 1\n"
-        with open(err, "a") as f:
-            f.write("step 2\n")
-        assert proc.stdout.readline() == "[learner] step 2\n"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_path):
@@ -310,7 +115,7 @@ def test_status_json_shape_for_jobs_slurm_no_longer_knows(slurm_cluster, tmp_pat
 
 
 def test_submitted_run_survives_requeue_and_a_killed_generator(slurm_cluster, tmp_path):
-    from hpcrl.rl.learner_service import AUDIT_NAME
+    from hpcrl.rl.learner.service import AUDIT_NAME
     from hpcrl.slurm.command import run_slurm
 
     from audit import account, lineage
@@ -403,7 +208,7 @@ def test_cancel_stops_every_job_and_finalizes_the_store(slurm_cluster, tmp_path)
 
 
 def test_time_limit_signal_drains_and_requeues_and_a_spent_budget_fails_the_run(slurm_cluster, tmp_path):
-    from hpcrl.rl.learner_service import AUDIT_NAME
+    from hpcrl.rl.learner.service import AUDIT_NAME
     from hpcrl.slurm.command import run_slurm
 
     from audit import lineage

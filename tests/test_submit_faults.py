@@ -15,7 +15,7 @@ import pytest
 from hpcrl.jobs.launch import read_jobs
 from hpcrl.jobs.localrun import pids
 from hpcrl.jobs.supervise import queue_states
-from hpcrl.rl.learner_service import AUDIT_NAME
+from hpcrl.rl.learner.service import AUDIT_NAME
 from hpcrl.slurm.command import run_slurm
 
 from audit import lineage
@@ -104,7 +104,7 @@ def test_each_role_requeued_in_turn_resumes_in_place_and_loses_nothing(slurm_clu
     writer, the coordinator, the generator and the learner, one after another while the run
     trains. Each job comes back under its own id (nothing resubmitted), and the run ends with every
     step once, no trajectory trained twice and none lost."""
-    from hpcrl.rl.audit import account
+    from hpcrl.rl.audit.audit import account
 
     out = hpcrl(
         "submit",

@@ -1,4 +1,4 @@
-"""The trajectory record and its columnar form (issue 3, deliverable 1)."""
+"""The trajectory record, its checks and its columnar form."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from hpcrl.rl.store.columns import Columns, ColumnsError
-from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
-from hpcrl.rl.trajectory import SCHEMA_VERSION, SandboxOutcome, Step, Trajectory, TrajectoryError
+from hpcrl.rl.record.columns import Columns, ColumnsError
+from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
+from hpcrl.rl.record.trajectory import SCHEMA_VERSION, SandboxOutcome, Step, Trajectory, TrajectoryError
 
 
 def step(**kw) -> Step:
@@ -238,7 +238,7 @@ def test_columns_round_trip_many_shapes():
 
 
 def synth_shape_small():
-    from hpcrl.rl.synth import SynthShape
+    from hpcrl.rl.record.synth import SynthShape
 
     return SynthShape(first_prompt=(10, 50), action=(5, 40), observation=(0, 30))
 

@@ -1,4 +1,4 @@
-"""ZeroMQ layer: envelopes, CURVE + ZAP, bad input, request/reply, PUB/SUB, acked delivery (issue 3, deliverable 5)."""
+"""ZeroMQ layer: envelopes, CURVE + ZAP, bad input, request/reply, PUB/SUB, acked delivery."""
 
 from __future__ import annotations
 
@@ -27,21 +27,11 @@ from hpcrl.core.rpc import (
     VersionPublisher,
     VersionSubscriber,
 )
-from hpcrl.core.transport import (
-    BadMessage,
-    Endpoint,
-    Node,
-    RunKeys,
-    TransportError,
-    WireLimits,
-    decode,
-    encode,
-    publish_endpoint,
-    read_endpoint,
-)
+from hpcrl.core.transport import Endpoint, Node, RunKeys, TransportError, publish_endpoint, read_endpoint
+from hpcrl.core.wire import BadMessage, WireLimits, decode, encode
+from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.store.layout import list_shards, read_segment
 from hpcrl.rl.store.stream import TrajectorySender
-from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 
 from conftest import server_thread
 
@@ -447,7 +437,7 @@ def test_ack_and_resend_across_a_writer_kill_loses_and_duplicates_nothing(tmp_pa
 
 def test_invalid_trajectory_is_rejected_and_receiver_keeps_serving(tmp_path, caplog):
     from hpcrl.core.config import StoreConfig
-    from hpcrl.rl.store.columns import Columns
+    from hpcrl.rl.record.columns import Columns
     from hpcrl.rl.store.stream import TrajectoryReceiver
     from hpcrl.rl.store.writer import ShardWriter
 

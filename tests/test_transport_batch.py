@@ -13,11 +13,12 @@ import zmq
 
 from hpcrl.core.config import StoreConfig
 from hpcrl.core.rpc import Reply, RequestClient, RequestServer, RequestTimeout
-from hpcrl.core.transport import Node, decode, encode
-from hpcrl.rl.store.columns import Columns, ColumnsError
+from hpcrl.core.transport import Node
+from hpcrl.core.wire import decode, encode
+from hpcrl.rl.record.columns import Columns, ColumnsError
+from hpcrl.rl.record.synth import TINY_SHAPE, synth_trajectory
 from hpcrl.rl.store.stream import TrajectoryReceiver, TrajectorySender
 from hpcrl.rl.store.writer import ShardWriter
-from hpcrl.rl.synth import TINY_SHAPE, synth_trajectory
 
 from conftest import server_thread
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hpcrl.core.config import PolicyConfig, TinyModelConfig
-from hpcrl.rl.policy import Policy, full_state_dict
-from hpcrl.rl.weight_direct import DirectReceiver, DirectSender, DirectWeights
-from hpcrl.rl.weights import Bucket, ShardPublisher, WeightStore, owned_names, read_shard, write_shard_file
+from hpcrl.rl.model.policy import Policy, full_state_dict
+from hpcrl.rl.weights.direct import DirectReceiver, DirectSender, DirectWeights
+from hpcrl.rl.weights.shards import Bucket, ShardPublisher, WeightStore, owned_names, read_shard, write_shard_file
 
 from conftest import wait_for
 
@@ -216,7 +216,7 @@ def test_learner_publishes_with_either_path(tmp_path, sync):
     cfg.write_text(dump_config(load_config(None, [*overrides, f"policy.weight_sync={sync}"])))
     recv = DirectReceiver(tmp_path / "run", "gen-0", timeout_s=60) if sync == "direct" else None
     code = (
-        "import sys; from hpcrl.core.config import load_config; from hpcrl.rl.learner import Learner\n"
+        "import sys; from hpcrl.core.config import load_config; from hpcrl.rl.learner.learner import Learner\n"
         "c = load_config(sys.argv[1]); l = Learner(c.learner, c.policy, sys.argv[2], seed=0); l.setup()\n"
         "import time; t = time.time() + 60\n"
         "while l.direct is not None and not l.direct.members and time.time() < t:\n"

@@ -24,6 +24,8 @@ from hpcrl.jobs.checks import RunCheckError
 from hpcrl.jobs.rundir import RunDirError, private_umask
 from hpcrl.slurm.command import SlurmCommandError
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 # Verb modules in the order `--help` lists them.
 VERBS = (
     "validate",
@@ -85,8 +87,8 @@ def load_experiment(args: argparse.Namespace, verb: str, slurm: bool = False, cl
 
     from hpcrl.core.config import load_config
     from hpcrl.jobs.checks import check_run
-    from hpcrl.rl.alphabet import resolve_charset
     from hpcrl.rl.domains import DomainError, load_domains
+    from hpcrl.rl.model.alphabet import resolve_charset
 
     cfg = load_config(args.config, args.overrides)
     check_experiment(cfg)
@@ -109,7 +111,7 @@ def check_experiment(cfg) -> None:
     """Checks a config needs beyond its schema, at load time: `learner.deepspeed` against
     DeepSpeed's own schemas (ConfigError naming the dotted key)."""
     if cfg.learner.deepspeed:
-        from hpcrl.rl.dsconfig import check_deepspeed_section
+        from hpcrl.rl.learner.dsconfig import check_deepspeed_section
 
         check_deepspeed_section(cfg.learner.deepspeed)
 

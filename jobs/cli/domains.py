@@ -30,6 +30,8 @@ import os
 import re
 import sys
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 _DOMAIN_HELP = "a code domain: synth, code-repair, humaneval, session-repair, c-repair, stdlib-repair"
 
 

@@ -9,7 +9,7 @@ The policy is the run's own (config.resolved.yaml) with the weights it published
 project's generation engine on this machine's CPU, and code domains are judged in a local
 sandbox (the run's sandbox config, on a free uid of this host's pool, so a live run is not
 disturbed). `n` is the number of samples per task; pass@k is the unbiased estimator over them
-(rl/evaluate.py). Tasks are the domain's held-out split (rl/domains/base.py `eval_indices`);
+(rl/rollout/evaluate.py). Tasks are the domain's held-out split (rl/domains/base.py `eval_indices`);
 a domain without one is refused, unless --train-tasks asks for its training tasks (the output
 then says so).
 """
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 
 from hpcrl.jobs.cli import add_run_args
+
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from hpcrl.jobs.cli import UsageError
     from hpcrl.jobs.cli.status import resolve_run_dir
     from hpcrl.rl.domains import DomainError, SandboxJudge, get_domain, load_domains
-    from hpcrl.rl.evaluate import EvalError, evaluate, load_run_policy
+    from hpcrl.rl.rollout.evaluate import EvalError, evaluate, load_run_policy
 
     ks = _ks(args.k)
     samples = args.n or max(ks)

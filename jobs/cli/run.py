@@ -27,6 +27,8 @@ import time
 
 from hpcrl.jobs.cli import add_config_args
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 # The signals that stop a run. SIGHUP only where it is not ignored: `nohup hpcrl run` asks to
 # outlive the terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

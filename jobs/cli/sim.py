@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 _POLICY_CHOICES = ("sync", "sync-split", "async", "backfill")
 # --flag: (section, key) of the trace it overrides
 _OVERRIDES = {

@@ -18,6 +18,8 @@ import argparse
 
 from hpcrl.jobs.cli import add_run_args
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -63,7 +65,7 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
     import json
 
     from hpcrl.jobs.slurmstatus import snapshot, snapshot_text
-    from hpcrl.rl.coordinator import read_status
+    from hpcrl.rl.coordinator.report import read_status
 
     if args.json:
         snap = snapshot(run_dir)

@@ -17,6 +17,8 @@ import argparse
 
 from hpcrl.jobs.cli import add_run_args
 
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(

@@ -9,7 +9,7 @@
     hpcrl traj show runs/... 12 [--json]                        # its steps: text, reward, sandbox command, tests
 
 RUN_OR_DIR is a run directory (its `trajectories/` store is used) or a store directory; `trace`
-needs a run directory or a run id under config.yaml's run_root (rl/trace.py says what it joins).
+needs a run directory or a run id under config.yaml's run_root (rl/audit/trace.py says what it joins).
 `synth` writes through the real ShardWriter, so it doubles as a benchmark load and a fault
 drill: every total it prints is durable, whatever happens to the process afterwards.
 Exit codes: 0 ok, 1 verify found damage, 2 bad input.
@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 from hpcrl.jobs.cli import UsageError, add_run_args
+
+# `hpcrl --help` imports every verb's module: what a verb runs is imported inside the verb (start-up speed).
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -97,50 +99,11 @@ def _emit(args: argparse.Namespace, data, lines: list[str]) -> None:
         print("\n".join(lines))
 
 
-def _shard_rows(state) -> tuple[int, int, list[str]]:
-    """(rows, bytes, problems) of a shard from its manifest, or its visible segments if open."""
-    from hpcrl.rl.store.layout import SegmentError, read_segment
-
-    if state.manifest is not None:
-        return state.manifest.rows, sum(s.bytes for s in state.manifest.segments), []
-    rows = size = 0
-    problems = []
-    for name in state.segment_names:
-        path = state.path / name
-        try:
-            rows += read_segment(path, fields=("traj",)).rows
-            size += path.stat().st_size
-        except (SegmentError, OSError) as exc:
-            problems.append(f"{name}: {exc}")
-    return rows, size, problems
-
-
-def _status(state) -> str:
-    from hpcrl.rl.store.writer import owner_alive
-
-    if state.manifest is not None:
-        return state.manifest.status
-    return "open" if owner_alive(state, lease_s=60.0) else "orphaned"
-
-
 def run_ls(args: argparse.Namespace) -> int:
-    from hpcrl.rl.store.layout import list_shards
+    from hpcrl.rl.store.verify import list_store, store_lease_s
 
-    shards = []
-    for state in list_shards(_store(args)):
-        rows, size, problems = _shard_rows(state)
-        nseg = len(state.manifest.segments) if state.manifest else len(state.segment_names)
-        shards.append(
-            {
-                "shard": state.name,
-                "writer": state.writer,
-                "status": _status(state),
-                "segments": nseg,
-                "rows": rows,
-                "bytes": size,
-                "problems": problems,
-            }
-        )
+    store = _store(args)
+    shards = list_store(store, store_lease_s(store))
     lines = [f"{'shard':<56} {'status':<10} {'segments':>8} {'rows':>9} {'bytes':>13}"]
     lines += [f"{s['shard']:<56} {s['status']:<10} {s['segments']:>8} {s['rows']:>9} {s['bytes']:>13}" for s in shards]
     lines.append(
@@ -208,44 +171,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from hpcrl.rl.store.layout import SegmentError, list_shards, read_segment, read_shard, recover_shard
-    from hpcrl.rl.store.writer import owner_alive
+    from hpcrl.rl.store.verify import store_lease_s, verify_store
 
     store = _store(args)
-    report = []
-    for state in list_shards(store):
-        if args.repair and state.manifest is None and not owner_alive(state, lease_s=60.0):
-            if recover_shard(store, state.path).removed:
-                continue
-            state = read_shard(state.path)
-        problems = []
-        if state.manifest_error:
-            problems.append(state.manifest_error)
-        if state.manifest is not None:
-            listed = {s.name: s for s in state.manifest.segments}
-            problems += [f"{n}: not listed in the manifest" for n in state.segment_names if n not in listed]
-            checks = [(n, info) for n, info in listed.items()]
-        else:
-            checks = [(n, None) for n in state.segment_names]
-        rows = 0
-        for name, expect in checks:
-            if not (state.path / name).exists():
-                problems.append(f"{name}: listed in the manifest but missing")
-                continue
-            try:
-                rows += read_segment(state.path / name, expect).rows
-            except SegmentError as exc:
-                problems.append(f"{name}: {exc}")
-        report.append(
-            {
-                "shard": state.name,
-                "status": _status(state),
-                "segments": len(checks),
-                "rows": rows,
-                "ok": not problems,
-                "problems": problems,
-            }
-        )
+    report = verify_store(store, store_lease_s(store), repair=args.repair)
     ok = all(r["ok"] for r in report)
     lines = [
         f"{'OK ' if r['ok'] else 'BAD'} {r['shard']} ({r['status']}, {r['segments']} segments, {r['rows']} rows)"
@@ -266,7 +195,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from hpcrl.jobs.cli.status import resolve_run_dir
-    from hpcrl.rl.trace import TraceError, trace
+    from hpcrl.rl.audit.trace import TraceError, trace
 
     run_dir = resolve_run_dir(args.path, args.config)
     try:
@@ -289,10 +218,10 @@ def _find(store: Path, ident: str) -> list:
     """The stored trajectories `ident` names (an episode number or run/generator/episode).
     Segments whose manifest entry gives an episode range without it are not opened, so the
     cost follows what matches, not the size of the store."""
+    from hpcrl.rl.audit.trace import TraceError, id_matches, parse_ident
     from hpcrl.rl.store.layout import list_shards
-    from hpcrl.rl.store.reader import _segments_of
+    from hpcrl.rl.store.reader import segments_of
     from hpcrl.rl.store.segment_read import SegmentError, load_segment, read_segment
-    from hpcrl.rl.trace import TraceError, _matches, parse_ident
 
     try:
         episode, suffix = parse_ident(ident)
@@ -300,14 +229,14 @@ def _find(store: Path, ident: str) -> list:
         raise UsageError(str(exc)) from None
     out = []
     for state in list_shards(store):
-        for seg in _segments_of(state):
+        for seg in segments_of(state):
             e = seg.expect
             if e is not None and e.min_episode >= 0 and not e.min_episode <= episode <= e.max_episode:
                 continue
             path = state.path / seg.name
             try:  # the id column first: only segments holding a match are read whole
                 ids = read_segment(path, seg.expect, fields=("traj",)).ids()
-                rows = [i for i, tid in enumerate(ids) if _matches(tid, episode, suffix)]
+                rows = [i for i, tid in enumerate(ids) if id_matches(tid, episode, suffix)]
                 if rows:
                     cols, _ = load_segment(path, seg.expect)
                     out += [cols.trajectory(i) for i in rows]
@@ -323,7 +252,7 @@ def _decoder(store: Path):
 
         cfg = load_config(str(store.parent / "config.resolved.yaml"), [])
         # Only now: the tokenizer's import (transformers, torch) costs more than the lookup.
-        from hpcrl.rl.policy import load_tokenizer
+        from hpcrl.rl.model.policy import load_tokenizer
 
         tok = load_tokenizer(cfg.policy)
         return lambda ids: tok.decode([int(i) for i in ids])
@@ -425,10 +354,10 @@ def run_synth(args: argparse.Namespace) -> int:
 
     from hpcrl.core.config import StoreConfig
     from hpcrl.core.schema import from_dict
+    from hpcrl.rl.record.synth import DEFAULT_SHAPE, TINY_SHAPE, synth_trajectory
     from hpcrl.rl.store.layout import StoreError
     from hpcrl.rl.store.reader import resolve_store
     from hpcrl.rl.store.writer import ShardWriter
-    from hpcrl.rl.synth import DEFAULT_SHAPE, TINY_SHAPE, synth_trajectory
 
     if args.count < 1:
         raise UsageError(f"--count must be >= 1 (got {args.count})")

@@ -22,12 +22,13 @@ PromptDomain) are the interfaces; `rewards` the registered rewards; `arith` the 
 family; `code` the single-shot code domains (synth, code-repair) and their sandbox judge,
 `problems` their problems; `humaneval` OpenAI's HumanEval problems (visible/hidden tests, a
 held-out split); `toolcalls` the tool-call syntax of session episodes, `session_env`
-the environment that runs those calls on a sandbox session (session-repair), `session_tasks`
-its projects with seeded bugs and hidden checks; `stdlib_repair` (+ `mutate`, `stdlib_build`) seeded bugs
-in standard-library modules judged by their own tests, with `confine` the static check of what a repaired
-module may contain; `c_repair` small C projects with a build step; `libcall` a program whose one
-written token, the name of the function it calls, only the sandbox's error line tells (learning
-from feedback). How each code domain decides a pass, and what model-written code cannot do to it:
+the environment that runs those calls on a sandbox session, `session_repair` the domain
+(session-repair) and `session_tasks` its projects with seeded bugs and hidden checks;
+`stdlib_repair` (+ `mutate`, `stdlib_build`) seeded bugs in standard-library modules judged by
+their own tests, with `confine` the static check of what a repaired module may contain;
+`c_repair` small C projects with a build step; `libcall` a program whose one written token, the
+name of the function it calls, only the sandbox's error line tells (learning from feedback).
+How each code domain decides a pass, and what model-written code cannot do to it:
 docs/judging.md.
 """
 
@@ -38,6 +39,7 @@ import importlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
 
+from hpcrl.rl.common.registry import Registry, UnknownName
 from hpcrl.rl.domains.arith import make_arith
 from hpcrl.rl.domains.base import (
     ActionSpec,
@@ -54,9 +56,8 @@ from hpcrl.rl.domains.code import CodeJudge, SandboxJudge, make_repair, make_syn
 from hpcrl.rl.domains.humaneval import make_humaneval
 from hpcrl.rl.domains.libcall import make_libcall
 from hpcrl.rl.domains.rewards import REWARDS
-from hpcrl.rl.domains.session_env import make_session_repair
+from hpcrl.rl.domains.session_repair import make_session_repair
 from hpcrl.rl.domains.stdlib_repair import StdlibRepairDomain
-from hpcrl.rl.registry import Registry, UnknownName
 
 __all__ = [
     "DOMAIN_FAMILIES",

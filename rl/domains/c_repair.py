@@ -27,6 +27,8 @@ from typing import Any
 from hpcrl.rl.domains.base import ActionSpec, Environment, StepResult, Task
 from hpcrl.rl.domains.session_env import SessionDomain, SessionEnv
 from hpcrl.rl.domains.toolcalls import SYNTAX
+from hpcrl.sandbox.harness_wire import c_driver, parse_signature
+from hpcrl.sandbox.judge import FunctionTask
 
 __all__ = ["C_PROBLEMS", "CProblem", "CRepairDomain", "make_c_repair"]
 
@@ -54,7 +56,6 @@ class CProblem:
 
     @property
     def entry_point(self) -> str:
-        from hpcrl.sandbox.harness_wire import parse_signature
 
         return parse_signature(self.signatures[0])[1]
 
@@ -178,8 +179,6 @@ class CRepairEnv(SessionEnv):
     language = "c"
 
     def _submit(self) -> StepResult:
-        from hpcrl.sandbox.harness_wire import c_driver
-        from hpcrl.sandbox.judge import FunctionTask
 
         self._step_calls.append("submit")
         d = self.task.data

@@ -39,6 +39,9 @@ from hpcrl.rl.domains.problems import (
     SynthProblem,
 )
 from hpcrl.rl.domains.rewards import REWARDS
+from hpcrl.sandbox import judge
+from hpcrl.sandbox.judge import FunctionTask, IOCase
+from hpcrl.sandbox.result import SandboxError
 
 __all__ = ["CodeJudge", "SandboxJudge", "SynthDomain", "RepairDomain", "extract_code", "make_synth", "make_repair"]
 
@@ -74,12 +77,10 @@ _STATUS = {
 }
 
 
-def _outcome(result) -> tuple[str, int, float]:
+def sandbox_outcome(result) -> tuple[str, int, float]:
     if result is None:
         return "error", 0, 0.0
     if result.status == "sandbox_error":
-        from hpcrl.sandbox.result import SandboxError
-
         # Not the model's fault: the generator aborts the episode instead of scoring it.
         raise SandboxError(f"sandbox failed while judging: {result.stderr[-300:].decode('utf-8', 'replace')}")
     code = result.exit_code if result.exit_code is not None else -(result.signal or 0)
@@ -96,7 +97,6 @@ class SandboxJudge:
     `SandboxClient` of a sandbox server; both judge the same way (hpcrl.sandbox.judge)."""
 
     def __init__(self, sandbox, limits=None):
-        from hpcrl.sandbox import judge
 
         self.sandbox = sandbox
         self.limits = limits
@@ -109,7 +109,6 @@ class SandboxJudge:
     def judge_io(
         self, language: str, source: str, cases: Sequence[tuple[str, str]], stop_on_fail: bool = False
     ) -> ExecFeedback:
-        from hpcrl.sandbox.judge import IOCase
 
         v = self._io(
             language, source, [IOCase(i.encode(), o.encode()) for i, o in cases], self.limits, stop_on_fail=stop_on_fail
@@ -117,9 +116,9 @@ class SandboxJudge:
         passed = sum(c.passed for c in v.cases)
         failed = next((c for c in v.cases if not c.passed), None)
         result = failed.result if failed else (v.cases[-1].result if v.cases else v.result)
-        status, code, _ = _outcome(result)
+        status, code, _ = sandbox_outcome(result)
         if failed is None and v.result is not None and not v.cases:
-            status, code, _ = _outcome(v.result)  # the compile step failed: no case ran
+            status, code, _ = sandbox_outcome(v.result)  # the compile step failed: no case ran
         msg = "all tests passed"
         if failed is not None or not v.passed:
             i = v.cases.index(failed) if failed is not None else 0
@@ -132,11 +131,10 @@ class SandboxJudge:
         return ExecFeedback(passed, len(cases), status, code, float(v.wall_s), msg)
 
     def judge_function(self, program: str, entry_point: str, test: str, prelude: str = "") -> ExecFeedback:
-        from hpcrl.sandbox.judge import FunctionTask
 
         task = FunctionTask(program=program, entry_point=entry_point, test=test, trusted_prelude=prelude)
         v = self._fn(task, self.limits)
-        status, code, _ = _outcome(v.result)
+        status, code, _ = sandbox_outcome(v.result)
         if v.passed:
             return ExecFeedback(1, 1, status, code, float(v.wall_s), "all tests passed")
         err = _tail(v.result.stderr) if v.result is not None else ""

@@ -47,6 +47,7 @@ from typing import Any
 from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, StepResult, Task
 from hpcrl.rl.domains.code import CodeJudge
 from hpcrl.rl.domains.types import ExecFeedback
+from hpcrl.sandbox.spec import SourceFile
 
 __all__ = ["LibCallDomain", "LibCallEnv", "make_libcall", "LIBCALL_VARIANT_HELP", "program_files", "error_line"]
 
@@ -82,7 +83,6 @@ _STDERR = "; stderr: "
 
 def program_files(name: str, action: str, x: int) -> tuple:
     """The sandbox files of one attempt: the library (function `name`) and main.py around `action`."""
-    from hpcrl.sandbox.spec import SourceFile
 
     main = PROGRAM.format(action=action, x=x)
     return (SourceFile("main.py", main), SourceFile("lib.py", LIB.format(name=name)))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hpcrl.rl.common.registry import Registry
 from hpcrl.rl.domains.types import ExecFeedback, Task
-from hpcrl.rl.registry import Registry
 
 __all__ = ["REWARDS", "RewardFn", "exact", "prefix", "tests_passed", "all_tests"]
 

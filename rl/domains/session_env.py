@@ -51,13 +51,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from hpcrl.rl.domains.base import ActionSpec, Domain, Environment, ExecFeedback, StepResult, Task
-from hpcrl.rl.domains.code import _outcome
-from hpcrl.rl.domains.session_tasks import SESSION_PROBLEMS, VISIBLE_CMD, SessionProblem
-from hpcrl.rl.domains.toolcalls import SYNTAX, ListFiles, Read, Run, Submit, ToolCall, Write, parse_action
+from hpcrl.rl.domains.base import Domain, Environment, ExecFeedback, StepResult, Task
+from hpcrl.rl.domains.code import sandbox_outcome
+from hpcrl.rl.domains.toolcalls import ListFiles, Read, Run, Submit, ToolCall, Write, parse_action
+from hpcrl.sandbox.judge import FunctionTask
 from hpcrl.sandbox.result import SandboxError
 
-__all__ = ["SessionEnv", "SessionDomain", "SessionRepairDomain", "make_session_repair", "FAULT_POLICIES"]
+# hpcrl imports inside functions here would load msgpack, zmq for every importer of this module (start-up speed).
+
+__all__ = ["SessionEnv", "SessionDomain", "FAULT_POLICIES"]
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +265,6 @@ class SessionEnv(Environment):
         return f"{head} {fb.status}, exit code {fb.exit_code}\n{out}", fb
 
     def _submit(self) -> StepResult:
-        from hpcrl.sandbox.judge import FunctionTask
 
         self._step_calls.append("submit")
         d = self.task.data
@@ -314,7 +315,7 @@ class SessionEnv(Environment):
     def _judged(self, task, what: str = "hidden tests") -> StepResult:
         """End the episode with the server's judge_function verdict on `task`."""
         v = self._judge_call(lambda client: client.judge_function(task))
-        status, code, wall = _outcome(v.result)  # a sandbox_error raises: the infrastructure's
+        status, code, wall = sandbox_outcome(v.result)  # a sandbox_error raises: the infrastructure's
         return self._verdict(v.passed, status, code, wall, f"{what} passed" if v.passed else f"{what} failed", v.reason)
 
     def _verdict(self, passed: bool, status: str, code: int, wall: float, message: str, reason: str = "") -> StepResult:
@@ -380,7 +381,7 @@ class SessionEnv(Environment):
             # A restarted server swept the session (or never opened one): the model's work is gone.
             raise SandboxError(f"sandbox session {op['op']} on {self._service}: {r.get('error')}")
         if r.get("ok") and op["op"] == "run" and r.get("status") == "sandbox_error":
-            _outcome(_Result(r))  # raises SandboxError, as the code domains' judge does
+            sandbox_outcome(_Result(r))  # raises SandboxError, as the code domains' judge does
         return r
 
     def _end(self) -> None:
@@ -400,7 +401,7 @@ class SessionEnv(Environment):
 
 
 class _Result:
-    """The attributes of an ExecResult that `_outcome` reads, over a session run's result mapping."""
+    """The attributes of an ExecResult that `sandbox_outcome` reads, over a session run's result mapping."""
 
     def __init__(self, r: dict):
         self.status, self.exit_code, self.signal = r.get("status"), r.get("exit_code"), r.get("signal")
@@ -411,7 +412,7 @@ class _Result:
 def _feedback(r: dict, message: str) -> ExecFeedback:
     """A run's outcome; tests passed/total from unittest's summary where it printed one, else
     the run itself as one test (passed when it exited 0)."""
-    status, code, wall = _outcome(_Result(r))
+    status, code, wall = sandbox_outcome(_Result(r))
     passed, total = int(code == 0 and status == "ok"), 1
     out = bytes(r.get("stdout") or b"") + bytes(r.get("stderr") or b"")
     ran = _UNITTEST_RAN.findall(out)
@@ -458,67 +459,3 @@ class SessionDomain(Domain):
             return env.step("<submit/>")
         finally:
             env.close()
-
-
-class SessionRepairDomain(SessionDomain):
-    """`session-repair[/problem]`: fix a bug in a small project with tool calls, judged by hidden tests."""
-
-    needs_executor = True
-    multi_step = True
-    languages = ("python",)
-    # Several calls per action: room for a rewritten module; stopping at submit saves the rest.
-    action = ActionSpec(max_tokens=512, stop=("<submit/>",))
-
-    def __init__(
-        self,
-        variant: str | None = None,
-        max_ops: int = 64,
-        run_timeout_s: float = 10.0,
-        client_timeout_s: float | None = None,
-    ):
-        problems = SESSION_PROBLEMS
-        if variant:
-            problems = tuple(p for p in SESSION_PROBLEMS if p.name == variant)
-            if not problems:
-                names = ", ".join(p.name for p in SESSION_PROBLEMS)
-                raise ValueError(f"session-repair: unknown problem {variant!r}; problems: {names} (or no variant)")
-        self.name = f"session-repair/{variant}" if variant else "session-repair"
-        self.problems, self.max_ops, self.run_timeout_s = problems, max_ops, run_timeout_s
-        self.client_timeout_s = client_timeout_s  # None: the sandbox client's own deadline
-        self.size = len(problems)
-
-    def task(self, index: int) -> Task:
-        if index < 0:
-            raise ValueError(f"{self.name}: task index must be >= 0 (got {index})")
-        p: SessionProblem = self.problems[index % len(self.problems)]
-        prompt = (
-            f"Fix the bug in this Python project, then submit. {p.statement}\n"
-            f"Files: {', '.join(path for path, _ in p.files)}\n"
-            f"Run the visible tests with <run>{shlex.join(VISIBLE_CMD)}</run>; hidden tests judge the submission.\n"
-            f"Act with tool calls (up to 8 per message, {self.max_ops} in all): {SYNTAX}\n"
-        )
-        data = {
-            "files": [list(f) for f in p.files],
-            "hidden": p.hidden,
-            "entry_point": p.entry_point,
-            "packages": list(p.packages),
-            "problem": p.name,
-        }
-        return Task(self.name, f"{p.name}-{index}", prompt, data)
-
-    def make_env(self, task: Task, executor: Any = None) -> Environment:
-        return SessionEnv(task, executor, self.max_ops, self.run_timeout_s, self.client_timeout_s)
-
-    def task_names(self) -> list[str]:
-        return [p.name for p in self.problems]
-
-    def _named_task(self, k: int) -> Task:
-        return self.task(k)
-
-    def reference(self, task: Task) -> dict[str, str]:
-        p = next(p for p in self.problems if p.name == task.data["problem"])
-        return self.workspace(task) | dict(p.reference)
-
-
-def make_session_repair(variant: str | None) -> SessionRepairDomain:
-    return SessionRepairDomain(variant)

@@ -30,8 +30,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hpcrl.core.config import SandboxConfig
 from hpcrl.rl.domains.mutate import apply, mutation_sites, sample_sites
 from hpcrl.rl.domains.stdlib_repair import MODULES, MUTATOR_VERSION, check_spec, check_verdict
+from hpcrl.sandbox.pool import SlotPool
+from hpcrl.sandbox.spec import ExecSpec, Limits
 
 __all__ = ["build", "locate"]
 
@@ -87,8 +90,6 @@ def build(
 ) -> dict:
     """Build (or rebuild) `out_dir/manifest.json`; `sandbox` is a SandboxConfig (default: the
     config's defaults), `jobs` the sandbox slots run at once. Returns the manifest."""
-    from hpcrl.core.config import SandboxConfig
-    from hpcrl.sandbox.pool import SlotPool
 
     t0 = time.monotonic()
     pool = SlotPool.from_config(sandbox or SandboxConfig(), slots=jobs)
@@ -151,7 +152,6 @@ def build(
 
 
 def _probe_spec():
-    from hpcrl.sandbox.spec import ExecSpec, Limits
 
     return ExecSpec.single("bash", f'exec python3 -I -c "{_PROBE}"\n', limits=Limits(wall_s=30))
 

@@ -50,11 +50,12 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.rl.domains.base import EVAL_BASE, ActionSpec, Environment, StepResult, Task
-from hpcrl.rl.domains.code import _outcome
+from hpcrl.rl.domains.code import sandbox_outcome
 from hpcrl.rl.domains.confine import confine
 from hpcrl.rl.domains.mutate import Mutation, apply
 from hpcrl.rl.domains.session_env import SessionDomain, SessionEnv
 from hpcrl.rl.domains.toolcalls import SYNTAX
+from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
 __all__ = ["MODULES", "RUNNER", "StdlibMutant", "StdlibRepairDomain", "cache_dir", "check_spec", "load_manifest"]
 
@@ -202,7 +203,6 @@ _main()
 def check_spec(module: str, test: str, source: str, test_text: str, nonce: str, timeout_s: float):
     """The submit check of `source` as one sandbox execution: the runner, the module, a copy of
     its test file; `nonce` on stdin (hpcrl.sandbox.spec.ExecSpec)."""
-    from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
 
     files = (
         SourceFile("main.sh", "exec python3 -I -B check.py\n"),
@@ -297,7 +297,7 @@ class StdlibRepairEnv(SessionEnv):
         nonce = secrets.token_hex(16)
         spec = check_spec(d["module"], d["test"], source, d["test_text"], nonce, d["timeout_s"])
         res = self._judge_call(lambda client: client.run(spec))
-        status, code, wall = _outcome(res)  # a sandbox_error raises: the infrastructure's
+        status, code, wall = sandbox_outcome(res)  # a sandbox_error raises: the infrastructure's
         verdict, detail = check_verdict(res, nonce)
         passed = verdict == "pass"
         return self._verdict(passed, status, code, wall, "tests passed" if passed else "tests failed", detail)

@@ -35,7 +35,7 @@ class ActionSpec:
     action), extra end-of-sequence tokens (by name, beyond the model's own), and the sampling
     parameters (temperature 0: greedy; top_p 1 and top_k 0: no truncation). The recorded
     log-probabilities are those of the distribution these make, and the learner scores the
-    policy under the same ones (rl/engine.py); greedy actions are never trained."""
+    policy under the same ones (rl/rollout/engine.py); greedy actions are never trained."""
 
     max_tokens: int
     stop: tuple[str, ...] = ()

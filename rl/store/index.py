@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
 from hpcrl.rl.store.segment import SegmentInfo, crc32
 
 __all__ = [

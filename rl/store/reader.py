@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.tables import ARRAY_NAMES
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import (
     MANIFEST_NAME,
     SegmentError,
@@ -44,8 +46,6 @@ from hpcrl.rl.store.layout import (
     read_segment,
     read_shard,
 )
-from hpcrl.rl.store.records import ARRAY_NAMES
-from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["StoreReader", "Batch", "iter_segments", "resolve_store"]
 
@@ -86,7 +86,7 @@ class _Shard:
     unverified: bool = False  # its manifest is there but unreadable: read segment by segment
 
     def set_segments(self, state: ShardState) -> None:
-        self.segments = sorted(_segments_of(state), key=lambda g: g.seq)
+        self.segments = sorted(segments_of(state), key=lambda g: g.seq)
         self.seen = set(state.segment_names)
         self.finalized = state.finalized
         self.unverified = state.manifest_error is not None
@@ -95,7 +95,7 @@ class _Shard:
         bisect.insort(self.segments, seg, key=lambda g: g.seq)
 
 
-def _segments_of(state: ShardState) -> list[_Seg]:
+def segments_of(state: ShardState) -> list[_Seg]:
     if state.manifest is not None:
         listed = {s.name for s in state.manifest.segments}
         extra = [n for n in state.segment_names if n not in listed]
@@ -120,7 +120,7 @@ def iter_segments(
     """Every readable segment of every shard, verified; `on_error(shard, name, reason)` for the rest.
     With `fields` a subset (e.g. ("traj", "steps")) only those arrays are read and checked."""
     for state in list_shards(store):
-        for seg in _segments_of(state):
+        for seg in segments_of(state):
             try:
                 yield state, seg.name, read_segment(state.path / seg.name, seg.expect, fields)
             except SegmentError as exc:

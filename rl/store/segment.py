@@ -56,7 +56,7 @@ from h5py import h5a, h5d, h5f, h5p, h5s, h5t, h5z
 
 from hpcrl import __version__
 from hpcrl.core.files import fsync_path
-from hpcrl.rl.store.columns import Columns
+from hpcrl.rl.record.columns import Columns
 
 SEGMENT_FORMAT = "hpcrl-trajectory-segment"
 SEGMENT_FORMAT_VERSION = 2
@@ -71,10 +71,10 @@ HEADER_SIZE = 512  # the HDF5 user block (a power of two >= 512)
 MAGIC = b"HPCRL-SEGMENT\n\x00\x00"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 HDF5_BYTES = 255  # region kind: bytes HDF5 wrote
-_HEAD = struct.Struct("<16sIIQ")
-_REGION = struct.Struct("<QQIB3x")
-_CRC_AT = HEADER_SIZE - 4
-MAX_REGIONS = (_CRC_AT - _HEAD.size) // _REGION.size
+HEAD = struct.Struct("<16sIIQ")
+REGION = struct.Struct("<QQIB3x")
+CRC_AT = HEADER_SIZE - 4
+MAX_REGIONS = (CRC_AT - HEAD.size) // REGION.size
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
 
 Compression = Literal["none", "gzip", "lzf"]
@@ -254,11 +254,11 @@ class SegmentFile:
         if len(regions) > MAX_REGIONS:
             raise OSError(f"{self.tmp.name}: {len(regions)} regions do not fit the segment header")
         header = bytearray(HEADER_SIZE)
-        _HEAD.pack_into(header, 0, MAGIC, SEGMENT_FORMAT_VERSION, len(regions), self.length)
+        HEAD.pack_into(header, 0, MAGIC, SEGMENT_FORMAT_VERSION, len(regions), self.length)
         for i, region in enumerate(regions):
-            _REGION.pack_into(header, _HEAD.size + i * _REGION.size, *region)
-        crc = zlib.crc32(memoryview(header)[:_CRC_AT])
-        struct.pack_into("<I", header, _CRC_AT, crc)
+            REGION.pack_into(header, HEAD.size + i * REGION.size, *region)
+        crc = zlib.crc32(memoryview(header)[:CRC_AT])
+        struct.pack_into("<I", header, CRC_AT, crc)
         # One call writes it all: the header, the data, and HDF5's own bytes again as read
         # (rewriting identical bytes costs less than a system call and a GIL hand-off per region).
         _pwritev_all(fd, [memoryview(header), *iov], 0, self.length)

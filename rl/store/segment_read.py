@@ -21,17 +21,17 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpcrl.rl.store.columns import Columns, ColumnsError
-from hpcrl.rl.store.records import ARRAY_NAMES, upgrade_tables
+from hpcrl.rl.record.columns import Columns, ColumnsError
+from hpcrl.rl.record.tables import ARRAY_NAMES, upgrade_tables
 from hpcrl.rl.store.segment import (
-    _CRC_AT,
-    _HEAD,
-    _REGION,
+    CRC_AT,
     HDF5_BYTES,
     HDF5_SIGNATURE,
+    HEAD,
     HEADER_SIZE,
     MAGIC,
     MAX_REGIONS,
+    REGION,
     SEGMENT_ATTR,
     SEGMENT_FORMAT,
     SEGMENT_FORMAT_VERSION,
@@ -153,10 +153,10 @@ def _load(path: Path, expect: SegmentInfo | None, fields: tuple[str, ...]) -> tu
 def _parse_header(head: bytes, size: int) -> tuple[int, list[tuple[int, int, int, int]]]:
     if len(head) < HEADER_SIZE:
         raise SegmentError(f"truncated: {size} bytes, shorter than the segment header")
-    (crc,) = struct.unpack_from("<I", head, _CRC_AT)
-    if zlib.crc32(head[:_CRC_AT]) != crc:
+    (crc,) = struct.unpack_from("<I", head, CRC_AT)
+    if zlib.crc32(head[:CRC_AT]) != crc:
         raise SegmentError("checksum mismatch in the segment header")
-    _, version, n, length = _HEAD.unpack_from(head, 0)
+    _, version, n, length = HEAD.unpack_from(head, 0)
     if version != SEGMENT_FORMAT_VERSION:
         raise SegmentError(f"segment format v{version} is not one this hpcrl reads (v1, v2); upgrade hpcrl")
     if length != size:
@@ -165,7 +165,7 @@ def _parse_header(head: bytes, size: int) -> tuple[int, list[tuple[int, int, int
         raise SegmentError(f"damaged header: {n} regions")
     regions, pos = [], HEADER_SIZE
     for i in range(n):
-        offset, rlen, rcrc, kind = _REGION.unpack_from(head, _HEAD.size + i * _REGION.size)
+        offset, rlen, rcrc, kind = REGION.unpack_from(head, HEAD.size + i * REGION.size)
         if offset != pos or rlen <= 0 or not (kind == HDF5_BYTES or kind < len(ARRAY_NAMES)):
             raise SegmentError(f"damaged header: region {i} at {offset}+{rlen} (kind {kind})")
         regions.append((offset, rlen, rcrc, kind))

@@ -46,10 +46,11 @@ import zmq
 
 from hpcrl.core.liveness import beat, peer_starting
 from hpcrl.core.rpc import Router
-from hpcrl.core.transport import BadMessage, Node, TransportError, decode, encode, read_endpoint, send_frames
-from hpcrl.rl.store.columns import Columns, ColumnsError, wire_bytes
+from hpcrl.core.transport import Node, TransportError, read_endpoint
+from hpcrl.core.wire import BadMessage, decode, encode, send_frames
+from hpcrl.rl.record.columns import Columns, ColumnsError, wire_bytes
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import WriterStopped
-from hpcrl.rl.trajectory import Trajectory
 
 __all__ = ["TrajectorySender", "TrajectoryReceiver", "TrajectorySink"]
 

@@ -1,7 +1,7 @@
 """The shard writer's sync thread: it makes segments durable and visible, in order, in groups.
 
     sync = SyncThread("hpcrl-store-w0")
-    sync.hand_over(item)        # an _InFlight whose HDF5 structure is written (caller's thread)
+    sync.hand_over(item)        # an InFlight whose HDF5 structure is written (caller's thread)
     item.future.result()        # None: filled, fsynced, renamed, directory fsynced, not fenced
     sync.failed                 # set once one failed: later segments are not renamed
     sync.shutdown()
@@ -14,9 +14,9 @@ it may be acknowledged. What can go wrong, and what the writer does with it:
 
 * a failure before a segment's rename: the segment never became visible; it and all later
   ones fail (nothing is renamed after a failure) and the writer takes their batches back;
-* the directory fsync fails after renames (`_Unproven`): visible but not proven durable;
+* the directory fsync fails after renames (`Unproven`): visible but not proven durable;
   never acknowledged, never written again: the writer stops;
-* the shard is fenced (`_Fenced`): a newer writer took it over; nothing renamed into it now
+* the shard is fenced (`Fenced`): a newer writer took it over; nothing renamed into it now
   counts: the writer stops.
 """
 
@@ -29,19 +29,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.core.files import fsync_path
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.flat import EncodeBuffers
+from hpcrl.rl.record.trajectory import Trajectory
 from hpcrl.rl.store.layout import SegmentInfo, StoreError, is_fenced
 from hpcrl.rl.store.segment import create_segment, start_writeback
-from hpcrl.rl.trajectory import Trajectory
 
 MAX_INFLIGHT = 4  # segments written but not yet durable, at most
 
 
-class _Unproven(Exception):
+class Unproven(Exception):
     """A segment renamed into place whose directory fsync failed: visible, durability unknown."""
 
 
-class _Fenced(Exception):
+class Fenced(Exception):
     """The shard was fenced by a newer writer: this one's renames there do not count."""
 
     def __init__(self, shard: Path):
@@ -49,7 +50,7 @@ class _Fenced(Exception):
         self.shard = shard
 
 
-class _InFlight:
+class InFlight:
     """A segment handed to the sync thread: its batches (`make`), then its .tmp file and fd."""
 
     __slots__ = (
@@ -93,10 +94,10 @@ class _InFlight:
 class SyncThread:
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._queue: deque[_InFlight] = deque()  # handed over, not yet taken into a group
+        self._queue: deque[InFlight] = deque()  # handed over, not yet taken into a group
         self.failed = threading.Event()  # set on the sync thread: later segments stay .tmp
 
-    def hand_over(self, item: _InFlight) -> None:
+    def hand_over(self, item: InFlight) -> None:
         self._queue.append(item)
         self._pool.submit(self._run)
 
@@ -111,12 +112,12 @@ class SyncThread:
         done. After one failure nothing else is renamed, so a visible seq is never followed
         by a missing smaller one; the writer takes the failed batches back (`_rebuffer`).
         """
-        group: list[_InFlight] = []
+        group: list[InFlight] = []
         while self._queue:
             group.append(self._queue.popleft())  # only this thread pops
         if not group:
             return  # an earlier task took this one's segment into its group
-        renamed: list[_InFlight] = []
+        renamed: list[InFlight] = []
         error: BaseException | None = None
         try:
             for item in group:  # all of the group's files first: their writeback overlaps
@@ -138,18 +139,18 @@ class SyncThread:
                 fsync_path(renamed[0].shard, directory=True)  # a whole group is in one shard
             except BaseException as exc:
                 # Visible but not known durable: never acknowledged, never written again.
-                unproven = _Unproven(f"its rename is visible but not proven durable: {exc}")
+                unproven = Unproven(f"its rename is visible but not proven durable: {exc}")
                 self.failed.set()
         # The fence check comes after the renames (and their directory fsync): a recovery
         # fences before it lists, so if no fence is seen now, it will list these files.
         try:
             fenced = is_fenced(group[0].shard)
         except BaseException as exc:
-            error, unproven, fenced = exc, _Unproven(f"cannot check its fence: {exc}"), False
+            error, unproven, fenced = exc, Unproven(f"cannot check its fence: {exc}"), False
             self.failed.set()
         if fenced:
             self.failed.set()
-            renamed, error = [], _Fenced(group[0].shard)
+            renamed, error = [], Fenced(group[0].shard)
         for item in group:
             if item not in renamed:
                 item.future.set_exception(error)

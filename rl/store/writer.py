@@ -48,32 +48,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.core.config import StoreConfig
-from hpcrl.core.files import atomic_write_json, fsync_path, read_json
-from hpcrl.rl.store.columns import Columns, EncodeBuffers
-from hpcrl.rl.store.index import IndexPart, index_part, read_index
+from hpcrl.rl.record.columns import Columns
+from hpcrl.rl.record.flat import EncodeBuffers
+from hpcrl.rl.record.trajectory import Trajectory
+from hpcrl.rl.store.index import IndexPart, index_part
 from hpcrl.rl.store.layout import (
-    MANIFEST_NAME,
-    OWNER_NAME,
     WRITER_NAME_RE,
     SegmentInfo,
     StoreError,
     WriterStopped,
-    finalize_shard,
     is_fenced,
-    new_shard_dir,
     segment_name,
-    write_index_or_warn,
 )
-from hpcrl.rl.store.lease import StoredIds, hold_shard, owner_alive, release_shard, take_over
-from hpcrl.rl.store.sync import MAX_INFLIGHT, SyncThread, _Fenced, _InFlight, _Unproven
-from hpcrl.rl.trajectory import Trajectory
+from hpcrl.rl.store.lease import StoredIds, owner_alive, release_shard, take_over
+from hpcrl.rl.store.shards import ShardLifecycle
+from hpcrl.rl.store.sync import MAX_INFLIGHT, Fenced, InFlight, SyncThread, Unproven
 
 __all__ = ["ShardWriter", "FlushResult", "WriterStopped", "owner_alive"]
 
@@ -94,7 +89,7 @@ class FlushResult:
         return len(self.ids)
 
 
-class ShardWriter:
+class ShardWriter(ShardLifecycle):
     """Writes one writer's shards under `store`; see the module docstring for the protocol."""
 
     def __init__(self, store: str | os.PathLike, writer: str, cfg: StoreConfig | None = None, *, dedup: bool = True):
@@ -126,8 +121,8 @@ class ShardWriter:
         self._parts: list[IndexPart] = []  # ... and their index entries (hpcrl.rl.store.index)
         self._shard_rows = 0  # rows written to the open shard, durable or in flight
         self._seq = 0
-        self._inflight: deque[_InFlight] = deque()
-        self._done: list[_InFlight] = []  # synced, not yet reported in a FlushResult
+        self._inflight: deque[InFlight] = deque()
+        self._done: list[InFlight] = []  # synced, not yet reported in a FlushResult
         self._sync = SyncThread(f"hpcrl-store-{writer}")
         self._last_beat = 0.0
         self.total_rows = 0
@@ -269,88 +264,6 @@ class ShardWriter:
 
     # -- the pipeline -------------------------------------------------------------------------
 
-    # -- shards: open, retire, finalize (each step may fail, e.g. ENOSPC, and is retried) ----
-
-    def _open_shard(self) -> None:
-        """Open the next shard; StoreError (nothing left behind) if the filesystem refuses."""
-        try:
-            shard = new_shard_dir(self.store, self.writer)
-        except (OSError, StoreError) as exc:
-            raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
-        try:
-            atomic_write_json(
-                shard / OWNER_NAME,
-                {"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(), "started_at": time.time()},
-            )
-        except OSError as exc:
-            try:
-                shard.rmdir()  # empty: atomic_write_json removes its own temporary file
-            except OSError:
-                pass  # an empty shard without an owner: the next recovery removes it
-            raise StoreError(f"cannot open a new shard in {self.store}: {exc}") from exc
-        self._shard, self._segments, self._parts, self._shard_rows, self._seq = shard, [], [], 0, 0
-        hold_shard(shard)
-        self._last_beat = time.monotonic()
-
-    def _ensure_shard(self) -> None:
-        if self._shard is None:
-            self._open_shard()
-
-    def _heartbeat(self) -> None:
-        self._last_beat = time.monotonic()
-        if self._shard is None:
-            return
-        try:
-            os.utime(self._shard / OWNER_NAME)
-        except OSError as exc:
-            log.warning("heartbeat on %s failed: %s", self._shard, exc)
-
-    def _retire(self) -> None:
-        """The open shard, all of it durable, waits for its manifest; no shard is open after."""
-        if self._shard is not None:
-            self._unfinalized.append((self._shard, self._segments, self._parts))
-            self._shard, self._segments, self._parts, self._shard_rows, self._seq = None, [], [], 0, 0
-
-    def _finalize_retired(self) -> None:
-        """Write the manifest of each retired shard (an empty one is removed); StoreError if one
-        cannot be written: it stays retired, its segments durable and readable, and is retried."""
-        while self._unfinalized:
-            shard, segments, parts = self._unfinalized[0]
-            if is_fenced(shard):  # a newer writer finalized it (its manifest lists our segments)
-                self._fenced(shard)
-            try:
-                if segments:
-                    write_index_or_warn(shard, parts, segments)
-                    finalize_shard(shard, self.writer, segments, "closed")
-                else:
-                    (shard / OWNER_NAME).unlink(missing_ok=True)
-                    shard.rmdir()
-            except FileExistsError:
-                if not self._own_manifest(shard):  # fenced and finalized between the check and here
-                    self._fenced(shard)
-                # else: ours, from an attempt whose directory fsync failed; that fsync is redone
-                try:
-                    fsync_path(shard, directory=True)
-                except OSError as exc:
-                    raise StoreError(f"finalizing shard {shard.name} failed: {exc}; retried at the next flush") from exc
-            except OSError as exc:
-                raise StoreError(
-                    f"finalizing shard {shard.name} failed: {exc}; its {sum(s.rows for s in segments)} row(s) "
-                    "are durable, the manifest is written at the next flush or close"
-                ) from exc
-            release_shard(shard)
-            self._unfinalized.pop(0)
-            if segments and self._stored is not None and (idx := read_index(shard, segments)) is not None:
-                self._stored.seal(idx.keys)  # searched in place from now on, not held in a set
-
-    def _own_manifest(self, shard: Path) -> bool:
-        """Whether the shard's manifest is this writer's own closing one (not a recovery's)."""
-        try:
-            m = read_json(shard / MANIFEST_NAME)
-        except (OSError, ValueError):
-            return False
-        return not is_fenced(shard) and m.get("writer") == self.writer and m.get("status") == "closed"
-
     def _segment_parts(self) -> tuple[list[Columns], EncodeBuffers | None]:
         """The buffer as the batches of one segment, in arrival order: the batches as they came
         and the loose trajectories encoded (into pooled buffers, given back once filled)."""
@@ -384,7 +297,7 @@ class ShardWriter:
         attrs = {"shard": shard.name, "writer": self.writer, "seq": seq, "flushed_at": now}
         self._seq = seq
         ids = [tid for p in parts for tid in p.ids()]
-        item = _InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
+        item = InFlight(shard, tmp, path, ids, (self._chunks, self._loose), bufs, self._free_bufs)
         item.make = (parts, attrs, self.cfg.compression)
         item.index = index_part(parts)
         self._chunks, self._loose, self._buffered, self._oldest = [], [], 0, None
@@ -412,10 +325,10 @@ class ShardWriter:
         item = self._inflight[0]
         try:
             item.future.result()
-        except _Unproven as exc:
+        except Unproven as exc:
             self._stop(f"syncing {item.path.name}: {exc}")
             raise WriterStopped(f"writer {self.writer!r} stopped: {self._stopped}") from exc
-        except _Fenced as exc:
+        except Fenced as exc:
             self._fenced(exc.shard)
         except Exception as exc:  # never visible: take every unsynced batch back
             self._rebuffer()
@@ -425,7 +338,7 @@ class ShardWriter:
             ) from exc
         self._complete(self._inflight.popleft())
 
-    def _release(self, item: _InFlight) -> None:
+    def _release(self, item: InFlight) -> None:
         if item.fd >= 0:
             os.close(item.fd)
         if item.bufs is not None:
@@ -433,7 +346,7 @@ class ShardWriter:
             item.bufs = None
         item.make = None  # drops its references to the batches
 
-    def _complete(self, item: _InFlight) -> None:
+    def _complete(self, item: InFlight) -> None:
         # Every in-flight segment belongs to the open shard: rotation drains before finalizing.
         self._release(item)
         self._segments.append(item.info)
@@ -480,7 +393,7 @@ class ShardWriter:
         while self._inflight:
             item = self._inflight.popleft()
             self._release(item)
-            if not isinstance(item.future.exception(), _Unproven):
+            if not isinstance(item.future.exception(), Unproven):
                 item.tmp.unlink(missing_ok=True)
         for shard in [self._shard] + [s for s, _, _ in self._unfinalized]:
             if shard is not None:

@@ -6,7 +6,7 @@ simulator call the same functions).
     must_end(time_left_s, drain_s, leasing, open_episodes)       # ... or hands back and exits
     room_for_another_generator(queued, outstanding, max_ahead)   # would one more generator get work?
 
-Lending (rl/generator.py): an episode in an environment step (a sandbox run) leaves its row of
+Lending (rl/rollout/generator.py): an episode in an environment step (a sandbox run) leaves its row of
 the continuous batch idle, so a generator takes up to `generators.lend_episodes` more episodes
 meanwhile, still decoding at most `episodes_in_flight` rows at once. A rollout job
 (jobs/rollout.py) leases only while one more episode fits before its drain starts, and ends

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .cluster import Cluster, shquote
+from .cluster import Cluster
+from .host import shquote
 from .layout import DaemonFailed, Failed, Layout, log
 from .procs import tail_logs
 

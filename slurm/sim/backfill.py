@@ -2,12 +2,12 @@
 
 What a run with `scheduler.policy: backfill` does, on a simulated clock:
 
-* **Flow control** as the coordinator's (rl/coordinator.py): new episodes only while fewer than
+* **Flow control** as the coordinator's (rl/coordinator/coordinator.py): new episodes only while fewer than
   max(1, max_staleness) x batch_size are outstanding beyond what the learner consumed; episodes
   handed back by a rollout job are issued again first. Stale episodes are dropped as in async.
 * **Lending inside a generator** (`training.lend_episodes`, the run's generators.lend_episodes):
   a generator takes more episodes while some wait on sandboxes, by slurm/backfill/lending.py's
-  `episodes_to_take`, the rule rl/generator.py runs.
+  `episodes_to_take`, the rule rl/rollout/generator.py runs.
 * **Rollout jobs in Slurm's backfill windows** (with a `slurm:` section and scheduler.max_rollout_jobs
   and max_rollout_gpus > 0): the run's planner rounds (slurm/backfill/book.py `SlurmRollouts`: the
   window, job sizing, --time/--time-min, withdrawal, give-way) run against the simulated controller
@@ -50,7 +50,7 @@ STUCK_S = 48 * 3600.0  # a run without a training step this long is a simulator 
 
 
 def coordinator_max_ahead(max_staleness: int, batch: int) -> int:
-    """The coordinator's flow control at coordinator.max_groups_ahead null (rl/coordinator.py)."""
+    """The coordinator's flow control at coordinator.max_groups_ahead null (rl/coordinator/coordinator.py)."""
     return max(1, max_staleness) * batch
 
 

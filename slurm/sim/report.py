@@ -18,6 +18,7 @@ from pathlib import Path
 from hpcrl.core.schema import ConfigError
 from hpcrl.slurm.sim.replay import SimInputError, read_measured
 from hpcrl.slurm.sim.run import POLICIES, format_table, plot_timeline, simulate
+from hpcrl.slurm.sim.shared import compare, format_comparison
 from hpcrl.slurm.sim.trace import World, ignored_note, load_trace, replay_trace
 
 __all__ = ["SimRequest", "run_sim", "PLOT_SUFFIXES"]
@@ -43,8 +44,6 @@ class SimRequest:
 def run_sim(req: SimRequest, read_store: Callable | None = None, note: Callable[[str], None] = print) -> str:
     """The text `hpcrl sim` prints (a table, or JSON); `note` hears remarks about the input."""
     if req.experiments:
-        from hpcrl.slurm.sim.shared import compare, format_comparison
-
         if req.trace or req.setup or req.plot or req.policy:
             raise SimInputError("--experiments takes trace files only: no TRACE argument, --policy, --setup or --plot")
         traces = [load_trace(p, req.overrides) for p in req.experiments]

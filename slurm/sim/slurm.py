@@ -41,6 +41,8 @@ from hpcrl.slurm.backfill.snapshot import QueueSnapshot
 from hpcrl.slurm.queries import NodeState, PartitionState, PendingJob, RunningJob
 from hpcrl.slurm.sim.profile import Profile
 
+# hpcrl imports inside functions here would load yaml for every importer of this module (start-up speed).
+
 __all__ = ["SimSlurm", "SimJob", "BASE", "at", "PARTITION"]
 
 # Simulated time 0 as the controller's clock shows it: a whole hour, so bf_resolution steps of

@@ -1,0 +1,433 @@
+"""The direct weight path (`policy.weight_sync: direct`): learner rank 0 sends each version to
+every generator over torch.distributed, a process group of its own (NCCL on GPUs, gloo on
+CPU), beside the learner's training group and unknown to it.
+
+    sender = DirectSender(run_dir, backend="gloo")       # learner rank 0
+    sender.send(12, state)                               # returns at once; a thread sends
+    feed = sender.stream(13); feed.put(bucket); ...; feed.close()   # buckets sent as they are gathered
+    recv = DirectReceiver(run_dir, "gen-0", backend="gloo", device=cpu)   # a generator
+    recv.take()                                          # (12, state) once received, else None
+
+Rendezvous: rank 0 serves a store of the run (hpcrl.rl.common.distenv: CURVE, the run's keys, this
+node's address) and writes its name to `weights/direct.json`; a generator (whenever it starts,
+also after a restart) joins by number and both sides build a two-member group under a prefix
+of its own (`pair/<n>`), in a thread of the sender's so that a join that never completes
+holds up nobody's delivery. Pairs, not one group of all, so a generator can come and go
+without the others or the learner rebuilding anything; a pair whose generator is gone fails
+on the next send and is dropped. Only holders of the run's keys reach the store: nobody else
+can join, or drop a member (`leave/<n>`). Per version: one message per bucket
+(rl/weights/shards.py's `Bucket`: the flat buffer a chunk of parameters was gathered into), each a
+header (JSON: version, names, dtypes, shapes) and the bucket's bytes in one broadcast from rank 0
+of the pair, then an end message. A learner streams the buckets as it gathers them, so sending
+overlaps gathering; a receiver lands each bucket in a flat staging buffer of its own, and the
+generator's swap copies from views of those. Files are still written (restarts and late joiners
+read them); a generator takes whichever is newer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from hpcrl.core.files import atomic_write_json
+from hpcrl.rl.common.distenv import RunStore, StoreServer, node_address
+from hpcrl.rl.weights.shards import Bucket
+
+__all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "Feed", "pair_group"]
+
+log = logging.getLogger("hpcrl.weights")
+SERVICE = "weights-direct"  # the sender's store: endpoints/weights-direct.json
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+_BUCKET_BYTES = 1 << 27  # what `send` packs a plain state into per message (a learner's gather chunks are its own)
+_END, _ABORT = object(), object()
+
+
+def pair_group(backend: str, store, rank: int, timeout_s: float):
+    """A two-member process group on `store`, outside torch.distributed's default group."""
+    dist = torch.distributed
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _shutdown(pg) -> None:
+    """Abort `pg` (unblocking a thread waiting in it) and release its resources."""
+    for how in ("abort", "shutdown"):
+        try:
+            getattr(pg, how)()
+            return
+        except Exception:
+            continue
+
+
+def _bcast(pg, t: torch.Tensor) -> None:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([t], opts).wait()
+
+
+class DirectSender:
+    def __init__(self, run_dir: str | Path, backend: str, device=None, timeout_s: float = 600.0, host=None):
+        self.backend, self.timeout_s = backend, timeout_s
+        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        # `host`: the address generators know this node by (None: its name); 127.0.0.1 keeps it on the node.
+        self.server = StoreServer(run_dir, SERVICE, name="learner-direct", bind_host=node_address(host))
+        self.store = RunStore(run_dir, SERVICE, "learner-direct", datetime.timedelta(seconds=timeout_s))
+        self.info = {"service": SERVICE, "backend": backend, "instance": self.server.endpoint.instance}
+        (Path(run_dir) / "weights").mkdir(parents=True, exist_ok=True)
+        atomic_write_json(Path(run_dir) / "weights" / "direct.json", self.info)
+        self.members: dict[int, object] = {}
+        self._members_lock = threading.Lock()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (number, pair) built, not yet members
+        self._joined = 0
+        self._q: queue.Queue = queue.Queue(maxsize=1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-send", daemon=True)
+        self._thread.start()
+        self._joiner = threading.Thread(target=self._accept_loop, name="hpcrl-direct-join", daemon=True)
+        self._joiner.start()
+        self.sent_s = 0.0
+
+    def _accept_loop(self) -> None:
+        """Generators join whenever they come, each pair built in a thread of its own: the sends
+        go on meanwhile, and a join that never completes costs its thread, not a delivery."""
+        while not self._closed:
+            try:
+                n = self.store.add("joins", 0)
+            except Exception as exc:
+                if self._closed:
+                    return
+                log.warning("direct weights: cannot read the joins: %s", exc)
+                n = self._joined
+            while self._joined < n:
+                self._joined += 1
+                threading.Thread(target=self._join, args=(self._joined,), name="hpcrl-direct-pair", daemon=True).start()
+            time.sleep(0.2)
+
+    def _join(self, n: int) -> None:
+        try:
+            pg = pair_group(self.backend, torch.distributed.PrefixStore(f"pair/{n}", self.store), 0, self.timeout_s)
+        except Exception as exc:  # the generator went away while joining
+            log.warning("direct weights: generator %d could not join: %s", n, exc)
+            return
+        self._ready.put((n, pg))  # the sending thread admits it between versions (_admit)
+
+    def _admit(self) -> None:
+        """Make the pairs built meanwhile members, each told so (a welcome: size 0) from this
+        thread, so a receiver counts itself connected only once the next version will reach it."""
+        while True:
+            try:
+                n, pg = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                _bcast(pg, torch.tensor([0], dtype=torch.int64, device=self.device))
+            except Exception as exc:
+                log.warning("direct weights: generator %d left while joining (%s)", n, exc)
+                _shutdown(pg)
+                continue
+            with self._members_lock:
+                self.members[n] = pg
+
+    def _reap(self) -> None:
+        """Let go of the members that asked to leave (DirectReceiver.close): a goodbye frees the
+        receiver's thread from the broadcast it waits in, which nothing on its side can abort."""
+        with self._members_lock:
+            members = list(self.members)
+        for n in [n for n in members if self.store.check([f"leave/{n}"])]:
+            with self._members_lock:
+                pg = self.members.pop(n, None)
+            if pg is None:
+                continue
+            try:
+                _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
+            except Exception:
+                pass
+            _shutdown(pg)
+
+    def send(self, version: int, state: Mapping[str, torch.Tensor] | Sequence[Bucket]) -> None:
+        """Queue `state` for every member (waits while the previous version is still going out):
+        buckets as they are, a plain mapping packed into buckets (a copy) first."""
+        buckets = list(state) if not isinstance(state, Mapping) else _pack(state)
+        feed = self.stream(version)
+        for bucket in buckets:
+            feed.put(bucket)
+        feed.close()
+
+    def stream(self, version: int) -> Feed:
+        """A version whose buckets arrive one by one (`Feed.put`, as the learner gathers them);
+        each goes out as soon as the version before it is sent. Waits while a version is queued."""
+        feed = Feed()
+        self._q.put((version, feed))
+        return feed
+
+    def flush(self) -> None:
+        self._q.join()
+
+    def close(self) -> None:
+        """Send what is queued, tell every member goodbye, and tear the pairs down.
+
+        Groups left to interpreter teardown join their gloo threads in arbitrary order, which
+        aborts the process at exit ("terminate called without an active exception")."""
+        if self._closed:
+            return
+        self._q.put(None)
+        self._thread.join()
+        with self._members_lock:
+            self._closed = True
+            for pg in self.members.values():
+                _shutdown(pg)
+            self.members.clear()
+        self._joiner.join(5)
+        while not self._ready.empty():  # built after the last send: never members
+            _shutdown(self._ready.get()[1])
+        self.store.close()
+        self.server.close()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._q.get(timeout=0.2)
+            except queue.Empty:
+                self._admit()
+                self._reap()
+                continue
+            if item is None:  # close(): a goodbye (size -1) lets each receiver leave its pair cleanly
+                with self._members_lock:
+                    members = list(self.members.values())
+                for pg in members:
+                    try:
+                        _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
+                    except Exception:
+                        pass
+                self._q.task_done()
+                return
+            version, feed = item
+            try:
+                t0 = time.perf_counter()
+                self._admit()
+                self._send_version(version, feed)
+                self.sent_s = time.perf_counter() - t0
+            finally:
+                self._q.task_done()
+
+    def _send_version(self, version: int, feed: Feed) -> None:
+        """Each bucket to every member as it arrives, then the end (or an abort) message."""
+        with self._members_lock:
+            members = dict(self.members)
+        while True:
+            bucket = feed.get()
+            if bucket is _END or bucket is _ABORT:
+                self._to_all(members, {"version": version, "end": bucket is _END}, None)
+                return
+            payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
+            head = {"version": version, "tensors": [[k, str(d), list(s)] for k, d, s in bucket.specs]}
+            self._to_all(members, head, payload)
+
+    def _to_all(self, members: dict, head: dict, payload: torch.Tensor | None) -> None:
+        """One message to each member; a member that fails is dropped (here and for good)."""
+        for n, pg in list(members.items()):
+            try:
+                _send_msg(pg, head, payload, self.device)
+            except Exception as exc:
+                log.warning("direct weights: generator %d dropped (%s)", n, exc)
+                members.pop(n)
+                with self._members_lock:
+                    self.members.pop(n, None)
+
+
+class Feed:
+    """The buckets of one version on their way to the sending thread, in order."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+
+    def put(self, bucket: Bucket) -> None:
+        self._q.put(bucket)
+
+    def close(self) -> None:
+        """Every bucket is put: receivers may swap the version in."""
+        self._q.put(_END)
+
+    def abort(self) -> None:
+        """The version will not be complete (the gather failed): receivers drop what they got."""
+        self._q.put(_ABORT)
+
+    def get(self):
+        return self._q.get()
+
+
+def _pack(state: Mapping[str, torch.Tensor]) -> list[Bucket]:
+    out, part, size = [], {}, 0
+    for k, v in state.items():
+        if part and size + v.numel() * v.element_size() > _BUCKET_BYTES:
+            out.append(Bucket.of(part))
+            part, size = {}, 0
+        part[k] = v.detach().cpu()
+        size += v.numel() * v.element_size()
+    if part:
+        out.append(Bucket.of(part))
+    return out
+
+
+def _send_msg(pg, head: dict, payload: torch.Tensor | None, device) -> None:
+    raw = json.dumps(head).encode()
+    _bcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
+    _bcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
+    if payload is not None and payload.numel():
+        _bcast(pg, payload)
+
+
+class DirectReceiver:
+    """A generator's side: a thread joins the learner's store and receives every version."""
+
+    def __init__(self, run_dir: str | Path, name: str, device=None, timeout_s: float = 600.0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "weights" / "direct.json"
+        self.name, self.timeout_s = name, timeout_s
+        self.device = device
+        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._stop = threading.Event()
+        self._link = None  # (store, member number) of the current pair, for close()
+        self._link_lock = threading.Lock()
+        self.connected = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hpcrl-direct-recv", daemon=True)
+        self._thread.start()
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The version received last, if any; its tensors are valid until `release()`."""
+        return self._staged
+
+    def release(self) -> None:
+        """The taken version was copied out: its staging buffers may take the next one."""
+        self._staged = None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Leave the pair and stop the thread, before interpreter teardown (see DirectSender.close).
+
+        A gloo broadcast cannot be aborted from the waiting side, so the receiver asks the sender
+        (a key in its store) for a goodbye; a sender that is gone fails the broadcast instead."""
+        self._stop.set()
+        with self._link_lock:  # the receiving thread closes the store only once this is done with it
+            link = self._link
+            if link is not None:
+                try:
+                    link[0].set(f"leave/{link[1]}", "1")
+                except Exception:
+                    pass
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("direct weights: the receiver did not leave its pair within %.0f s", timeout_s)
+
+    def _loop(self) -> None:
+        seen = None
+        while not self._stop.is_set():
+            try:
+                info = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.5)
+                continue
+            if info["instance"] == seen:
+                time.sleep(0.5)  # the learner we had is gone and no new one announced itself yet
+                continue
+            seen = info["instance"]
+            try:
+                self._serve(info)
+            except Exception as exc:  # the learner restarted or the link broke: join again
+                if self._stop.is_set():  # close() aborted the pair
+                    return
+                log.warning("direct weights: link to the learner lost (%s); rejoining", exc)
+                self.connected.clear()
+                seen = None if self._stop.is_set() else seen
+                time.sleep(0.5)
+
+    def _serve(self, info: dict) -> None:
+        # As this generator, with the run's keys: the sender's store admits nobody else.
+        store = RunStore(self.run_dir, info["service"], self.name, datetime.timedelta(seconds=60))
+        try:
+            n = store.add("joins", 1)
+            pg = pair_group(info["backend"], torch.distributed.PrefixStore(f"pair/{n}", store), 1, self.timeout_s)
+        except BaseException:
+            store.close()
+            raise
+        self._link = (store, n)
+        try:
+            if self._stop.is_set():  # close() came while joining: leave at once
+                store.set(f"leave/{n}", "1")
+            else:
+                self._receive(pg, info)
+        finally:
+            with self._link_lock:
+                self._link = None
+            self.connected.clear()
+            _shutdown(pg)
+            store.close()
+
+    def _receive(self, pg, info: dict) -> None:
+        dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
+        staging: list[torch.Tensor] = []  # one flat buffer per bucket, reused while sizes stay
+        state: dict[str, torch.Tensor] = {}
+        k = 0  # buckets of the current version so far
+        while not self._stop.is_set():
+            size = torch.zeros(1, dtype=torch.int64, device=dev)
+            _bcast(pg, size)
+            if int(size.item()) < 0:  # the learner said goodbye: wait for the next one to announce itself
+                return
+            if int(size.item()) == 0:  # the welcome: the sender counts us among its members from now on
+                self.connected.set()
+                continue
+            raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+            _bcast(pg, raw)
+            header = json.loads(raw.cpu().numpy().tobytes().decode())
+            if "end" in header:  # complete (or aborted: what came is dropped)
+                if header["end"] and k:
+                    self._staged = (int(header["version"]), state)
+                state, k = {}, 0
+                continue
+            if k == 0:  # the staging set is ours again only once the last version was swapped in
+                while self._staged is not None and not self._stop.is_set():
+                    time.sleep(0.001)
+            specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in header["tensors"]]
+            nbytes = Bucket.bytes_for(specs)
+            if k == len(staging):
+                staging.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
+            elif staging[k].numel() != nbytes:
+                staging[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            if nbytes:
+                _bcast(pg, staging[k])
+            state.update(Bucket(specs, buffer=staging[k]).tensors)
+            k += 1
+
+
+class DirectWeights:
+    """`load_if_newer` for a generator: the newest of what came directly and what the files hold."""
+
+    def __init__(self, files, receiver: DirectReceiver):
+        self.files, self.receiver = files, receiver
+        self.last_swap_s = 0.0
+
+    def load_if_newer(self, model, have: int) -> int | None:
+        got = self.receiver.take()
+        if got is not None:
+            try:
+                if got[0] > have:
+                    from hpcrl.rl.model.policy import copy_state
+
+                    t0 = time.perf_counter()
+                    copy_state(model, got[1], f"weights v{got[0]} (direct)")
+                    self.last_swap_s = time.perf_counter() - t0
+                    return got[0]
+            finally:
+                self.receiver.release()
+        return self.files.load_if_newer(model, have)

@@ -14,7 +14,7 @@ from learner/trained.jsonl and metrics.jsonl), the medians of:
 * the learner's own step_s and wait_s.
 
 A flush lag near the step time means the batch's tail waited in the writer's buffer for
-company (store.flush_every) or for store.flush_interval_s; see docs/benchmarks.md.
+company (store.flush_every) or for store.flush_interval_s.
 """
 
 from __future__ import annotations

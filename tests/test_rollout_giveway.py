@@ -49,7 +49,7 @@ def test_rollout_jobs_give_way_only_to_a_pending_job_they_keep_from_starting():
 
 
 def test_rollout_jobs_do_not_give_way_to_a_job_a_higher_priority_plan_holds_back():
-    """Run 6 of docs/benchmarks.md's backfill runs: ours were cancelled for jobs squeue showed
+    """Seen in a live backfill run on the dev cluster: ours were cancelled for jobs squeue showed
     with reason Priority, behind a higher-priority job planned on the same GPUs, which Slurm
     then did not start either: the GPUs stood idle."""
     now = dt.datetime(2026, 12, 5, 12, 0, 0)

@@ -244,7 +244,7 @@ class ShardWriter(ShardLifecycle):
         if self._flush_wait() == 0.0:
             # Old enough, or the stream paused: the learner may be waiting for exactly these
             # (the last trajectories of its batch); holding them for company stalled the
-            # pipeline by ~0.3 s per step (docs/benchmarks.md).
+            # pipeline by ~0.3 s per step (measured with bench/timeline.py).
             self._submit()
         return self._collect(block=False)
 

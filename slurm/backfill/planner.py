@@ -53,7 +53,7 @@ __all__ = [
 # Seconds between reading a window and Slurm's backfill pass seeing our job, besides waiting
 # for that pass: the age of the squeue/scontrol answers, sbatch, and the pass's own run time.
 # Measured on the dev cluster (bf_interval 1 s): a one-minute job in a 95-s window planned
-# with bf_interval + 4 s started 1.0 s after submission (docs/benchmarks.md, run 18).
+# with bf_interval + 4 s started 1.0 s after submission.
 SUBMIT_SLACK_S = 4.0
 
 

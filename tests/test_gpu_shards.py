@@ -8,8 +8,6 @@ each of its fake GPUs: two runs submitted there get generators on the same GPU a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from hpcrl.slurm import parse, queries
 from hpcrl.slurm.command import run_slurm
 
 from conftest import wait_for
+from test_submit import hpcrl
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -37,18 +36,6 @@ SMALL = [
     "slurm.generator.mem_gb=1",
     "slurm.coordinator.mem_gb=0.5",
 ]
-
-
-def hpcrl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "hpcrl.jobs.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=timeout_s,
-    )
 
 
 def test_a_share_is_its_shards_over_the_shards_of_one_gpu():

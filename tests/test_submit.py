@@ -41,7 +41,7 @@ SMALL = [
 ]
 
 
-def hpcrl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+def hpcrl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "hpcrl.jobs.cli", *args],

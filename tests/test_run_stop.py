@@ -132,6 +132,9 @@ def test_a_backgrounded_degenerate_run_stops_on_kill_int_and_says_so_everywhere(
     logs = finish(hpcrl("logs", str(run_dir), "learner"), 300)
     assert f"==> learner: {run_dir / 'submitit'}" in logs and "learner-0" in logs, logs[-2000:]
     assert (run_dir / "logs" / "learner.err").resolve().parent == run_dir / "submitit"
+    two = finish(hpcrl("logs", str(run_dir), "learner", "-n", "2"), 300)
+    blocks = [b for b in two.split("==> ") if b.strip()]
+    assert blocks and all(len(b.rstrip("\n").splitlines()) <= 3 for b in blocks), two  # its header and 2 lines
     every = finish(hpcrl("logs", str(run_dir), "-n", "2"), 300)
     assert all(f"==> {c}:" in every for c in ("store", "coordinator", "learner", "gen-0")), every[-2000:]
     status = finish(hpcrl("status", str(run_dir)), 300)

@@ -2,6 +2,7 @@
 
     hpcrl logs RUN                     # the last --lines lines of every component's current job
     hpcrl logs RUN learner             # all of the learner's current job (stderr then stdout)
+    hpcrl logs RUN learner -n 5        # its last 5 lines per file
     hpcrl logs RUN gen-0 -f            # follow it, like tail -f, across restarts (Ctrl-C stops)
     hpcrl logs RUN learner --all       # every job the learner had (restarts included)
 
@@ -30,7 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_args(p)
     p.add_argument("component", nargs="?", help="store, coordinator, learner, gen-N, sandbox-N or supervisor")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended (Ctrl-C stops)")
-    p.add_argument("-n", "--lines", type=int, default=30, help="lines per file without COMPONENT (default 30)")
+    p.add_argument(
+        "-n", "--lines", type=int, default=None, help="last lines per file (default: 30 without COMPONENT, all with it)"
+    )
     p.add_argument("--all", action="store_true", help="also the jobs the component had before its restarts")
     p.set_defaults(func=run)
 
@@ -90,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
         data = f.read_bytes()
         offsets[f] = len(data)
         text = data.decode(errors="replace")
-        if not args.component:
-            text = "\n".join(text.splitlines()[-args.lines :])
+        lines = args.lines if args.lines is not None else (None if args.component else 30)
+        if lines is not None:
+            text = "\n".join(text.splitlines()[-lines:] if lines > 0 else [])
         text = text.rstrip("\n")  # -f continues with whole lines: no blank line in between
         print(f"==> {name}: {f} <==\n{text}", flush=True)
     while args.follow:  # Ctrl-C ends it (exit 130)

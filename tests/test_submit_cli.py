@@ -161,8 +161,9 @@ def fake_run(root: Path, name: str, jobs: dict | None, status: dict | None = Non
 
 
 def test_status_without_run_lists_recent_runs_newest_first(tmp_path):
-    fake_run(tmp_path, "old", {"state": "finished", "components": {}}, {"learner": {"step": 9}})
-    time.sleep(0.05)
+    old = fake_run(tmp_path, "old", {"state": "finished", "components": {}}, {"learner": {"step": 9}})
+    past = time.time() - 3600  # older by its config's mtime, what the listing sorts by
+    os.utime(old / "config.resolved.yaml", (past, past))
     fake_run(tmp_path, "new", None, {"state": "running", "learner": {"step": 3}})
     (tmp_path / "not-a-run").mkdir()
     cfg = tmp_path / "c.yaml"

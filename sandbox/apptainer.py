@@ -133,7 +133,7 @@ def apptainer_args(
         "LANG=C.UTF-8",
     ]
     if memory_fallback == "address_space" and not cgroups:
-        args += ["--env", "MALLOC_ARENA_MAX=2"]  # see bwrap_args
+        args += ["--env", "MALLOC_ARENA_MAX=2"]  # see launcher.bwrap_args
     if cgroups:
         args += [
             "--memory",

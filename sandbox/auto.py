@@ -23,10 +23,10 @@ def make_backend(cfg: SandboxConfig) -> Backend:
     (`sandbox.uid_base`, `sandbox.uid_pool`) that nobody else uses, the backend's until it closes."""
     if cfg.backend == "bwrap":
         if os.geteuid() != 0:  # not root: no slot uids, it runs as us
-            return BwrapBackend(memory_fallback=cfg.memory_fallback)
+            return BwrapBackend(memory_fallback=cfg.memory_fallback, start_ahead=cfg.start_ahead)
         claim = claim_free_uid(cfg.uid_base, cfg.uid_pool)
         try:
-            return BwrapBackend(uid=claim.uid, memory_fallback=cfg.memory_fallback)
+            return BwrapBackend(uid=claim.uid, memory_fallback=cfg.memory_fallback, start_ahead=cfg.start_ahead)
         finally:
             claim.release()  # the backend holds its own claim on the uid now
     if cfg.backend == "apptainer":

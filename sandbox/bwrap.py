@@ -64,12 +64,25 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 import weakref
+from collections.abc import Callable
+from pathlib import Path
 
-from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify, rlimit_args
+from hpcrl.sandbox.backend import Backend, Exit, Session, SupervisedSession, classify
 from hpcrl.sandbox.cgroups import CgroupSupport, RunCgroups, probe
-from hpcrl.sandbox.launcher import JOIN_FAILED, TMPFS_DIR, helper, launcher_args
+from hpcrl.sandbox.launcher import (
+    EXEC,
+    FAIL,
+    JOIN_FAILED,
+    READY,
+    bwrap_args,
+    exec_header,
+    helper,
+    host_layout,
+    launcher_args,
+)
 from hpcrl.sandbox.process import Supervised, become_subreaper, reap_group
 from hpcrl.sandbox.result import ExecResult, SandboxError, SandboxUnavailable
 from hpcrl.sandbox.seccomp import filter_program
@@ -79,124 +92,52 @@ from hpcrl.sandbox.uids import claim_slot_uid
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BwrapBackend", "bwrap_args", "unavailable_reason", "SANDBOX_ENV"]
+__all__ = ["BwrapBackend", "unavailable_reason"]
 
-SANDBOX_ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/work",
-    "TMPDIR": "/tmp",
-    "LANG": "C.UTF-8",
-}
 # Only this reaches the launcher (and so /proc/1/environ inside): never the server's own environment.
 _LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-_INNER_UID = 65534
 _MIB = 1024 * 1024
 
 
-def _host_layout() -> list[str]:
-    """ro-binds for /usr and whatever of /bin, /lib... the host has as symlinks or directories."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    for path in ("/etc/alternatives", "/etc/ld.so.cache"):
-        if os.path.exists(path):
-            args += ["--ro-bind", path, path]
-    return args
-
-
-def bwrap_args(
-    argv: tuple[str, ...],
-    limits: Limits,
-    file_fds: list[tuple[SourceFile, int]],
-    *,
-    status_fd: int | None,
-    memory: str,
-    reserve_mb: int = 0,
-    seccomp_fd: int | None = None,
-    bwrap: str = "bwrap",
-    layout: list[str] | None = None,
-    workspace: str | None = None,
-) -> list[str]:
-    """The bwrap command line for `argv` under `limits`, `file_fds` copied into /work, memory capped
-    by `memory` (backend.rlimit_args), the filter of hpcrl.sandbox.seccomp read from `seccomp_fd`.
-    `workspace`: a host directory bound as /work instead of the run's tmpfs (a session's; it must
-    not lie under /tmp, which the launcher covers with its own tmpfs). Pure."""
-    args = [
-        bwrap,
-        # Everything but the pid namespace, which is the launcher's (bwrap is its pid 1).
-        "--unshare-user",
-        "--unshare-ipc",
-        "--unshare-net",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--uid",
-        str(_INNER_UID),
-        "--gid",
-        str(_INNER_UID),
-        "--hostname",
-        "sandbox",
-        "--die-with-parent",
-        "--new-session",
-        "--cap-drop",
-        "ALL",
-        "--disable-userns",
-        *(layout if layout is not None else _host_layout()),
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        # The launcher's tmpfs, capped in bytes and inodes (bwrap's own --size caps bytes only);
-        # /dev/shm would otherwise be a writable tmpfs of half the host's RAM.
-        "--bind",
-        f"{TMPFS_DIR}/shm",
-        "/dev/shm",
-        "--remount-ro",
-        "/dev",
-        "--bind",
-        f"{TMPFS_DIR}/tmp",
-        "/tmp",
-        "--bind",
-        workspace if workspace is not None else f"{TMPFS_DIR}/work",
-        "/work",
-    ]
-    made = set()
-    for f, fd in file_fds:
-        parts = f.path.split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            d = "/work/" + "/".join(parts[:i])
-            if d not in made:
-                made.add(d)
-                args += ["--perms", "0755", "--dir", d]
-        args += ["--perms", "0755" if f.executable else "0644", "--file", str(fd), f"/work/{f.path}"]
-    args += ["--chdir", "/work", "--remount-ro", "/", "--clearenv"]
-    env = dict(SANDBOX_ENV)
-    if memory == "address_space":
-        # glibc reserves 64 MiB of address space per malloc arena (one per thread, up to 8 per
-        # core): under RLIMIT_AS that, not memory, would stop a threaded program.
-        env["MALLOC_ARENA_MAX"] = "2"
-    for k, v in env.items():
-        args += ["--setenv", k, v]
-    if status_fd is not None:
-        args += ["--json-status-fd", str(status_fd)]
-    if seccomp_fd is not None:
-        args += ["--seccomp", str(seccomp_fd)]
-    args += ["--", "prlimit", *rlimit_args(limits, memory=memory, reserve_mb=reserve_mb), "--", *argv]
-    return args
+_MARKS = len(READY) + len(EXEC)  # what the helper writes to stdout before the program runs
+_IDLE_S = 365 * 86400.0  # a sandbox started ahead waits without a wall limit until it is given its command
+_AHEAD_KEYS = 2  # limits a backend keeps a sandbox started for (a compiled language: compile and run)
 
 
 class BwrapSession(SupervisedSession):
-    def __init__(self, proc: Supervised, cg: RunCgroups | None, limits: Limits, status_r: int, uid: int):
+    def __init__(self, proc: Supervised, cg: RunCgroups | None, limits: Limits, status_r: int):
         super().__init__(proc, limits)
-        self._uid = uid
         self._cg = cg
         self._status_r = status_r
+        self._then: Callable[[], None] | None = None
+
+    def go(self, files: tuple[SourceFile, ...], argv: tuple[str, ...], limits: Limits) -> None:
+        """Give the waiting sandbox its files and command; its wall clock and output caps start now."""
+        self._limits = limits
+        self._proc.output_cap = limits.output_kb * 1024
+        self._proc.start_clock(limits.wall_s)
+        self._proc.send(exec_header(files, argv))
+
+    def read_line(self, timeout_s: float) -> bytes | None:
+        if self._consumed < _MARKS:  # the helper's markers first: the program's output follows them
+            out, deadline = self._proc.out, time.monotonic() + timeout_s
+            if not self._proc.pump(lambda: len(out) >= _MARKS, deadline=deadline) or out[:_MARKS] != READY + EXEC:
+                return None
+            self._consumed = _MARKS
+            timeout_s = max(0.0, deadline - time.monotonic())
+        return super().read_line(timeout_s)
 
     def finish(self) -> ExecResult:
         if self._result is not None:
             return self._result
+        try:
+            return self._finish()
+        finally:
+            then, self._then = self._then, None
+            if then is not None:
+                then()
+
+    def _finish(self) -> ExecResult:
         try:
             raw = self._proc.wait()
             # The launcher was killed (or died) before the pid 1 of its namespace: that process,
@@ -209,11 +150,16 @@ class BwrapSession(SupervisedSession):
         ru = raw.rusage
         cpu = cpu_cg if cpu_cg is not None else ((ru.ru_utime + ru.ru_stime) if ru else 0.0)
         peak = (peak_cg / _MIB) if peak_cg is not None else ((ru.ru_maxrss / 1024) if ru else 0.0)
-        # bwrap reports the exit code only of a program it started; a run we killed never gets
-        # that far, but the caller's kill of a live session is no setup failure either.
-        started = b'"exit-code"' in raw.side or (self._proc.killed and b'"child-pid"' in raw.side)
+        # The program ran only if the helper said it would exec it (nothing before that marker is
+        # the program's); bwrap reports the exit code of the program it started, and a run we
+        # killed never gets that far.
+        ran = raw.stdout[:_MARKS] == READY + EXEC
+        stdout = raw.stdout[_MARKS:] if ran else b""
+        started = ran and (b'"exit-code"' in raw.side or self._proc.killed)
         if raw.exit_code == 125 and not started and raw.stderr.startswith(JOIN_FAILED):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
+        if raw.stdout[:_MARKS] == READY + FAIL:
+            log.warning("sandbox setup failed: %s", raw.stderr.decode(errors="replace").strip()[-300:])
         ex = Exit(
             exit_code=raw.exit_code,
             signal=raw.signal,
@@ -225,7 +171,7 @@ class BwrapSession(SupervisedSession):
             peak_memory_mb=peak,
             wall_s=raw.wall_s,
         )
-        self._result = classify(ex, self._limits, raw.stdout, raw.stderr, raw.stdout_truncated, raw.stderr_truncated)
+        self._result = classify(ex, self._limits, stdout, raw.stderr, raw.stdout_truncated, raw.stderr_truncated)
         return self._result
 
     def _close_cgroups(self) -> tuple[bool, float | None, int | None]:
@@ -241,6 +187,23 @@ class BwrapSession(SupervisedSession):
         return stats
 
 
+def _discard(s: BwrapSession) -> None:
+    """End a sandbox that was started ahead and never given a command."""
+    s.kill()
+    try:
+        s.finish()
+    except SandboxError as exc:
+        log.warning("a sandbox started ahead ended badly: %s", exc)
+
+
+def _close(ahead: dict, claim) -> None:
+    """The backend's end (close() or its finalizer): its waiting sandboxes before its uid."""
+    while ahead:
+        _discard(ahead.pop(next(iter(ahead))))
+    if claim is not None:
+        claim.release()
+
+
 class BwrapBackend(Backend):
     """bubblewrap, started as host uid `uid` (one per slot). See the module docstring for what it isolates."""
 
@@ -254,23 +217,30 @@ class BwrapBackend(Backend):
         bwrap: str = "bwrap",
         use_cgroups: bool = True,
         memory_fallback: str = "address_space",
+        start_ahead: bool = True,
     ):
-        missing = [t for t in (bwrap, "prlimit") if shutil.which(t) is None]
+        missing = [t for t in (bwrap,) if shutil.which(t) is None]
         self._root = os.geteuid() == 0
         if missing:
             raise SandboxUnavailable(
-                f"bwrap backend: {', '.join(missing)} not found on PATH; install bubblewrap and util-linux "
-                "(apt-get install bubblewrap util-linux) or use sandbox.backend: apptainer"
+                f"bwrap backend: {', '.join(missing)} not found on PATH; install bubblewrap "
+                "(apt-get install bubblewrap) or use sandbox.backend: apptainer"
             )
         if self._root and uid <= 0:
             raise SandboxUnavailable(f"bwrap backend: slot uid must be an unprivileged uid > 0 (got {uid})")
         self.uid = uid if self._root else os.geteuid()
         self._launch_path = helper()  # before the slot is claimed: a host without a compiler fails here
+        self._exec_binary = Path(self._launch_path).read_bytes()  # the sandbox's first program, the same helper
         self._languages: tuple[str | None, tuple[str, ...]] = (None, ())
+        # Per limits (less the wall clock and output cap, set when it is used): the sandbox started
+        # for the next run, oldest first. Taken by a run, replaced when that run finishes.
+        self.start_ahead = start_ahead
+        self._ahead: dict[tuple[Limits, int], BwrapSession] = {}
+        self._ahead_lock = threading.Lock()
         # As root each slot is its own host uid: nobody's account, and no other server's slot.
         self._claim = claim_slot_uid(uid) if self._root else None
-        if self._claim is not None:
-            weakref.finalize(self, self._claim.release)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close, self._ahead, self._claim)
         self.bwrap = shutil.which(bwrap)
         self.cgroups: CgroupSupport = probe() if (use_cgroups and self._root) else CgroupSupport()
         if memory_fallback not in ("refuse", "address_space", "data"):
@@ -287,7 +257,7 @@ class BwrapBackend(Backend):
         self._seccomp = filter_program() if seccomp_supported() else None
         if not become_subreaper():
             log.warning("cannot become a child subreaper: killed sandboxes are left for the host's init to reap")
-        self._layout = _host_layout()
+        self._layout = host_layout()
         global _announced
         if not _announced:  # once per process: which limits this machine lets us enforce
             _announced = True
@@ -298,9 +268,36 @@ class BwrapBackend(Backend):
             )
 
     def close(self) -> None:
-        """Give up this backend's slot uid (another process may then use it); idempotent."""
-        if self._claim is not None:
-            self._claim.release()
+        """End the sandboxes started ahead and give up this backend's slot uid (another process
+        may then use it); idempotent."""
+        with self._ahead_lock:
+            self._closed = True
+        self._finalizer()
+
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        """The launcher pids of the sandboxes started ahead: they run as this slot's uid, with
+        nothing of a program in them, until a run takes them or the backend closes."""
+        with self._ahead_lock:
+            return tuple(s._proc.pid for s in self._ahead.values())
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every sandbox started ahead waits for its command (True), or `timeout_s`
+        passed (False). One that died meanwhile (killed from outside) is ended and forgotten."""
+        deadline = time.monotonic() + timeout_s
+        with self._ahead_lock:
+            waiting = list(self._ahead.items())
+        for key, s in waiting:
+            out = s._proc.out
+            if s._proc.pump(lambda out=out: len(out) >= len(READY), deadline=deadline):
+                continue
+            if time.monotonic() >= deadline:
+                return False
+            with self._ahead_lock:
+                if self._ahead.get(key) is s:
+                    del self._ahead[key]
+            _discard(s)
+        return True
 
     def languages(self) -> tuple[str, ...]:
         """The languages whose tools are on this PATH, looked up once per PATH (every run asks)."""
@@ -317,7 +314,8 @@ class BwrapBackend(Backend):
             "data": "memory: RLIMIT_DATA per process only (no memory cgroup; shared mappings unbounded)",
         }[self.memory]
         seccomp = "seccomp filter" if self._seccomp else "no seccomp filter (unknown architecture)"
-        return f"bwrap as {who}; {memory}; {seccomp}; cgroups: {self.cgroups.describe()}"
+        ahead = "the next sandbox started ahead" if self.start_ahead else "each sandbox started on demand"
+        return f"bwrap as {who}; {memory}; {seccomp}; cgroups: {self.cgroups.describe()}; {ahead}"
 
     def _launch(
         self,
@@ -328,17 +326,54 @@ class BwrapBackend(Backend):
         reserve_mb: int = 0,
         workspace: str | None = None,
     ) -> Session:
+        # A session's command binds its workspace, known only now: always started on demand.
+        key = (limits.replace(wall_s=1.0, output_kb=1), reserve_mb) if workspace is None else None
+        s = self._take(key) if key is not None and self.start_ahead else None
+        if s is None:
+            s = self._start(limits, reserve_mb, workspace)
+        if key is not None and self.start_ahead:
+            me = weakref.ref(self)
+            s._then = lambda: (b := me()) is not None and b._refill(key)
+        s.go(files, argv, limits)
+        return s
+
+    def _take(self, key: tuple[Limits, int]) -> BwrapSession | None:
+        with self._ahead_lock:
+            s = self._ahead.pop(key, None)
+        if s is not None and not s.alive():  # it died waiting (e.g. the host's OOM killer)
+            _discard(s)
+            s = None
+        return s
+
+    def _refill(self, key: tuple[Limits, int]) -> None:
+        """Start the next run's sandbox for `key`, keeping those of the last _AHEAD_KEYS limits."""
+        with self._ahead_lock:
+            if self._closed or key in self._ahead:
+                return
+        try:
+            s = self._start(key[0], key[1], None)
+        except (OSError, SandboxError) as exc:
+            log.warning("cannot start a sandbox ahead (the next run starts its own): %s", exc)
+            return
+        with self._ahead_lock:
+            if self._closed or key in self._ahead:
+                old = s
+            else:
+                self._ahead[key] = s
+                old = self._ahead.pop(next(iter(self._ahead))) if len(self._ahead) > _AHEAD_KEYS else None
+        if old is not None:
+            _discard(old)
+
+    def _start(self, limits: Limits, reserve_mb: int, workspace: str | None) -> BwrapSession:
+        """A sandbox under `limits` whose first program waits for its command (BwrapSession.go)."""
         fds: list[int] = []
-        file_fds = []
         status_r, status_w = os.pipe()
         cg = None
         try:
-            for f in files:
-                fd = os.memfd_create("hpcrl-src", 0)
-                fds.append(fd)
-                _write_all(fd, f.data)
-                os.lseek(fd, 0, os.SEEK_SET)
-                file_fds.append((f, fd))
+            exec_fd = os.memfd_create("hpcrl-exec", 0)  # bwrap copies it into the sandbox and closes it
+            fds.append(exec_fd)
+            _write_all(exec_fd, self._exec_binary)
+            os.lseek(exec_fd, 0, os.SEEK_SET)
             seccomp_fd = None
             if self._seccomp is not None:
                 seccomp_fd = os.memfd_create("hpcrl-seccomp", 0)  # bwrap reads it to the end and closes it
@@ -346,9 +381,8 @@ class BwrapBackend(Backend):
                 _write_all(seccomp_fd, self._seccomp)
                 os.lseek(seccomp_fd, 0, os.SEEK_SET)
             cmd = bwrap_args(
-                argv,
                 limits,
-                file_fds,
+                exec_fd=exec_fd,
                 status_fd=status_w,
                 memory=self.memory,
                 reserve_mb=reserve_mb,
@@ -358,7 +392,7 @@ class BwrapBackend(Backend):
                 workspace=workspace,
             )
             if self.cgroups.dirs():
-                # The launcher, its pid 1 (bwrap) and prlimit count towards pids.max: leave room.
+                # The launcher and its pid 1 (bwrap) count towards pids.max: leave room.
                 cg = RunCgroups.create(
                     self.cgroups, memory_bytes=limits.memory_mb * _MIB, pids_max=limits.pids + 4, cpus=limits.cpus
                 )
@@ -370,7 +404,7 @@ class BwrapBackend(Backend):
                 cmd,
                 env=dict(_LAUNCH_ENV),
                 output_cap=limits.output_kb * 1024,
-                deadline=time.monotonic() + limits.wall_s,
+                deadline=time.monotonic() + _IDLE_S,
                 pass_fds=[*fds, status_w],
                 side_fd=status_r,
                 on_kill=cg.kill if cg else None,
@@ -385,7 +419,8 @@ class BwrapBackend(Backend):
             os.close(status_w)
             for fd in fds:
                 os.close(fd)
-        return BwrapSession(proc, cg, limits, status_r, self.uid)
+        proc.out_head = _MARKS
+        return BwrapSession(proc, cg, limits, status_r)
 
 
 _announced = False
@@ -394,7 +429,7 @@ _announced = False
 def unavailable_reason(uid: int = 61000) -> str | None:
     """Why the bwrap backend cannot run here (None: it can): missing tools, or a trivial run fails."""
     try:
-        backend = BwrapBackend(uid=uid)
+        backend = BwrapBackend(uid=uid, start_ahead=False)  # one check: nothing to start ahead for
     except SandboxUnavailable as exc:
         return str(exc)
     try:

@@ -75,7 +75,7 @@ class JudgeError(RuntimeError):
     """The test itself is broken (does not compile, has no check()): not the candidate's fault."""
 
 
-# What the bwrap backend shows every candidate of the host (bwrap._host_layout): read-only, but readable.
+# What the bwrap backend shows every candidate of the host (launcher.host_layout): read-only, but readable.
 _HOST_BOUND = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/alternatives")
 _exposure: list[str | None] = []
 

@@ -16,6 +16,17 @@
  *      and execs the rest of the command line.
  * Exit status 125: a step refused (a message starting with "hpcrl-launch:" on stderr; an
  * orphaned step stops silently, for nobody is listening any more).
+ *
+ * The same binary is the sandbox's first program (`--exec [RLIMIT]... --`, what bwrap runs as
+ * the program's uid, under the seccomp filter): a sandbox is started before anybody knows what
+ * will run in it, and this waits. It writes READY to stdout, reads from stdin the files for
+ * /work and the command (format below, written by sandbox/launcher.py's `exec_header`),
+ * writes them, sets the rlimits (prlimit's options: --cpu=SOFT:HARD, --fsize=N, ...), writes
+ * EXEC to stdout and execs the command; what else is on stdin is the program's. The program
+ * cannot have written before EXEC, so the server knows these markers are ours. A failure
+ * writes FAIL to stdout (and why to stderr) and exits 125.
+ *   header: "HPX1", u32 nfiles, per file {u32 mode, u32 path length, path, u64 size, bytes},
+ *           u32 argc, per argument {u32 length, bytes}; little-endian.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,6 +46,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include <grp.h>
+#include <stdint.h>
+#include <sys/resource.h>
 
 #ifndef PR_CAP_AMBIENT
 #define PR_CAP_AMBIENT 47
@@ -119,7 +132,163 @@ static void mount_line(char *line) {
     if (mount(src, dir, type, flags, *data ? data : NULL) < 0) die("cannot mount the sandbox's", dir);
 }
 
+/* -- the sandbox's first program (--exec) ------------------------------------------------ */
+
+static const char READY[] = "\0hpcrl-ready\n", EXEC[] = "\0hpcrl-exec\n", FAIL[] = "\0hpcrl-fail\n";
+#define MARK(m) (m), sizeof(m) - 1 /* the markers hold a NUL of their own: sizeof, not strlen */
+
+static void put(const char *buf, size_t n) {
+    while (n > 0) {
+        ssize_t w = write(1, buf, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) _exit(125); /* nobody reads our stdout: the server is gone */
+        buf += w, n -= (size_t)w;
+    }
+}
+
+static void fail(const char *what, const char *arg) {
+    int saved = errno;
+    put(MARK(FAIL));
+    errno = saved;
+    die(what, arg);
+}
+
+static void get(void *buf, size_t n) {
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = read(0, p, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            if (r == 0) errno = EPIPE;
+            fail("the command ended early on stdin", NULL);
+        }
+        p += r, n -= (size_t)r;
+    }
+}
+
+static uint64_t get_le(int bytes) {
+    unsigned char b[8];
+    uint64_t v = 0;
+    get(b, (size_t)bytes);
+    for (int i = bytes - 1; i >= 0; i--) v = (v << 8) | b[i];
+    return v;
+}
+
+static char *get_string(uint64_t max, const char *what) {
+    uint64_t n = get_le(4);
+    if (n > max) {
+        errno = E2BIG;
+        fail("too long:", what);
+    }
+    char *s = malloc(n + 1);
+    if (!s) fail("out of memory for", what);
+    get(s, n);
+    s[n] = 0;
+    if (strlen(s) != n) {
+        errno = EINVAL;
+        fail("a NUL inside", what);
+    }
+    return s;
+}
+
+/* PATH relative, no "." or ".." component (the server's SourceFile checks the same); its
+ * directories made 0755 under the working directory (/work). */
+static void put_file(const char *path, mode_t mode, uint64_t size) {
+    char dir[4096];
+    if (!*path || path[0] == '/' || strlen(path) >= sizeof dir) {
+        errno = EINVAL;
+        fail("bad file path", path);
+    }
+    for (const char *c = path; *c; c = strchr(c, '/') ? strchr(c, '/') + 1 : c + strlen(c)) {
+        if (c[0] == '.' && (c[1] == '/' || c[1] == 0 || (c[1] == '.' && (c[2] == '/' || c[2] == 0)))) {
+            errno = EINVAL;
+            fail("bad file path", path);
+        }
+    }
+    strcpy(dir, path);
+    for (char *slash = strchr(dir, '/'); slash; slash = strchr(slash + 1, '/')) {
+        *slash = 0;
+        if (mkdir(dir, 0755) < 0 && errno != EEXIST) fail("cannot make", dir);
+        *slash = '/';
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) fail("cannot create", path);
+    char buf[65536];
+    while (size > 0) {
+        size_t n = size < sizeof buf ? (size_t)size : sizeof buf;
+        get(buf, n);
+        for (size_t off = 0; off < n;) {
+            ssize_t w = write(fd, buf + off, n - off);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) fail("cannot write", path);
+            off += (size_t)w;
+        }
+        size -= n;
+    }
+    if (fchmod(fd, mode & 0755) < 0 || close(fd) < 0) fail("cannot finish", path);
+}
+
+static const struct {
+    const char *name;
+    int resource;
+} RLIMITS[] = {{"cpu", RLIMIT_CPU},     {"fsize", RLIMIT_FSIZE}, {"nproc", RLIMIT_NPROC}, {"nofile", RLIMIT_NOFILE},
+               {"core", RLIMIT_CORE},   {"data", RLIMIT_DATA},   {"as", RLIMIT_AS}};
+
+/* One prlimit option: --NAME=SOFT:HARD or --NAME=BOTH. */
+static void set_rlimit(const char *opt) {
+    const char *eq = strchr(opt, '=');
+    if (strncmp(opt, "--", 2) || !eq) {
+        errno = EINVAL;
+        fail("bad rlimit", opt);
+    }
+    for (size_t i = 0; i < sizeof RLIMITS / sizeof RLIMITS[0]; i++) {
+        if (strlen(RLIMITS[i].name) != (size_t)(eq - opt - 2) || strncmp(opt + 2, RLIMITS[i].name, eq - opt - 2)) continue;
+        char *end;
+        struct rlimit rl;
+        rl.rlim_cur = strtoull(eq + 1, &end, 10);
+        rl.rlim_max = *end == ':' ? strtoull(end + 1, &end, 10) : rl.rlim_cur;
+        if (*end) {
+            errno = EINVAL;
+            fail("bad rlimit", opt);
+        }
+        if (setrlimit(RLIMITS[i].resource, &rl) < 0) fail("cannot set rlimit", opt);
+        return;
+    }
+    errno = EINVAL;
+    fail("unknown rlimit", opt);
+}
+
+static int exec_main(int argc, char **argv) {
+    put(MARK(READY));
+    char magic[4];
+    get(magic, 4);
+    if (memcmp(magic, "HPX1", 4)) {
+        errno = EINVAL;
+        fail("not a command on stdin", NULL);
+    }
+    for (uint64_t n = get_le(4), i = 0; i < n; i++) {
+        mode_t mode = (mode_t)get_le(4);
+        char *path = get_string(4095, "file path");
+        put_file(path, mode, get_le(8));
+        free(path);
+    }
+    uint64_t n = get_le(4);
+    if (n == 0 || n > 4096) {
+        errno = EINVAL;
+        fail("bad argument count", NULL);
+    }
+    char **command = calloc(n + 1, sizeof *command);
+    if (!command) fail("out of memory", NULL);
+    for (uint64_t i = 0; i < n; i++) command[i] = get_string(1 << 20, "argument");
+    for (int i = 2; i < argc && strcmp(argv[i], "--"); i++) set_rlimit(argv[i]);
+    put(MARK(EXEC));
+    execvp(command[0], command);
+    fprintf(stderr, "hpcrl-launch: cannot run %s: %s\n", command[0], strerror(errno));
+    return 127; /* after EXEC: the program's failure, as a shell reports a command it cannot run */
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--exec")) return exec_main(argc, argv);
     const char *cgroups[MAX_LIST];
     char *mounts[MAX_LIST];
     int ncg = 0, nmount = 0, have_uid = 0, i;

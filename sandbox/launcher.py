@@ -1,4 +1,4 @@
-"""What runs between the server and bwrap: one small helper, one fork, then a pid namespace of our own.
+"""A sandbox's command line: one small helper, one fork, a pid namespace of our own, bwrap, the helper again.
 
     hpcrl-launch (sandbox/launch.c, built once per host with the C compiler; one exec)
       [root] this pid into the run's cgroups
@@ -8,7 +8,10 @@
       `-> pid 1 of the new pid namespace, SIGKILL when the launcher dies; stop if it is gone;
             a procfs of this namespace on /proc; tmpfs /tmp/{work,tmp,shm} with size= and
             nr_inodes= (bwrap's --size has no inode cap)
-            exec bwrap ...           pid 1 here; the program is the only other process
+            exec bwrap ...           pid 1 here; the program is the only other process:
+              hpcrl-launch --exec    bwrap's child, the program's uid, under the seccomp filter:
+                                     waits for the files and the command on stdin, writes the
+                                     files to /work, sets the rlimits, execs the command
 
 It does in one process what a chain of `sh` (cgroups), `setpriv`, `unshare` and `sh` + two
 `mount`s did in six execs, which cost more than bwrap itself. Why each step:
@@ -34,6 +37,16 @@ It does in one process what a chain of `sh` (cgroups), `setpriv`, `unshare` and 
   read the environment of bwrap (a parent user namespace's process); SIGKILL from inside the
   pid namespace does not reach its pid 1.
 
+* The sandbox is made before anybody says what runs in it, so a slot can keep its next one
+  started (hpcrl.sandbox.bwrap): joining a cgroup costs an RCU grace period (~9 ms here, on
+  any write to cgroup.procs) and bwrap's setup as much again, none of which depends on the
+  program. The first program is the helper itself (`--exec`, delivered by bwrap as a file of
+  the sandbox's root); the program cannot run before it has written its markers to stdout
+  (READY, then EXEC or FAIL), so the server strips them knowing they are not the program's.
+  It replaces prlimit in the chain: one exec, rlimits set after the files are written.
+
+`bwrap_args` is the bwrap part (what the sandbox sees: sandbox/bwrap.py says what it isolates).
+
 The helper is compiled from its source the first time a backend needs it on a host, into a
 cache directory of the server's user that nobody else can write (`helper()`); its name holds a
 hash of the source and compiler, so a changed source builds anew.
@@ -50,14 +63,33 @@ import hashlib
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from hpcrl.sandbox.backend import rlimit_args
 from hpcrl.sandbox.result import SandboxUnavailable
-from hpcrl.sandbox.spec import Limits
+from hpcrl.sandbox.spec import Limits, SourceFile
 
-__all__ = ["launcher_args", "helper", "fstab", "TMPFS_DIR", "tmpfs_options", "JOIN_FAILED"]
+__all__ = [
+    "launcher_args",
+    "helper",
+    "fstab",
+    "TMPFS_DIR",
+    "tmpfs_options",
+    "JOIN_FAILED",
+    "EXEC_PATH",
+    "exec_args",
+    "exec_header",
+    "READY",
+    "EXEC",
+    "FAIL",
+    "bwrap_args",
+    "host_layout",
+    "SANDBOX_ENV",
+]
 
 _MIB = 1024 * 1024
 # Where pid 1 mounts the sandbox's tmpfs, in the launcher's own mount namespace (it hides the
@@ -66,6 +98,11 @@ _MIB = 1024 * 1024
 TMPFS_DIR = "/tmp"
 # How the launcher's refusal to join the run's cgroups starts on stderr.
 JOIN_FAILED = b"hpcrl-launch: cannot join the cgroup"
+# Where bwrap puts the helper inside the sandbox, to run first as the program's uid (`--exec`).
+EXEC_PATH = "/.hpcrl-exec"
+# What that first program writes to stdout before anything of the program's: waiting for its
+# command; about to exec it; could not (why on stderr). Same length, each with a NUL of its own.
+READY, EXEC, FAIL = b"\0hpcrl-ready\n", b"\0hpcrl-exec\n", b"\0hpcrl-fail\n"
 _SOURCE = Path(__file__).with_name("launch.c")
 _CFLAGS = ["-O2", "-Wall", "-Werror"]
 
@@ -100,6 +137,27 @@ def launcher_args(
     for line in fstab(limits):
         args += ["--mount", line]
     return [*args, "--"]
+
+
+def exec_args(rlimits: list[str]) -> list[str]:
+    """What bwrap runs: the helper waiting for its command on stdin, to run it under `rlimits`
+    (prlimit's options, hpcrl.sandbox.backend.rlimit_args). Pure."""
+    return [EXEC_PATH, "--exec", *rlimits, "--"]
+
+
+def exec_header(files: Iterable[SourceFile], argv: Sequence[str]) -> bytes:
+    """The command for a sandbox's waiting first program (launch.c's format): the files for
+    /work, then argv. Pure."""
+    out = [b"HPX1", struct.pack("<I", len(files := list(files)))]
+    for f in files:
+        path = f.path.encode()
+        out += [struct.pack("<II", 0o755 if f.executable else 0o644, len(path)), path]
+        out += [struct.pack("<Q", len(f.data)), bytes(f.data)]
+    out.append(struct.pack("<I", len(argv)))
+    for a in argv:
+        b = a.encode()
+        out += [struct.pack("<I", len(b)), b]
+    return b"".join(out)
 
 
 @functools.cache
@@ -142,3 +200,99 @@ def _check_private(path: Path) -> None:
         raise SandboxUnavailable(
             f"bwrap backend: {path} is a link, not ours, or writable by others; remove it (the launcher is rebuilt)"
         )
+
+
+SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+}
+_INNER_UID = 65534
+
+
+def host_layout() -> list[str]:
+    """ro-binds for /usr and whatever of /bin, /lib... the host has as symlinks or directories."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for path in ("/etc/alternatives", "/etc/ld.so.cache"):
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+def bwrap_args(
+    limits: Limits,
+    *,
+    exec_fd: int,
+    status_fd: int | None,
+    memory: str,
+    reserve_mb: int = 0,
+    seccomp_fd: int | None = None,
+    bwrap: str = "bwrap",
+    layout: list[str] | None = None,
+    workspace: str | None = None,
+) -> list[str]:
+    """The bwrap command line of a sandbox under `limits` whose first program is the helper
+    read from `exec_fd` (hpcrl.sandbox.launcher: it waits for the files and the command on
+    stdin), memory capped by `memory` (backend.rlimit_args), the filter of hpcrl.sandbox.seccomp
+    read from `seccomp_fd`. `workspace`: a host directory bound as /work instead of the run's
+    tmpfs (a session's; it must not lie under /tmp, which the launcher covers with its own
+    tmpfs). Pure."""
+    args = [
+        bwrap,
+        # Everything but the pid namespace, which is the launcher's (bwrap is its pid 1).
+        "--unshare-user",
+        "--unshare-ipc",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--uid",
+        str(_INNER_UID),
+        "--gid",
+        str(_INNER_UID),
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--disable-userns",
+        *(layout if layout is not None else host_layout()),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        # The launcher's tmpfs, capped in bytes and inodes (bwrap's own --size caps bytes only);
+        # /dev/shm would otherwise be a writable tmpfs of half the host's RAM.
+        "--bind",
+        f"{TMPFS_DIR}/shm",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--bind",
+        f"{TMPFS_DIR}/tmp",
+        "/tmp",
+        "--bind",
+        workspace if workspace is not None else f"{TMPFS_DIR}/work",
+        "/work",
+    ]
+    # The helper, read-only in the sandbox's root (the slot uid cannot read the server's copy).
+    args += ["--perms", "0555", "--file", str(exec_fd), EXEC_PATH]
+    args += ["--chdir", "/work", "--remount-ro", "/", "--clearenv"]
+    env = dict(SANDBOX_ENV)
+    if memory == "address_space":
+        # glibc reserves 64 MiB of address space per malloc arena (one per thread, up to 8 per
+        # core): under RLIMIT_AS that, not memory, would stop a threaded program.
+        env["MALLOC_ARENA_MAX"] = "2"
+    for k, v in env.items():
+        args += ["--setenv", k, v]
+    if status_fd is not None:
+        args += ["--json-status-fd", str(status_fd)]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    return [*args, "--", *exec_args(rlimit_args(limits, memory=memory, reserve_mb=reserve_mb))]

@@ -8,6 +8,12 @@ One thread, one `selectors` loop over the pipes and a pidfd, so a flood or a sle
 blocks the caller past the deadline. Going over `output_cap` on either stream or past the
 deadline kills the child at once (`on_kill` then kills the rest of the sandbox). `pump(until)`
 runs the same loop until a condition holds, which is how the judge talks to a live program.
+
+Every child is forked by one thread of the process (`_Spawner`), whatever thread asks: the
+kernel's parent-death signal (PR_SET_PDEATHSIG, which the sandbox launcher and `setpriv
+--pdeathsig` arm) fires when the *thread* that forked a child ends, and a sandbox started by a
+run's thread (the next one, started ahead) is used by whichever thread runs next. That thread
+lives as long as the process, so children still die with the process, SIGKILL included.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import ctypes
 import errno
 import functools
 import os
+import queue
 import resource
 import selectors
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +59,39 @@ def guard_args(ppid: int | None = None) -> list[str]:
     """`sh -c GUARD sh <ppid>`: exec the rest only while `ppid` (default: this process) is the parent."""
     return ["/bin/sh", "-c", _GUARD_SH, "sh", str(os.getpid() if ppid is None else ppid)]
 
+
+class _Spawner:
+    """One daemon thread that runs every Popen of this process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive() or self._thread.ident is None:
+                self._thread = threading.Thread(target=self._loop, name="hpcrl-spawner", daemon=True)
+                self._thread.start()
+            if self._thread.ident == threading.get_ident():
+                return subprocess.Popen(*args, **kwargs)
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self._q.put((args, kwargs, box))
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        while True:
+            args, kwargs, box = self._q.get()
+            try:
+                box.put((True, subprocess.Popen(*args, **kwargs)))
+            except BaseException as exc:  # handed to the asking thread
+                box.put((False, exc))
+
+
+_spawner = _Spawner()
 
 # After the child is reaped, how long to keep draining pipes that something else still holds.
 _DRAIN_GRACE_S = 0.5
@@ -99,6 +140,7 @@ class Supervised:
         self.die_with_parent = die_with_parent
         self.out = bytearray()
         self.err = bytearray()
+        self.out_head = 0  # bytes at the head of stdout that are not the child's (not under output_cap)
         self.side = bytearray()
         self.out_truncated = self.err_truncated = False
         self.timed_out = self.output_limited = False
@@ -118,7 +160,7 @@ class Supervised:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self._t0 = time.monotonic()
-        self._popen = subprocess.Popen(
+        self._popen = _spawner.popen(
             self.argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -145,6 +187,12 @@ class Supervised:
             self._sel.register(self._pidfd, selectors.EVENT_READ)
         except (AttributeError, OSError):
             self._pidfd = None  # old kernel: poll the child every 10 ms instead
+
+    def start_clock(self, wall_s: float) -> None:
+        """The run starts now: its wall time counts from here and its deadline is `wall_s` away
+        (a child started ahead of its work, which waited until now)."""
+        self._t0 = time.monotonic()
+        self.deadline = self._t0 + wall_s
 
     @property
     def pid(self) -> int:
@@ -344,7 +392,7 @@ class Supervised:
             return
         is_out = fd == self._popen.stdout.fileno()
         buf = self.out if is_out else self.err
-        room = self.output_cap - len(buf)
+        room = self.output_cap + (self.out_head if is_out else 0) - len(buf)
         if len(data) > room:
             buf += data[: max(room, 0)]
             if is_out:

@@ -76,18 +76,22 @@ def check_unowned(uid: int) -> None:
 
 
 def uids_in_use() -> set[int]:
-    """Every uid and gid some process on this host (as far as our /proc shows) runs with."""
+    """Every uid and gid some live process on this host (as far as our /proc shows) runs with.
+    A zombie runs nothing (a killed server's sandboxes wait as zombies until init reaps them)."""
     out: set[int] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/status") as fh:
-                for line in fh:
-                    if line.startswith(("Uid:", "Gid:")):
-                        out.update(int(x) for x in line.split()[1:])
-        except (OSError, ValueError):
+                lines = [line for line in fh if line.startswith(("State:", "Uid:", "Gid:"))]
+        except OSError:
             continue  # gone meanwhile
+        if any(line.startswith("State:") and line.split()[1] == "Z" for line in lines):
+            continue
+        for line in lines:
+            if line.startswith(("Uid:", "Gid:")):
+                out.update(int(x) for x in line.split()[1:] if x.isdigit())
     return out
 
 

@@ -3,6 +3,7 @@
     before = Snapshot.take()
     ... run sandboxes as uids 61000..61015 ...
     assert not host_residue(range(61000, 61016), before)     # [] when clean
+    assert not host_residue([backend.uid], waiting=[backend])  # its next sandbox, started ahead, is not residue
 
 Used by the adversarial tests after every probe and by bench/sandbox.py after its runs: a
 sandbox that leaves nothing behind leaves no process of its slot uid,
@@ -36,11 +37,11 @@ class Snapshot:
         return cls(mounts=_mounts())
 
 
-def _processes(uids: set[int]) -> list[str]:
+def _processes(uids: set[int], spared: set[str]) -> list[str]:
     found = []
     mine = _ancestry()  # run as a normal user, the sandboxes share our uid (and our parents')
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or pid in mine:
+        if not pid.isdigit() or pid in mine or pid in spared:
             continue
         try:
             with open(f"/proc/{pid}/status") as fh:
@@ -56,9 +57,49 @@ def _processes(uids: set[int]) -> list[str]:
     return found
 
 
-def _ancestry() -> set[str]:
-    """This process and its ancestors (pids as strings)."""
-    out, pid = set(), str(os.getpid())
+def _stat(pid: str) -> tuple[str, str, str] | None:
+    """(name, state, parent pid) of a process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            head, tail = fh.read().rsplit(")", 1)
+    except (OSError, ValueError):
+        return None
+    fields = tail.split()
+    return head.split("(", 1)[1], fields[0], fields[1]
+
+
+def _spared(launchers: set[int], servers: set[int]) -> set[str]:
+    """The processes of sandboxes started ahead: each of `launchers` and what descends from it,
+    and of each launcher a live `servers` process started, the tree when it is nothing but the
+    launcher, bwrap and the helper waiting for its command (no program ever ran in it)."""
+    if not launchers and not servers:
+        return set()
+    stats = {pid: st for pid in os.listdir("/proc") if pid.isdigit() and (st := _stat(pid)) is not None}
+    kids: dict[str, list[str]] = {}
+    for pid, (_, _, ppid) in stats.items():
+        kids.setdefault(ppid, []).append(pid)
+
+    def tree(pid: str) -> list[str]:
+        out = [pid]
+        for k in kids.get(pid, []):
+            out += tree(k)
+        return out
+
+    out: set[str] = set()
+    for pid in map(str, launchers):
+        out.update(tree(pid))
+    for server in map(str, servers):
+        for pid in kids.get(server, []):
+            members = tree(pid)
+            names = sorted(stats[m][0] for m in members if m in stats)
+            if names == [".hpcrl-exec", "bwrap", stats[pid][0]] and stats[pid][0].startswith("hpcrl-launch"):
+                out.update(members)
+    return out
+
+
+def _ancestry(pid: str | None = None) -> set[str]:
+    """A process (this one by default) and its ancestors (pids as strings)."""
+    out, pid = set(), pid or str(os.getpid())
     while pid not in ("0", "") and pid not in out:
         out.add(pid)
         try:
@@ -92,8 +133,18 @@ def _files(uids: set[int], roots: Iterable[str], depth: int = 2) -> list[str]:
     return found
 
 
-def _cgroups() -> list[str]:
-    """Run leaves under this process's hpcrl-sbx-<pid> parents, and parents of dead processes."""
+def _uid(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("Uid:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _cgroups(uids: set[int], spared: set[str]) -> list[str]:
+    """Run leaves under this process's hpcrl-sbx-<pid> parents, and parents of dead processes.
+    A leaf whose processes are all spared, or all run as other slots' uids (another backend's
+    sandbox started ahead: those uids' own checks judge it), is not counted."""
     from hpcrl.sandbox import cgroups
 
     support = cgroups.probe()
@@ -113,6 +164,8 @@ def _cgroups() -> list[str]:
                 procs = open(os.path.join(path, "cgroup.procs")).read().split()
             except OSError:
                 procs = []
+            if procs and all(p in spared or _uid(p) not in (uids | {0, None}) for p in procs):
+                continue
             found.append(f"cgroup {path} left behind" + (f" with processes {procs}" if procs else ""))
     return found
 
@@ -158,14 +211,27 @@ def reap_orphans(timeout_s: float = 2.0) -> int:
         time.sleep(0.01)
 
 
-def host_residue(uids: Iterable[int], before: Snapshot | None = None, *, cgroups: bool = True) -> list[str]:
+def host_residue(
+    uids: Iterable[int],
+    before: Snapshot | None = None,
+    *,
+    cgroups: bool = True,
+    waiting: list | tuple = (),
+    servers: Iterable[int] = (),
+) -> list[str]:
     """Everything of the sandboxes (run as `uids`) still on the host; empty when clean.
 
     `cgroups=False` skips the cgroup check: a SIGKILLed server cannot remove its (empty)
-    cgroup directories; the next server to start on the machine sweeps them.
+    cgroup directories; the next server to start on the machine sweeps them. `waiting`:
+    backends of this process whose sandboxes started ahead (`BwrapBackend.waiting`) are
+    theirs, not residue; `servers`: pids of sandbox servers whose sandboxes started ahead
+    (waiting for a command, never having run one) are theirs.
     """
     uid_set = set(uids)
-    found = _processes(uid_set) + _files(uid_set, _SCRATCH) + (_cgroups() if cgroups else [])
+    for b in waiting:  # a sandbox still starting has processes yet to come
+        assert b.settle(timeout_s=60), f"a sandbox started ahead by {b.describe()} never got ready"
+    spared = _spared({pid for b in waiting for pid in b.waiting}, set(servers))
+    found = _processes(uid_set, spared) + _files(uid_set, _SCRATCH) + (_cgroups(uid_set, spared) if cgroups else [])
     if before is not None:
         found += [f"mount {m} appeared" for m in sorted(_mounts() - before.mounts)]
     return found

@@ -33,7 +33,9 @@ QUICK = Limits(wall_s=3, cpu_s=3, memory_mb=256, pids=32, output_kb=256)
 @pytest.fixture(scope="module")
 def backend():
     require_bwrap(UID)
-    return BwrapBackend(uid=UID)
+    b = BwrapBackend(uid=UID)
+    yield b
+    b.close()
 
 
 def probe(backend, src, lang="python", **limits):
@@ -43,7 +45,7 @@ def probe(backend, src, lang="python", **limits):
     t0 = time.monotonic()
     r = backend.run(ExecSpec.single(lang, src, limits=lim))
     assert time.monotonic() - t0 < lim.wall_s + 5, "the sandbox outlived its wall limit"
-    assert host_residue([UID], before) == []
+    assert host_residue([UID], before, waiting=[backend]) == []
     return r
 
 
@@ -127,7 +129,7 @@ def test_60_busy_loops_in_one_slot_do_not_starve_another(backend, cgroups):
     assert r.status == "ok" and r.stdout == b"done\n", r
     if cgroups:  # the quota: one core (Limits.cpus) however many processes, with a margin
         assert hogged.cpu_s <= hogged.wall_s * Limits().cpus * 1.25 + 0.5, hogged
-    assert host_residue([backend.uid, UID + 2], before, cgroups=cgroups) == []
+    assert host_residue([backend.uid, UID + 2], before, cgroups=cgroups, waiting=[backend, other]) == []
     other.close()
 
 
@@ -201,7 +203,7 @@ def test_empty_files_cannot_exhaust_inodes(where):
     r = backend.run(ExecSpec.single("python", src, limits=QUICK.replace(wall_s=20, cpu_s=20)))
     assert r.stdout.startswith(b"stopped"), out(r)
     assert int(r.stdout.split()[1]) <= Limits().inodes and int(r.stdout.split()[2]) == 28  # ENOSPC
-    assert host_residue([UID + 1], before, cgroups=False) == []
+    assert host_residue([UID + 1], before, cgroups=False, waiting=[backend]) == []
     backend.close()
 
 
@@ -368,7 +370,7 @@ def test_kill_minus_one_cannot_reach_host_processes_of_the_same_uid(backend):
     finally:
         canary.kill()
         canary.wait()
-    assert host_residue([UID], before) == []
+    assert host_residue([UID], before, waiting=[backend]) == []
 
 
 def test_nested_user_namespaces_are_refused(backend):
@@ -405,7 +407,7 @@ def test_a_program_blocked_on_an_open_stdin_is_killed_at_its_deadline(backend):
         assert s.read_line(timeout_s=3) is None  # stdin stays open; the deadline passes meanwhile
         r = s.finish()
     assert r.status == "timeout" and time.monotonic() - t0 < 3.5
-    assert host_residue([UID], before) == []
+    assert host_residue([UID], before, waiting=[backend]) == []
 
 
 def test_the_terminal_cannot_be_injected_into(backend):

@@ -34,7 +34,9 @@ def needs(*langs):
 @pytest.fixture(scope="module")
 def backend():
     require_bwrap(UID)
-    return BwrapBackend(uid=UID)
+    b = BwrapBackend(uid=UID)
+    yield b
+    b.close()
 
 
 def run(backend, lang, src, **kw):
@@ -86,7 +88,7 @@ def test_a_compile_bomb_is_a_compile_error_within_the_compile_limits(backend):
     assert r.status == "compile_error"
     # Stopped by the 2-s limit (unlimited, the expansion runs for hours), with room for a loaded machine.
     assert r.wall_s < 60
-    assert not host_residue([UID])
+    assert not host_residue([UID], waiting=[backend])
 
 
 @needs("c")
@@ -257,20 +259,29 @@ def test_a_session_talks_to_a_live_program(backend):
 def test_leaving_a_session_without_finishing_kills_the_program(backend):
     with backend.session(ExecSpec.single("python", "import time; time.sleep(60)")):
         pass
-    assert not host_residue([UID])
+    assert not host_residue([UID], waiting=[backend])
 
 
-def test_a_session_killed_at_any_moment_of_its_start_leaves_no_zombie(backend):
+def test_a_session_killed_at_any_moment_of_its_start_leaves_no_zombie():
     # The earliest kills land before bwrap has reported its init's pid: that init still comes
     # to us (subreaper) and must be found and reaped, or it waits as a zombie for the host's
-    # init, which in a container may never reap. Delays step through the whole start-up.
+    # init, which in a container may never reap. Delays step through the whole start-up, of a
+    # sandbox started on demand and of one started ahead that a closing backend ends.
     spec = ExecSpec.single("python", "import time; time.sleep(60)")
+    cold = BwrapBackend(uid=UID + 8, start_ahead=False)
     for i in range(40):
-        s = backend.start(spec)
+        s = cold.start(spec)
         time.sleep(i * 0.0015)
         s.kill()
         assert s.finish().status != "ok"
-        assert host_residue([UID]) == [], f"after a kill {i * 1.5:.1f} ms into the start"
+        assert host_residue([UID + 8]) == [], f"after a kill {i * 1.5:.1f} ms into the start"
+    cold.close()
+    for i in range(20):
+        ahead = BwrapBackend(uid=UID + 8)
+        assert ahead.run(ExecSpec.single("bash", "true")).status == "ok" and len(ahead.waiting) == 1
+        time.sleep(i * 0.003)
+        ahead.close()
+        assert ahead.waiting == () and host_residue([UID + 8]) == [], f"closed {i * 3} ms into the start"
 
 
 def test_killing_the_launcher_alone_kills_every_process_of_the_sandbox():
@@ -286,7 +297,7 @@ def test_killing_the_launcher_alone_kills_every_process_of_the_sandbox():
     assert s.read_line(timeout_s=10) == b"up\n"
     os.kill(s._proc.pid, 9)  # the launcher only, as a kill of the whole server would
     assert s.finish().status != "ok"
-    assert host_residue([UID + 9], cgroups=False) == []
+    assert host_residue([UID + 9], cgroups=False, waiting=[backend]) == []
     backend.close()
 
 
@@ -305,7 +316,9 @@ def test_concurrent_runs_on_different_slots(backend):
         t.join()
     assert [r.stdout for r in results] == [b"0\n", b"1\n", b"2\n"]
     assert time.monotonic() - t0 < 0.3 * 3 + 2  # they overlapped rather than queued
-    assert not host_residue(range(UID, UID + 4))
+    assert not host_residue(range(UID, UID + 4), waiting=[backend, *backends])
+    for b in backends:
+        b.close()
 
 
 def test_describe_says_which_limits_are_enforced(backend):
@@ -321,3 +334,82 @@ def test_a_language_whose_interpreter_is_missing_is_an_infrastructure_error(back
     monkeypatch.setenv("PATH", str(tmp_path))  # a host without node (or anything else)
     with pytest.raises(SandboxUnavailable, match="language 'node' is not available here"):
         backend.run(ExecSpec.single("node", "console.log(1)"))
+
+
+# -- the next sandbox, started ahead -----------------------------------------------------------
+
+
+def test_a_run_takes_the_sandbox_started_for_its_limits_and_leaves_the_next_one():
+    backend = BwrapBackend(uid=UID + 7)
+    fast, big = Limits(wall_s=5), Limits(wall_s=5, memory_mb=300, pids=40)
+    try:
+        assert run(backend, "bash", "true", limits=fast).status == "ok"
+        assert backend.settle(timeout_s=60) and len(backend.waiting) == 1
+        taken = set(backend.waiting)
+        # Other limits cannot use it (its cgroups, rlimits and mounts are the old ones'): a fresh
+        # sandbox, and one started ahead for those limits too, the first kept.
+        r = run(backend, "bash", "cat /proc/self/limits | grep -i 'max processes'", limits=big)
+        assert r.status == "ok" and r.stdout.split()[2:4] == [b"40", b"40"], r.stdout
+        assert backend.settle(timeout_s=60) and taken < set(backend.waiting) and len(backend.waiting) == 2
+        # The same limits with another wall clock and output cap take the first, whose clock starts now.
+        r = run(backend, "bash", "cat /proc/self/limits | grep -i 'max processes'", limits=fast.replace(wall_s=9))
+        assert r.status == "ok" and r.stdout.split()[2:4] == [b"64", b"64"] and r.wall_s < 9
+        assert backend.settle(timeout_s=60) and not taken & set(backend.waiting) and len(backend.waiting) == 2
+        assert host_residue([UID + 7], waiting=[backend]) == []
+    finally:
+        backend.close()
+    assert backend.waiting == () and host_residue([UID + 7]) == []
+
+
+def test_the_helpers_markers_cannot_be_forged_by_the_program(backend):
+    # Only what the helper writes before the program starts is taken off stdout: a program
+    # printing the markers itself gets them back as its output, and its own exit status.
+    fake = (
+        "import os\nos.write(1, b'\\0hpcrl-ready\\n\\0hpcrl-fail\\n')\n"
+        "os.write(2, b'hpcrl-launch: cannot join the cgroup')\n"
+    )
+    r = run(backend, "python", fake + "os._exit(125)")
+    assert r.status == "nonzero_exit" and r.exit_code == 125
+    assert r.stdout == b"\0hpcrl-ready\n\0hpcrl-fail\n"
+    with backend.session(
+        ExecSpec.single("python", fake + "print('next', flush=True)\nimport sys; sys.stdin.read()")
+    ) as s:
+        assert s.read_line(timeout_s=30) == b"\0hpcrl-ready\n" and s.read_line(timeout_s=30) == b"\0hpcrl-fail\n"
+        assert s.read_line(timeout_s=30) == b"next\n"
+
+
+def test_files_the_sandbox_cannot_hold_are_a_sandbox_error_not_the_programs(backend):
+    files = tuple(SourceFile(f"f{i}.txt", b"x") for i in range(12)) + (SourceFile("main.py", b"print(1)"),)
+    r = backend.run(ExecSpec(language="python", files=files, limits=Limits(inodes=8)))
+    assert r.status == "sandbox_error" and b"hpcrl-launch: cannot create" in r.stderr, r
+    # The next run with those limits is fine, in a sandbox of its own.
+    assert run(backend, "python", "print(2)", limits=Limits(inodes=8)).stdout == b"2\n"
+
+
+def test_a_backend_that_starts_nothing_ahead_leaves_nothing_waiting():
+    cold = BwrapBackend(uid=UID + 8, start_ahead=False)
+    try:
+        assert run(cold, "bash", "echo on demand").stdout == b"on demand\n" and cold.waiting == ()
+        assert "started on demand" in cold.describe()
+        assert host_residue([UID + 8]) == []
+    finally:
+        cold.close()
+
+
+def test_the_next_sandbox_outlives_the_thread_whose_run_started_it():
+    # The parent-death signal fires when the forking *thread* ends: every child is forked by one
+    # long-lived thread, so a short-lived thread's run leaves a next sandbox that another uses.
+    backend = BwrapBackend(uid=UID + 7)
+    try:
+        t = threading.Thread(target=lambda: run(backend, "bash", "true"))
+        t.start()
+        t.join()
+        assert backend.settle(timeout_s=60) and len(backend.waiting) == 1
+        left = set(backend.waiting)
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("r", run(backend, "bash", "sleep 0.2; echo taken")))
+        t.start()
+        t.join()
+        assert done["r"].stdout == b"taken\n" and not left & set(backend.waiting)
+    finally:
+        backend.close()

@@ -29,14 +29,16 @@ NO_CXX = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def backend():
     require_bwrap(UID)
-    return BwrapBackend(uid=UID)
+    b = BwrapBackend(uid=UID)
+    yield b
+    b.close()
 
 
 @pytest.fixture(autouse=True)
 def _no_residue(request):
     yield
     if "backend" in request.fixturenames:
-        assert host_residue([UID]) == []
+        assert host_residue([UID], waiting=[request.getfixturevalue("backend")]) == []
 
 
 # -- stdin/stdout ------------------------------------------------------------------------------
@@ -281,7 +283,7 @@ def test_warm_harnesses_judge_like_cold_ones_and_leave_nothing_behind(backend):
         bad = judge_function(backend, add_task(HACKS["patched builtins"]), warm=warm)
         after = judge_function(backend, add_task("def add(a, b):\n    return a + b\n"), warm=warm)
     assert all(v.passed for v in good) and not bad.passed and after.passed
-    assert host_residue([UID]) == []
+    assert host_residue([UID], waiting=[backend]) == []
 
 
 def test_a_warm_harness_replaces_a_spare_that_died(backend):

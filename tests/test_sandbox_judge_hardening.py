@@ -38,7 +38,7 @@ def backend():
 def _nothing_left(request):
     yield
     if "backend" in request.fixturenames:
-        assert host_residue([UID]) == []
+        assert host_residue([UID], waiting=[request.getfixturevalue("backend")]) == []
         assert _checkers() == []
 
 

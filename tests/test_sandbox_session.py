@@ -20,13 +20,14 @@ import pytest
 from hpcrl.core.rpc import RequestClient
 from hpcrl.core.transport import read_endpoint
 from hpcrl.sandbox.apptainer import apptainer_args
-from hpcrl.sandbox.bwrap import BwrapBackend, bwrap_args
+from hpcrl.sandbox.bwrap import BwrapBackend
 from hpcrl.sandbox.client import SandboxClient
+from hpcrl.sandbox.launcher import bwrap_args
 from hpcrl.sandbox.session import SessionManager, SessionOp
 from hpcrl.sandbox.spec import Limits
 
 from conftest import require_bwrap, sandbox_client, session_server, wait_for
-from residue import host_residue
+from residue import adopt_orphans, host_residue, reap_orphans
 
 UID = 61180
 UIDS = range(UID, UID + 4)
@@ -202,8 +203,8 @@ def test_unknown_sessions_bad_ops_and_max_sessions(bwrap_ok, run_dir):
 
 def test_session_commands_use_the_one_launch_path():
     # bwrap: the workspace replaces the run's tmpfs as /work; every other flag is the one-shot run's.
-    base = bwrap_args(("python3", "main.py"), Limits(), [], status_fd=3, memory="cgroup", layout=[])
-    sess = bwrap_args(("python3", "main.py"), Limits(), [], status_fd=3, memory="cgroup", layout=[], workspace="/w")
+    base = bwrap_args(Limits(), exec_fd=4, status_fd=3, memory="cgroup", layout=[])
+    sess = bwrap_args(Limits(), exec_fd=4, status_fd=3, memory="cgroup", layout=[], workspace="/w")
     i = base.index("/work") - 1
     assert base[i] == "/tmp/work" and sess[i] == "/w" and base[:i] + base[i + 1 :] == sess[:i] + sess[i + 1 :]
     # apptainer (cannot run here): the workspace is bound as /work, nothing is copied in.
@@ -335,6 +336,7 @@ def test_a_killed_servers_workspaces_are_swept_by_the_next():
 
 
 def test_hpcrl_sandbox_serve_serves_sessions_and_a_restart_sweeps_the_killed_ones(bwrap_ok, run_dir, tmp_path):
+    adopt_orphans()  # the killed server's sandbox started ahead dies with it, an orphan: reap it here
     config = tmp_path / "config.yaml"
     config.write_text(f"sandbox:\n  uid_base: {UID}\n")
     serve = [sys.executable, "-m", "hpcrl.jobs.cli", "sandbox", "serve", "--slots", "1", "--run-dir", str(run_dir)]
@@ -364,6 +366,7 @@ def test_hpcrl_sandbox_serve_serves_sessions_and_a_restart_sweeps_the_killed_one
     finally:
         proc.terminate()
         code = proc.wait(30)
+        reap_orphans()
     assert code == 0 and host_residue(UIDS) == []
 
 

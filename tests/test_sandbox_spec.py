@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import math
 import signal
+import struct
 
 import pytest
 
 from hpcrl.sandbox.backend import Exit, classify, rlimit_args
-from hpcrl.sandbox.bwrap import bwrap_args
 from hpcrl.sandbox.harness_wire import CodecError, decode, loads, request
 from hpcrl.sandbox.languages import Language, get_language, languages, register
-from hpcrl.sandbox.launcher import fstab, launcher_args
+from hpcrl.sandbox.launcher import EXEC_PATH, bwrap_args, exec_header, fstab, launcher_args
 from hpcrl.sandbox.pyharness import dumps, encode
 from hpcrl.sandbox.result import STATUSES, ExecResult
 from hpcrl.sandbox.spec import ExecSpec, Limits, SourceFile
@@ -171,12 +171,10 @@ def test_rlimits_cap_processes_files_and_cpu_and_memory_only_without_a_cgroup():
 # -- the bwrap command line --------------------------------------------------------------------
 
 
-def test_bwrap_command_isolates_and_copies_files_in():
-    files = [(SourceFile("main.py", b""), 5), (SourceFile("pkg/a/b.py", b"", True), 6)]
+def test_bwrap_command_isolates_and_runs_the_helper_first():
     args = bwrap_args(
-        ("python3", "main.py"),
-        Limits(work_mb=8, tmp_mb=4, shm_mb=2),
-        files,
+        Limits(work_mb=8, tmp_mb=4, shm_mb=2, cpu_s=2.5),
+        exec_fd=5,
         status_fd=9,
         memory="cgroup",
         seccomp_fd=11,
@@ -209,11 +207,24 @@ def test_bwrap_command_isolates_and_copies_files_in():
     assert fstab(lim)[0].startswith("hpcrl-proc /proc proc ")
     assert fstab(lim)[1] == f"hpcrl-work /tmp/work tmpfs size={8 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
     assert fstab(lim)[3] == f"hpcrl-shm /tmp/shm tmpfs size={2 << 20},nr_inodes=100,mode=0755,X-mount.mkdir 0 0"
-    # rlimits apply inside, to the program only; the program comes last.
+    # The helper, copied in read-only, runs first and sets the rlimits for the program only; the
+    # program and its files come on stdin (exec_header).
+    assert f"--perms 0555 --file 5 {EXEC_PATH}" in line
     tail = args[args.index("--") + 1 :]
-    assert tail[0] == "prlimit" and tail[-2:] == ["python3", "main.py"]
+    assert tail == [EXEC_PATH, "--exec", *rlimit_args(Limits(cpu_s=2.5), memory="cgroup"), "--"]
     assert "--share-net" not in line
     assert {a for i, a in enumerate(args) if i and args[i - 1] == "--bind"} == {"/tmp/shm", "/tmp/tmp", "/tmp/work"}
+
+
+def test_exec_header_is_what_the_helper_reads():
+    files = [SourceFile("main.py", b"print(1)"), SourceFile("pkg/run", b"\x7fELF", executable=True)]
+    h = exec_header(files, ["python3", "main.py"])
+    # launch.c's format: magic, file count, per file (mode, path, size, bytes), argc, arguments.
+    expect = b"HPX1" + struct.pack("<I", 2)
+    expect += struct.pack("<II", 0o644, 7) + b"main.py" + struct.pack("<Q", 8) + b"print(1)"
+    expect += struct.pack("<II", 0o755, 7) + b"pkg/run" + struct.pack("<Q", 4) + b"\x7fELF"
+    expect += struct.pack("<I", 2) + struct.pack("<I", 7) + b"python3" + struct.pack("<I", 7) + b"main.py"
+    assert h == expect
 
 
 # -- the function-harness codec ----------------------------------------------------------------

@@ -158,7 +158,7 @@ class BwrapSession(SupervisedSession):
         started = ran and (b'"exit-code"' in raw.side or self._proc.killed)
         if raw.exit_code == 125 and not started and raw.stderr.startswith(JOIN_FAILED):
             raise SandboxError(f"cannot move the sandbox into its cgroups: {raw.stderr.decode(errors='replace')}")
-        if raw.stdout[:_MARKS] == READY + FAIL:
+        if raw.stdout[:_MARKS] == READY + FAIL and not self._proc.killed:
             log.warning("sandbox setup failed: %s", raw.stderr.decode(errors="replace").strip()[-300:])
         ex = Exit(
             exit_code=raw.exit_code,

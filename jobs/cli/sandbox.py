@@ -120,10 +120,13 @@ def _sandbox_cfg(args: argparse.Namespace):
 
 
 def _backend(args: argparse.Namespace):
-    """The configured backend; bwrap as root on a free uid of the host's pool, given back at exit."""
+    """The configured backend; bwrap as root on a free uid of the host's pool, given back at exit.
+    One command's: it starts no sandbox ahead of a next run that never comes."""
+    import dataclasses
+
     from hpcrl.sandbox.auto import make_backend
 
-    return make_backend(_sandbox_cfg(args))
+    return make_backend(dataclasses.replace(_sandbox_cfg(args), start_ahead=False))
 
 
 def run_exec(args: argparse.Namespace) -> int:

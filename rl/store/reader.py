@@ -47,7 +47,7 @@ from hpcrl.rl.store.layout import (
     read_shard,
 )
 
-__all__ = ["StoreReader", "Batch", "iter_segments", "resolve_store"]
+__all__ = ["StoreReader", "Batch", "Segment", "segments_of", "iter_segments", "resolve_store"]
 
 log = logging.getLogger("hpcrl.store")
 STATE_VERSION = 1
@@ -68,7 +68,10 @@ class Batch:
 
 
 @dataclass(frozen=True)
-class _Seg:
+class Segment:
+    """A segment file of a shard, in the order a reader reads them: its sequence number, when it
+    was flushed, its file name, and what the shard's manifest says of it (None: unverified)."""
+
     seq: int
     flushed_us: int
     name: str
@@ -78,7 +81,7 @@ class _Seg:
 @dataclass
 class _Shard:
     path: Path
-    segments: list[_Seg] = field(default_factory=list)  # by sequence number
+    segments: list[Segment] = field(default_factory=list)  # by sequence number
     seen: set[str] = field(default_factory=set)  # directory entries already looked at
     seq: int = 1  # read position: next row is `row` of the first segment with seq >= `seq`
     row: int = 0
@@ -91,11 +94,13 @@ class _Shard:
         self.finalized = state.finalized
         self.unverified = state.manifest_error is not None
 
-    def add(self, seg: _Seg) -> None:
+    def add(self, seg: Segment) -> None:
         bisect.insort(self.segments, seg, key=lambda g: g.seq)
 
 
-def segments_of(state: ShardState) -> list[_Seg]:
+def segments_of(state: ShardState) -> list[Segment]:
+    """The segments of a shard to read: those its manifest lists (others are ignored, with a
+    warning), or without a readable manifest every segment file, unverified."""
     if state.manifest is not None:
         listed = {s.name for s in state.manifest.segments}
         extra = [n for n in state.segment_names if n not in listed]
@@ -107,11 +112,11 @@ def segments_of(state: ShardState) -> list[_Seg]:
         for s in state.manifest.segments:
             parsed = parse_segment_name(s.name)
             if parsed:
-                out.append(_Seg(parsed[0], parsed[1], s.name, s))
+                out.append(Segment(parsed[0], parsed[1], s.name, s))
         return out
     if state.manifest_error:
         log.warning("shard %s: %s; reading its segments unverified by a manifest", state.name, state.manifest_error)
-    return [_Seg(*parse_segment_name(n), n, None) for n in state.segment_names]
+    return [Segment(*parse_segment_name(n), n, None) for n in state.segment_names]
 
 
 def iter_segments(
@@ -171,7 +176,7 @@ class StoreReader:
         for name in entries - shard.seen:
             parsed = parse_segment_name(name)
             if parsed:
-                shard.add(_Seg(parsed[0], parsed[1], name, None))
+                shard.add(Segment(parsed[0], parsed[1], name, None))
         shard.seen |= entries
 
     def _reject(self, shard: str, seq: int, name: str, reason: str) -> None:
@@ -180,7 +185,7 @@ class StoreReader:
             self.rejected.append((f"{shard}/{name}", reason))
             log.warning("rejected segment %s/%s: %s; going on with the next one", shard, name, reason)
 
-    def _head(self, name: str) -> _Seg | None:
+    def _head(self, name: str) -> Segment | None:
         shard = self._shards[name]
         for seg in shard.segments[bisect.bisect_left(shard.segments, shard.seq, key=lambda g: g.seq) :]:
             if (name, seg.seq) not in self._rejected:

@@ -86,6 +86,25 @@ def _rollout_row(run_dir: Path, name: str, planned: dict, now: float) -> dict:
     }
 
 
+SBATCH_FILE = "sbatch.json"  # written by `hpcrl sbatch` into the run directory: where its submit.sh is
+
+
+def prepared(run_dir: Path, jobs: dict | None) -> str | None:
+    """The submit.sh `hpcrl sbatch` wrote for this run while none of its jobs is recorded, else None."""
+    if jobs:
+        return None
+    submit = _json(run_dir / SBATCH_FILE).get("submit")
+    return str(submit) if submit else None
+
+
+def _executor_state(run_dir: Path, status: dict, jobs: dict | None) -> tuple[str, str]:
+    """How the run runs and its state: Slurm's word for its jobs, else the coordinator's, else
+    'not submitted' for a run `hpcrl sbatch` prepared."""
+    if prepared(run_dir, jobs) and not status:
+        return "slurm", "not submitted"
+    return ("slurm" if jobs else "local"), (jobs or {}).get("state") or status.get("state") or "unknown"
+
+
 def snapshot(run_dir: str | os.PathLike) -> dict:
     from hpcrl.jobs.launch import read_jobs
 
@@ -94,12 +113,14 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
     status = read_status(run_dir) or {}
     jobs = read_jobs(run_dir)
     ln = status.get("learner") or {}
+    executor, state = _executor_state(run_dir, status, jobs)
+    submit = prepared(run_dir, jobs)
     snap = {
         "run": run_dir.name,
         "run_dir": str(run_dir),
-        "executor": "slurm" if jobs else "local",
-        "state": (jobs or {}).get("state") or status.get("state") or "unknown",
-        "message": (jobs or {}).get("message", ""),
+        "executor": executor,
+        "state": state,
+        "message": (jobs or {}).get("message", "") or (f"prepared by hpcrl sbatch: bash {submit}" if submit else ""),
         "coordinator_state": status.get("state"),
         "status_age_s": now - float(status["updated"]) if "updated" in status else None,
         "step": ln.get("step"),
@@ -248,12 +269,13 @@ def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:
             jobs = read_jobs(p)
         except (OSError, ValueError):
             jobs = None
+        executor, state = _executor_state(p, status, jobs)
         out.append(
             {
                 "run": p.name,
                 "run_dir": str(p),
-                "executor": "slurm" if jobs else "local",
-                "state": (jobs or {}).get("state") or status.get("state") or "unknown",
+                "executor": executor,
+                "state": state,
                 "step": (status.get("learner") or {}).get("step"),
                 "updated": status.get("updated"),
             }

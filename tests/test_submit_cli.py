@@ -101,6 +101,11 @@ def test_sbatch_writes_readable_scripts_and_refuses_a_multi_node_hetjob(tmp_path
         assert line in learner, line
     assert subprocess.run(["bash", "-n", str(tmp_path / "s" / "submit.sh")]).returncode == 0
     assert (tmp_path / "hand" / "config.resolved.yaml").exists()
+    # Until submit.sh runs, status says the run waits for it, and where it is.
+    st = hpcrl("status", str(tmp_path / "hand"))
+    assert st.returncode == 1 and f"not submitted yet; submit with: bash {tmp_path}/s/submit.sh" in st.stdout, st
+    snap = json.loads(hpcrl("status", str(tmp_path / "hand"), "--json").stdout)
+    assert (snap["executor"], snap["state"]) == ("slurm", "not submitted") and "submit.sh" in snap["message"]
 
     out = hpcrl(
         "sbatch",

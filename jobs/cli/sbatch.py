@@ -34,10 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from hpcrl.core.files import atomic_write_json
     from hpcrl.jobs.cli import UsageError, load_experiment
     from hpcrl.jobs.launch import plan
     from hpcrl.jobs.rundir import create_run_dir
     from hpcrl.jobs.scripts import write_scripts
+    from hpcrl.jobs.slurmstatus import SBATCH_FILE
 
     cfg, search, domains = load_experiment(args, "sbatch", slurm=True)
     out = Path(args.output)
@@ -58,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing was submitted: leave no half-made run behind
         raise UsageError(str(exc)) from None
+    # `hpcrl status` says so of a run nobody has submitted yet, and where its submit.sh is.
+    atomic_write_json(run_dir / SBATCH_FILE, {"submit": str((out / "submit.sh").resolve())})
     print(f"run directory {run_dir}")
     for p in paths:
         print(f"  {p}")

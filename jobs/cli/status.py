@@ -75,8 +75,12 @@ def _once(args: argparse.Namespace, run_dir) -> tuple[str, int]:
         return snapshot_text(snap), 0
     from hpcrl.jobs.localrun import pids
     from hpcrl.jobs.report import status_text
+    from hpcrl.jobs.slurmstatus import prepared
 
     status = read_status(run_dir)
+    submit = prepared(run_dir, None)  # no jobs.json here (that case is above)
+    if submit and not status:
+        return f"{run_dir.name}: prepared by `hpcrl sbatch`, not submitted yet; submit with: bash {submit}", 1
     alive = {role: pids(run_dir, role) for role in ("coordinator", "store", "learner", "gen", "sandbox", "rollout")}
     text = (
         status_text(run_dir, status)

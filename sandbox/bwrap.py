@@ -14,7 +14,7 @@ What it isolates (checked by tests/test_sandbox_adversarial.py, test_sandbox_mem
   where cgroups exist, what is left in the run's cgroup is killed as well.
 * Files: read-only /usr (+ the /bin, /lib symlinks, /etc/alternatives, /etc/ld.so.cache),
   a read-only root, nothing else of the host: no /home, /root, run directories or sockets.
-  /work (the program, copied in through memfds), /tmp and /dev/shm are tmpfs capped in bytes
+  /work (the program, written there by the launcher helper from stdin), /tmp and /dev/shm are tmpfs capped in bytes
   and in inodes (`Limits.inodes`: empty files take no space) that vanish with the run (a
   session's run binds its workspace as /work instead: a tmpfs with the same caps that lives
   until the session closes, hpcrl.sandbox.workspace). The

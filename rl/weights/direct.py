@@ -17,11 +17,21 @@ without the others or the learner rebuilding anything; a pair whose generator is
 on the next send and is dropped. Only holders of the run's keys reach the store: nobody else
 can join, or drop a member (`leave/<n>`). Per version: one message per bucket
 (rl/weights/shards.py's `Bucket`: the flat buffer a chunk of parameters was gathered into), each a
-header (JSON: version, names, dtypes, shapes) and the bucket's bytes in one broadcast from rank 0
-of the pair, then an end message. A learner streams the buckets as it gathers them, so sending
-overlaps gathering; a receiver lands each bucket in a flat staging buffer of its own, and the
-generator's swap copies from views of those. Files are still written (restarts and late joiners
-read them); a generator takes whichever is newer.
+control message (a fixed-size header, JSON: version, names, dtypes, shapes) and the bucket's bytes
+in one broadcast from rank 0 of the pair, then an end message. The receiver always has the next
+control message's receive posted, so a bucket costs one exchange, not one per field. A learner
+streams the buckets as it gathers them, so sending overlaps gathering.
+
+No copy on the generator either: a receiver has two sets of flat buffers (each as large as the
+weights) and lands each version in the set the model does not use; the generator's swap makes
+the model's parameters views of it (`copy_state(..., share=True)`: microseconds, no copy), and
+the set the model used before takes the version after. A version being received is thus never
+one the model reads, and memory stays at twice the weights (what a staging copy beside the model
+took). On GPUs the buffers are on the generator's device (NCCL writes them, nothing passes
+through the host) and CUDA events order the two threads' streams: the swap waits for the
+receive, the next receive into a set waits for the generator's work queued before it let go.
+Files are still written (restarts and late joiners read them); a generator takes whichever is
+newer.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import torch
 
 from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.common.distenv import RunStore, StoreServer, node_address
+from hpcrl.rl.model.policy import copy_state
 from hpcrl.rl.weights.shards import Bucket
 
 __all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "Feed", "pair_group"]
@@ -47,6 +58,9 @@ log = logging.getLogger("hpcrl.weights")
 SERVICE = "weights-direct"  # the sender's store: endpoints/weights-direct.json
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
 _BUCKET_BYTES = 1 << 27  # what `send` packs a plain state into per message (a learner's gather chunks are its own)
+# A control message's size: 8 bytes of length, then the JSON; a longer JSON follows in a message
+# of its own (a bucket of very many small tensors).
+_CTRL_BYTES = 1 << 14
 _END, _ABORT = object(), object()
 
 
@@ -71,10 +85,38 @@ def _shutdown(pg) -> None:
             continue
 
 
-def _bcast(pg, t: torch.Tensor) -> None:
+def _bcast_async(pg, t: torch.Tensor):
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
-    pg.broadcast([t], opts).wait()
+    return pg.broadcast([t], opts)
+
+
+def _bcast(pg, t: torch.Tensor) -> None:
+    _bcast_async(pg, t).wait()
+
+
+def _ctrl(head: dict, device) -> list[torch.Tensor]:
+    """`head` as the messages that carry it: the fixed-size control message, plus the JSON on
+    its own when it does not fit."""
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    ctrl = torch.zeros(_CTRL_BYTES, dtype=torch.uint8)
+    ctrl[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if len(raw) <= _CTRL_BYTES - 8:
+        ctrl[8 : 8 + len(raw)] = body
+        return [ctrl.to(device)]
+    return [ctrl.to(device), body.to(device)]
+
+
+def _read_ctrl(pg, ctrl: torch.Tensor) -> dict:
+    """The JSON of a received control message (receiving its continuation, if any)."""
+    host = ctrl.cpu()
+    n = int(host[:8].view(torch.int64).item())
+    if n <= _CTRL_BYTES - 8:
+        return json.loads(host[8 : 8 + n].numpy().tobytes())
+    body = torch.empty(n, dtype=torch.uint8, device=ctrl.device)
+    _bcast(pg, body)
+    return json.loads(body.cpu().numpy().tobytes())
 
 
 class DirectSender:
@@ -132,7 +174,7 @@ class DirectSender:
             except queue.Empty:
                 return
             try:
-                _bcast(pg, torch.tensor([0], dtype=torch.int64, device=self.device))
+                _send_msg(pg, _ctrl({"welcome": True}, self.device))
             except Exception as exc:
                 log.warning("direct weights: generator %d left while joining (%s)", n, exc)
                 _shutdown(pg)
@@ -151,7 +193,7 @@ class DirectSender:
             if pg is None:
                 continue
             try:
-                _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
+                _send_msg(pg, _ctrl({"bye": True}, self.device))
             except Exception:
                 pass
             _shutdown(pg)
@@ -203,14 +245,10 @@ class DirectSender:
                 self._admit()
                 self._reap()
                 continue
-            if item is None:  # close(): a goodbye (size -1) lets each receiver leave its pair cleanly
+            if item is None:  # close(): a goodbye lets each receiver leave its pair cleanly
                 with self._members_lock:
-                    members = list(self.members.values())
-                for pg in members:
-                    try:
-                        _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
-                    except Exception:
-                        pass
+                    members = dict(self.members)
+                self._to_all(members, {"bye": True}, None)
                 self._q.task_done()
                 return
             version, feed = item
@@ -233,13 +271,23 @@ class DirectSender:
                 return
             payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
             head = {"version": version, "tensors": [[k, str(d), list(s)] for k, d, s in bucket.specs]}
-            self._to_all(members, head, payload)
+            self._to_all(members, head, payload if bucket.nbytes else None)
 
     def _to_all(self, members: dict, head: dict, payload: torch.Tensor | None) -> None:
-        """One message to each member; a member that fails is dropped (here and for good)."""
+        """One message to every member at once; a member that fails is dropped (here and for good)."""
+        msgs = _ctrl(head, self.device) + ([payload] if payload is not None else [])
+        works = {}
         for n, pg in list(members.items()):
             try:
-                _send_msg(pg, head, payload, self.device)
+                works[n] = [_bcast_async(pg, t) for t in msgs]
+            except Exception as exc:
+                works[n] = exc
+        for n, got in works.items():
+            try:
+                if isinstance(got, BaseException):
+                    raise got
+                for w in got:
+                    w.wait()
             except Exception as exc:
                 log.warning("direct weights: generator %d dropped (%s)", n, exc)
                 members.pop(n)
@@ -281,23 +329,26 @@ def _pack(state: Mapping[str, torch.Tensor]) -> list[Bucket]:
     return out
 
 
-def _send_msg(pg, head: dict, payload: torch.Tensor | None, device) -> None:
-    raw = json.dumps(head).encode()
-    _bcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
-    _bcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
-    if payload is not None and payload.numel():
-        _bcast(pg, payload)
+def _send_msg(pg, msgs: list[torch.Tensor]) -> None:
+    for w in [_bcast_async(pg, t) for t in msgs]:
+        w.wait()
 
 
 class DirectReceiver:
-    """A generator's side: a thread joins the learner's store and receives every version."""
+    """A generator's side: a thread joins the learner's store and receives every version, into
+    whichever of its two buffer sets the model does not use."""
 
     def __init__(self, run_dir: str | Path, name: str, device=None, timeout_s: float = 600.0):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "weights" / "direct.json"
         self.name, self.timeout_s = name, timeout_s
         self.device = device
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        # (version, tensors, CUDA event of their arrival or None); tensors are views of _sets[_target]
+        self._staged: tuple[int, dict[str, torch.Tensor], object] | None = None
+        self._sets: list[list[torch.Tensor]] = [[], []]  # two sets of flat buffers, one per bucket
+        self._live: int | None = None  # the set the model's parameters are views of
+        self._target = 0  # the set being received into (never _live)
+        self._let_go = None  # CUDA event: the generator's work queued before its last release()
         self._stop = threading.Event()
         self._link = None  # (store, member number) of the current pair, for close()
         self._link_lock = threading.Lock()
@@ -306,12 +357,30 @@ class DirectReceiver:
         self._thread.start()
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The version received last, if any; its tensors are valid until `release()`."""
-        return self._staged
+        """The version received last, if any; its tensors are valid until `release()`, or, if
+        released as bound, until the release after that (the model then uses them). On a GPU the
+        caller's stream waits for their arrival."""
+        staged = self._staged
+        if staged is None:
+            return None
+        if staged[2] is not None:
+            torch.cuda.current_stream(staged[2].device).wait_event(staged[2])
+        return staged[0], staged[1]
 
-    def release(self) -> None:
-        """The taken version was copied out: its staging buffers may take the next one."""
-        self._staged = None
+    def release(self, bound: bool = False) -> None:
+        """Done with the taken version. `bound`: the model's parameters are now views of its
+        tensors, so the next version goes to the other set (the one the model used until now);
+        otherwise the next one reuses this set."""
+        staged = self._staged
+        if staged is None:
+            return
+        if staged[2] is not None:  # what the caller queued on its stream reading either set
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(staged[2].device))
+            self._let_go = event
+        if bound:
+            self._live = self._target
+        self._staged = None  # last: the receiving thread reads _live and _let_go once it sees this
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leave the pair and stop the thread, before interpreter teardown (see DirectSender.close).
@@ -376,37 +445,47 @@ class DirectReceiver:
 
     def _receive(self, pg, info: dict) -> None:
         dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
-        staging: list[torch.Tensor] = []  # one flat buffer per bucket, reused while sizes stay
+        ctrl = torch.empty(_CTRL_BYTES, dtype=torch.uint8, device=dev)
+        pending = _bcast_async(pg, ctrl)  # the next control message's receive, always posted
         state: dict[str, torch.Tensor] = {}
         k = 0  # buckets of the current version so far
         while not self._stop.is_set():
-            size = torch.zeros(1, dtype=torch.int64, device=dev)
-            _bcast(pg, size)
-            if int(size.item()) < 0:  # the learner said goodbye: wait for the next one to announce itself
+            pending.wait()
+            head = _read_ctrl(pg, ctrl)
+            if "bye" in head:  # the learner said goodbye: wait for the next one to announce itself
                 return
-            if int(size.item()) == 0:  # the welcome: the sender counts us among its members from now on
+            if "welcome" in head:  # the sender counts us among its members from now on
                 self.connected.set()
+                pending = _bcast_async(pg, ctrl)
                 continue
-            raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-            _bcast(pg, raw)
-            header = json.loads(raw.cpu().numpy().tobytes().decode())
-            if "end" in header:  # complete (or aborted: what came is dropped)
-                if header["end"] and k:
-                    self._staged = (int(header["version"]), state)
+            if "end" in head:  # complete (or aborted: what came is dropped)
+                if head["end"] and k:
+                    event = None
+                    if dev.type == "cuda":
+                        event = torch.cuda.Event()
+                        event.record(torch.cuda.current_stream(dev))
+                    self._staged = (int(head["version"]), state, event)
                 state, k = {}, 0
+                pending = _bcast_async(pg, ctrl)
                 continue
-            if k == 0:  # the staging set is ours again only once the last version was swapped in
+            if k == 0:  # a set is free again only once the last version was swapped in (or dropped)
                 while self._staged is not None and not self._stop.is_set():
                     time.sleep(0.001)
-            specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in header["tensors"]]
+                self._target = 1 if self._live == 0 else 0
+                if self._let_go is not None:  # the model's reads of the set, queued before it let go
+                    torch.cuda.current_stream(dev).wait_event(self._let_go)
+            specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in head["tensors"]]
             nbytes = Bucket.bytes_for(specs)
-            if k == len(staging):
-                staging.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
-            elif staging[k].numel() != nbytes:
-                staging[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            if nbytes:
-                _bcast(pg, staging[k])
-            state.update(Bucket(specs, buffer=staging[k]).tensors)
+            buffers = self._sets[self._target]
+            if k == len(buffers):
+                buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
+            elif buffers[k].numel() != nbytes or buffers[k].device != dev:
+                buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            payload = _bcast_async(pg, buffers[k]) if nbytes else None
+            pending = _bcast_async(pg, ctrl)
+            if payload is not None:
+                payload.wait()
+            state.update(Bucket(specs, buffer=buffers[k]).tensors)
             k += 1
 
 
@@ -420,14 +499,19 @@ class DirectWeights:
     def load_if_newer(self, model, have: int) -> int | None:
         got = self.receiver.take()
         if got is not None:
+            bound = False
             try:
                 if got[0] > have:
-                    from hpcrl.rl.model.policy import copy_state
-
                     t0 = time.perf_counter()
-                    copy_state(model, got[1], f"weights v{got[0]} (direct)")
+                    # The model's parameters become views of the received buffers (checked first:
+                    # nothing changes on a mismatch); the receiver then fills the other set.
+                    bound = True
+                    copy_state(model, got[1], f"weights v{got[0]} (direct)", share=True)
                     self.last_swap_s = time.perf_counter() - t0
                     return got[0]
+            except ValueError:
+                bound = False  # refused before anything was bound
+                raise
             finally:
-                self.receiver.release()
+                self.receiver.release(bound)
         return self.files.load_if_newer(model, have)

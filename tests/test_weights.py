@@ -188,11 +188,13 @@ def test_direct_streams_buckets_and_an_aborted_version_is_never_staged(tmp_path)
         assert recv.connected.wait(30)
         one, two = state_of(5, torch.bfloat16), state_of(6, torch.bfloat16)
         names = list(one)
-        feed = sender.stream(1)
+        parts = (names[:2], names[2:])
+        layout = [[(n, one[n].dtype, one[n].shape) for n in part] for part in parts]
+        feed = sender.stream(1, layout)
         feed.put(Bucket.of({n: one[n] for n in names[:2]}))
         feed.abort()  # the gather failed after one bucket: the receiver drops it
-        feed = sender.stream(2)
-        for part in (names[:2], names[2:]):  # buckets go out as they are put
+        feed = sender.stream(2, layout)
+        for part in parts:  # buckets go out as they are put
             feed.put(Bucket.of({n: two[n] for n in part}))
         feed.close()
         sender.flush()

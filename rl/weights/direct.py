@@ -202,15 +202,18 @@ class DirectSender:
         """Queue `state` for every member (waits while the previous version is still going out):
         buckets as they are, a plain mapping packed into buckets (a copy) first."""
         buckets = list(state) if not isinstance(state, Mapping) else _pack(state)
-        feed = self.stream(version)
+        feed = self.stream(version, [b.specs for b in buckets])
         for bucket in buckets:
             feed.put(bucket)
         feed.close()
 
-    def stream(self, version: int) -> Feed:
-        """A version whose buckets arrive one by one (`Feed.put`, as the learner gathers them);
-        each goes out as soon as the version before it is sent. Waits while a version is queued."""
-        feed = Feed()
+    def stream(self, version: int, layout: Sequence[Sequence[tuple[str, torch.dtype, Sequence[int]]]]) -> Feed:
+        """A version whose buckets arrive one by one (`Feed.put`, as the learner gathers them),
+        each bucket's tensors (name, dtype, shape) as `layout` says, known before gathering. The
+        layout goes out first, so a receiver has every bucket's receive posted before its bytes
+        come; each bucket goes out as soon as it is put (after the version before). A bucket other
+        than announced drops the version. Waits while a version is queued."""
+        feed = Feed([[(n, d, tuple(int(x) for x in shape)) for n, d, shape in specs] for specs in layout])
         self._q.put((version, feed))
         return feed
 
@@ -248,7 +251,7 @@ class DirectSender:
             if item is None:  # close(): a goodbye lets each receiver leave its pair cleanly
                 with self._members_lock:
                     members = dict(self.members)
-                self._to_all(members, {"bye": True}, None)
+                self._to_all(members, {"bye": True})
                 self._q.task_done()
                 return
             version, feed = item
@@ -261,33 +264,53 @@ class DirectSender:
                 self._q.task_done()
 
     def _send_version(self, version: int, feed: Feed) -> None:
-        """Each bucket to every member as it arrives, then the end (or an abort) message."""
+        """The layout, each bucket as it arrives, then whether the version is complete. Receivers
+        expect every announced bucket: after an abort or a bucket other than announced, the rest
+        go out as zeros and the end says the version is dropped."""
         with self._members_lock:
             members = dict(self.members)
-        while True:
-            bucket = feed.get()
-            if bucket is _END or bucket is _ABORT:
-                self._to_all(members, {"version": version, "end": bucket is _END}, None)
-                return
-            payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
-            head = {"version": version, "tensors": [[k, str(d), list(s)] for k, d, s in bucket.specs]}
-            self._to_all(members, head, payload if bucket.nbytes else None)
+        works: dict[int, list] = {n: [] for n in members}  # each member's broadcasts in flight
+        head = {"version": version, "buckets": [[[n, str(d), list(s)] for n, d, s in specs] for specs in feed.layout]}
+        self._post(members, works, _ctrl(head, self.device))
+        complete, filler = True, None
+        for k, specs in enumerate(feed.layout):
+            bucket = feed.get() if complete else None
+            if complete and (not isinstance(bucket, Bucket) or bucket.specs != specs):
+                if bucket is not _ABORT:
+                    log.warning("direct weights: v%d bucket %d is not the one announced; version dropped", version, k)
+                complete = False
+            nbytes = Bucket.bytes_for(specs)
+            if not nbytes:
+                continue
+            if complete:
+                payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
+            else:
+                if filler is None:
+                    most = max(Bucket.bytes_for(s) for s in feed.layout[k:])
+                    filler = torch.zeros(most, dtype=torch.uint8, device=self.device)
+                payload = filler[:nbytes]
+            self._post(members, works, [payload])
+        if complete:
+            tail = feed.get()
+            complete = tail is _END
+            if isinstance(tail, Bucket):
+                log.warning("direct weights: v%d has more buckets than announced; version dropped", version)
+        self._post(members, works, _ctrl({"version": version, "end": complete}, self.device), limit=0)
 
-    def _to_all(self, members: dict, head: dict, payload: torch.Tensor | None) -> None:
-        """One message to every member at once; a member that fails is dropped (here and for good)."""
-        msgs = _ctrl(head, self.device) + ([payload] if payload is not None else [])
-        works = {}
+    def _to_all(self, members: dict, head: dict) -> None:
+        """One control message to every member (a welcome, a goodbye)."""
+        works: dict[int, list] = {n: [] for n in members}
+        self._post(members, works, _ctrl(head, self.device), limit=0)
+
+    def _post(self, members: dict, works: dict[int, list], msgs: list[torch.Tensor], limit: int = 3) -> None:
+        """Start `msgs` to every member at once, then wait until at most `limit` of a member's
+        broadcasts are in flight (bounded: on GPUs each holds a device copy of a bucket). A
+        member that fails is dropped (here and for good)."""
         for n, pg in list(members.items()):
             try:
-                works[n] = [_bcast_async(pg, t) for t in msgs]
-            except Exception as exc:
-                works[n] = exc
-        for n, got in works.items():
-            try:
-                if isinstance(got, BaseException):
-                    raise got
-                for w in got:
-                    w.wait()
+                works[n].extend(_bcast_async(pg, t) for t in msgs)
+                while len(works[n]) > limit:
+                    works[n].pop(0).wait()
             except Exception as exc:
                 log.warning("direct weights: generator %d dropped (%s)", n, exc)
                 members.pop(n)
@@ -298,7 +321,8 @@ class DirectSender:
 class Feed:
     """The buckets of one version on their way to the sending thread, in order."""
 
-    def __init__(self):
+    def __init__(self, layout: list[list[tuple[str, torch.dtype, tuple[int, ...]]]]):
+        self.layout = layout
         self._q: queue.Queue = queue.Queue()
 
     def put(self, bucket: Bucket) -> None:
@@ -447,8 +471,6 @@ class DirectReceiver:
         dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
         ctrl = torch.empty(_CTRL_BYTES, dtype=torch.uint8, device=dev)
         pending = _bcast_async(pg, ctrl)  # the next control message's receive, always posted
-        state: dict[str, torch.Tensor] = {}
-        k = 0  # buckets of the current version so far
         while not self._stop.is_set():
             pending.wait()
             head = _read_ctrl(pg, ctrl)
@@ -458,35 +480,41 @@ class DirectReceiver:
                 self.connected.set()
                 pending = _bcast_async(pg, ctrl)
                 continue
-            if "end" in head:  # complete (or aborted: what came is dropped)
-                if head["end"] and k:
-                    event = None
-                    if dev.type == "cuda":
-                        event = torch.cuda.Event()
-                        event.record(torch.cuda.current_stream(dev))
-                    self._staged = (int(head["version"]), state, event)
-                state, k = {}, 0
-                pending = _bcast_async(pg, ctrl)
-                continue
-            if k == 0:  # a set is free again only once the last version was swapped in (or dropped)
-                while self._staged is not None and not self._stop.is_set():
-                    time.sleep(0.001)
-                self._target = 1 if self._live == 0 else 0
-                if self._let_go is not None:  # the model's reads of the set, queued before it let go
-                    torch.cuda.current_stream(dev).wait_event(self._let_go)
-            specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in head["tensors"]]
-            nbytes = Bucket.bytes_for(specs)
+            # A version: its layout, each bucket's bytes, then whether it is complete.
+            layout = [[(n, _DTYPES[d], s) for n, d, s in specs] for specs in head["buckets"]]
+            while self._staged is not None:  # a set is free only once the last version was swapped in
+                if self._stop.is_set():
+                    return
+                time.sleep(0.001)
+            self._target = 1 if self._live == 0 else 0
+            if self._let_go is not None:  # the model's reads of the set, queued before it let go
+                torch.cuda.current_stream(dev).wait_event(self._let_go)
             buffers = self._sets[self._target]
-            if k == len(buffers):
-                buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
-            elif buffers[k].numel() != nbytes or buffers[k].device != dev:
-                buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            payload = _bcast_async(pg, buffers[k]) if nbytes else None
+            del buffers[len(layout) :]
+            works = []
+            for k, specs in enumerate(layout):
+                nbytes = Bucket.bytes_for(specs)
+                if k == len(buffers):
+                    buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
+                elif buffers[k].numel() != nbytes or buffers[k].device != dev:
+                    buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                if nbytes:
+                    works.append(_bcast_async(pg, buffers[k]))
             pending = _bcast_async(pg, ctrl)
-            if payload is not None:
-                payload.wait()
-            state.update(Bucket(specs, buffer=buffers[k]).tensors)
-            k += 1
+            for w in works:
+                w.wait()
+            pending.wait()
+            end = _read_ctrl(pg, ctrl)
+            pending = _bcast_async(pg, ctrl)
+            if end.get("end") and layout:  # complete (an aborted version is dropped)
+                state: dict[str, torch.Tensor] = {}
+                for specs, buffer in zip(layout, buffers):
+                    state.update(Bucket(specs, buffer=buffer).tensors)
+                event = None
+                if dev.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(dev))
+                self._staged = (int(end["version"]), state, event)
 
 
 class DirectWeights:

@@ -139,14 +139,7 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     # As the learner gathers: one flat bucket per chunk of at most 64M parameters.
-    buckets, part, numel = [], {}, 0
-    for k, t in state.items():
-        if part and numel + t.numel() > 1 << 26:
-            buckets.append(Bucket.of(part))
-            part, numel = {}, 0
-        part[k] = t
-        numel += t.numel()
-    buckets.append(Bucket.of(part))
+    buckets = Bucket.pack(state, 1 << 26)
     gathered = {k: v for b in buckets for k, v in b.tensors.items()}
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
     back = torch.empty(nbytes, dtype=torch.uint8)

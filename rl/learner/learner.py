@@ -386,30 +386,24 @@ class Learner:
         (each gathered at once, into one bucket), and on rank 0 the persistent buffers that are
         no parameter (one more bucket)."""
         module = self.engine.module.lm
-        chunks: list[list[tuple[str, torch.nn.Parameter]]] = []
-        numel = 0
+        chunks, numel = [], 0
         for name, p in module.named_parameters():
-            if not chunks or (chunks[-1] and numel + _numel(p) > _GATHER_NUMEL):
+            if not chunks or numel + _numel(p) > _GATHER_NUMEL:
                 chunks.append([])
                 numel = 0
             chunks[-1].append((name, p))
             numel += _numel(p)
-        extra: dict[str, torch.Tensor] = {}
-        if self.rank == 0:
-            names = {n for chunk in chunks for n, _ in chunk}
-            persistent = set(module.state_dict().keys())
-            extra = {n: b.detach() for n, b in module.named_buffers() if n in persistent and n not in names}
-        return chunks, extra
+        names = {n for chunk in chunks for n, _ in chunk}
+        persistent = set(module.state_dict().keys()) if self.rank == 0 else set()
+        return chunks, {n: b.detach() for n, b in module.named_buffers() if n in persistent and n not in names}
 
-    def gathered_state_dict(
-        self, everything_on_rank0: bool = True, on_bucket=None, plan=None
-    ) -> dict[str, torch.Tensor]:
+    def gathered_state_dict(self, plan, everything_on_rank0: bool = True, on_bucket=None) -> dict[str, torch.Tensor]:
         """Full weights from the ZeRO-3 shards, on the host in the policy dtype. Every rank must
         call it (gathering is collective); parameters are gathered in bounded chunks (`plan`, from
         `gather_plan`), each copied once into a flat host buffer (a `Bucket`; pinned on GPUs)
         whose views are returned, and handed to `on_bucket` as soon as it is filled. Each rank
         keeps the tensors `owned_names` gives it; rank 0 all of them if `everything_on_rank0`."""
-        chunks, extra = plan or self.gather_plan()
+        chunks, extra = plan
         named = [(n, p) for chunk in chunks for n, p in chunk]
         owners = owned_names([n for n, _ in named], [_numel(p) for _, p in named], self.world)
         mine = set(owners[self.rank]) if not (everything_on_rank0 and self.rank == 0) else {n for n, _ in named}
@@ -440,18 +434,13 @@ class Learner:
         thread writes its shard (rank 0 then announces); training goes on meanwhile. With the
         direct path, rank 0's gathered buckets stream to the generators as they fill (their
         layout, known before gathering, announced first)."""
-        plan = self.gather_plan()
-        feed = None
+        plan, feed, dtype = self.gather_plan(), None, self._publish_dtype()
         if self.direct is not None:
-            chunks, extra = plan
-            dtype = self._publish_dtype()
-            layout = [[(n, dtype, getattr(p, "ds_shape", p.shape)) for n, p in chunk] for chunk in chunks]
-            layout += [[(n, b.dtype, b.shape) for n, b in extra.items()]] if extra else []
-            feed = self.direct.stream(self.version, layout)
+            layout = [[(n, dtype, getattr(p, "ds_shape", p.shape)) for n, p in chunk] for chunk in plan[0]]
+            extra = [[(n, b.dtype, b.shape) for n, b in plan[1].items()]] if plan[1] else []
+            feed = self.direct.stream(self.version, layout + extra)
         try:
-            state = self.gathered_state_dict(
-                everything_on_rank0=feed is not None, on_bucket=feed and feed.put, plan=plan
-            )
+            state = self.gathered_state_dict(plan, everything_on_rank0=feed is not None, on_bucket=feed and feed.put)
         except BaseException:
             if feed is not None:
                 feed.abort()

@@ -4,34 +4,31 @@ CPU), beside the learner's training group and unknown to it.
 
     sender = DirectSender(run_dir, backend="gloo")       # learner rank 0
     sender.send(12, state)                               # returns at once; a thread sends
-    feed = sender.stream(13); feed.put(bucket); ...; feed.close()   # buckets sent as they are gathered
-    recv = DirectReceiver(run_dir, "gen-0", backend="gloo", device=cpu)   # a generator
+    feed = sender.stream(13, layout); feed.put(bucket); ...; feed.close()   # sent as gathered
+    recv = DirectReceiver(run_dir, "gen-0", device=cpu)  # a generator
     recv.take()                                          # (12, state) once received, else None
 
-Rendezvous: rank 0 serves a store of the run (hpcrl.rl.common.distenv: CURVE, the run's keys, this
-node's address) and writes its name to `weights/direct.json`; a generator (whenever it starts,
-also after a restart) joins by number and both sides build a two-member group under a prefix
-of its own (`pair/<n>`), in a thread of the sender's so that a join that never completes
-holds up nobody's delivery. Pairs, not one group of all, so a generator can come and go
-without the others or the learner rebuilding anything; a pair whose generator is gone fails
-on the next send and is dropped. Only holders of the run's keys reach the store: nobody else
-can join, or drop a member (`leave/<n>`). Per version: one message per bucket
-(rl/weights/shards.py's `Bucket`: the flat buffer a chunk of parameters was gathered into), each a
-control message (a fixed-size header, JSON: version, names, dtypes, shapes) and the bucket's bytes
-in one broadcast from rank 0 of the pair, then an end message. The receiver always has the next
-control message's receive posted, so a bucket costs one exchange, not one per field. A learner
-streams the buckets as it gathers them, so sending overlaps gathering.
+Rendezvous: rank 0 serves a store of the run (hpcrl.rl.common.distenv: CURVE, the run's keys,
+this node's address) named in `weights/direct.json`; a generator (whenever it starts, also
+after a restart) joins by number and both build a two-member group (`pair/<n>`), on a thread
+of the sender's, so a join that never completes holds up no delivery. Pairs, not one group, so
+generators come and go without anyone rebuilding; a pair whose generator is gone fails on the
+next send and is dropped. Only holders of the run's keys can join or drop one (`leave/<n>`).
 
-No copy on the generator either: a receiver has two sets of flat buffers (each as large as the
-weights) and lands each version in the set the model does not use; the generator's swap makes
-the model's parameters views of it (`copy_state(..., share=True)`: microseconds, no copy), and
-the set the model used before takes the version after. A version being received is thus never
-one the model reads, and memory stays at twice the weights (what a staging copy beside the model
-took). On GPUs the buffers are on the generator's device (NCCL writes them, nothing passes
-through the host) and CUDA events order the two threads' streams: the swap waits for the
-receive, the next receive into a set waits for the generator's work queued before it let go.
-Files are still written (restarts and late joiners read them); a generator takes whichever is
-newer.
+Per version: a control message (fixed size, JSON) with the layout, every bucket's tensors
+(rl/weights/shards.py's `Bucket`, the flat buffer a chunk of parameters is gathered into; the
+layout is known before gathering); each bucket's bytes in one broadcast as soon as gathered;
+then whether the version is complete. Knowing the layout, a receiver posts every bucket's
+receive at once, so the bytes flow back to back.
+
+The swap copies nothing: a receiver has two sets of flat buffers and lands each version in the
+one the model does not use; the swap makes the model's parameters views of it
+(`copy_state(..., share=True)`) and the set used until then takes the next version. The model
+never reads a version being received, and memory stays at twice the weights. On GPUs the sets
+are on the generator's device (NCCL fills them, nothing passes through the host) and CUDA events
+order the two threads' streams: the swap waits for the receive, a receive into a set for the
+generator's work queued before it let go of that set. Files are still written (restarts and
+late joiners read them); a generator takes whichever is newer.
 """
 
 from __future__ import annotations
@@ -57,10 +54,8 @@ __all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "Feed", "pair_grou
 log = logging.getLogger("hpcrl.weights")
 SERVICE = "weights-direct"  # the sender's store: endpoints/weights-direct.json
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
-_BUCKET_BYTES = 1 << 27  # what `send` packs a plain state into per message (a learner's gather chunks are its own)
-# A control message's size: 8 bytes of length, then the JSON; a longer JSON follows in a message
-# of its own (a bucket of very many small tensors).
-_CTRL_BYTES = 1 << 14
+_BUCKET_NUMEL = 1 << 26  # what `send` packs a plain state into per bucket (a learner's gather chunks are its own)
+_CTRL_BYTES = 1 << 14  # a control message: 8 bytes of length, the JSON (a longer one follows on its own)
 _END, _ABORT = object(), object()
 
 
@@ -91,13 +86,8 @@ def _bcast_async(pg, t: torch.Tensor):
     return pg.broadcast([t], opts)
 
 
-def _bcast(pg, t: torch.Tensor) -> None:
-    _bcast_async(pg, t).wait()
-
-
 def _ctrl(head: dict, device) -> list[torch.Tensor]:
-    """`head` as the messages that carry it: the fixed-size control message, plus the JSON on
-    its own when it does not fit."""
+    """`head` as the fixed-size control message, plus the JSON on its own if it does not fit."""
     raw = json.dumps(head, separators=(",", ":")).encode()
     ctrl = torch.zeros(_CTRL_BYTES, dtype=torch.uint8)
     ctrl[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
@@ -115,7 +105,7 @@ def _read_ctrl(pg, ctrl: torch.Tensor) -> dict:
     if n <= _CTRL_BYTES - 8:
         return json.loads(host[8 : 8 + n].numpy().tobytes())
     body = torch.empty(n, dtype=torch.uint8, device=ctrl.device)
-    _bcast(pg, body)
+    _bcast_async(pg, body).wait()
     return json.loads(body.cpu().numpy().tobytes())
 
 
@@ -166,17 +156,14 @@ class DirectSender:
         self._ready.put((n, pg))  # the sending thread admits it between versions (_admit)
 
     def _admit(self) -> None:
-        """Make the pairs built meanwhile members, each told so (a welcome: size 0) from this
+        """Make the pairs built meanwhile members, each told so (a welcome) from this
         thread, so a receiver counts itself connected only once the next version will reach it."""
         while True:
             try:
                 n, pg = self._ready.get_nowait()
             except queue.Empty:
                 return
-            try:
-                _send_msg(pg, _ctrl({"welcome": True}, self.device))
-            except Exception as exc:
-                log.warning("direct weights: generator %d left while joining (%s)", n, exc)
+            if not self._to_all({n: pg}, {"welcome": True}):  # it left while joining
                 _shutdown(pg)
                 continue
             with self._members_lock:
@@ -192,27 +179,23 @@ class DirectSender:
                 pg = self.members.pop(n, None)
             if pg is None:
                 continue
-            try:
-                _send_msg(pg, _ctrl({"bye": True}, self.device))
-            except Exception:
-                pass
+            self._to_all({n: pg}, {"bye": True})
             _shutdown(pg)
 
     def send(self, version: int, state: Mapping[str, torch.Tensor] | Sequence[Bucket]) -> None:
         """Queue `state` for every member (waits while the previous version is still going out):
         buckets as they are, a plain mapping packed into buckets (a copy) first."""
-        buckets = list(state) if not isinstance(state, Mapping) else _pack(state)
+        buckets = list(state) if not isinstance(state, Mapping) else Bucket.pack(state, _BUCKET_NUMEL)
         feed = self.stream(version, [b.specs for b in buckets])
         for bucket in buckets:
             feed.put(bucket)
         feed.close()
 
     def stream(self, version: int, layout: Sequence[Sequence[tuple[str, torch.dtype, Sequence[int]]]]) -> Feed:
-        """A version whose buckets arrive one by one (`Feed.put`, as the learner gathers them),
-        each bucket's tensors (name, dtype, shape) as `layout` says, known before gathering. The
-        layout goes out first, so a receiver has every bucket's receive posted before its bytes
-        come; each bucket goes out as soon as it is put (after the version before). A bucket other
-        than announced drops the version. Waits while a version is queued."""
+        """A version whose buckets come one by one (`Feed.put`, as the learner gathers them), their
+        tensors (name, dtype, shape) as `layout` says; each goes out as soon as it is put (after
+        the version before). A bucket other than announced drops the version. Waits while a
+        version is queued."""
         feed = Feed([[(n, d, tuple(int(x) for x in shape)) for n, d, shape in specs] for specs in layout])
         self._q.put((version, feed))
         return feed
@@ -282,14 +265,10 @@ class DirectSender:
             nbytes = Bucket.bytes_for(specs)
             if not nbytes:
                 continue
-            if complete:
-                payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
-            else:
-                if filler is None:
-                    most = max(Bucket.bytes_for(s) for s in feed.layout[k:])
-                    filler = torch.zeros(most, dtype=torch.uint8, device=self.device)
-                payload = filler[:nbytes]
-            self._post(members, works, [payload])
+            if not complete and filler is None:  # zeros for the rest
+                most = max(Bucket.bytes_for(s) for s in feed.layout[k:])
+                filler = torch.zeros(most, dtype=torch.uint8, device=self.device)
+            self._post(members, works, [bucket.buffer.to(self.device) if complete else filler[:nbytes]])
         if complete:
             tail = feed.get()
             complete = tail is _END
@@ -297,15 +276,15 @@ class DirectSender:
                 log.warning("direct weights: v%d has more buckets than announced; version dropped", version)
         self._post(members, works, _ctrl({"version": version, "end": complete}, self.device), limit=0)
 
-    def _to_all(self, members: dict, head: dict) -> None:
-        """One control message to every member (a welcome, a goodbye)."""
-        works: dict[int, list] = {n: [] for n in members}
-        self._post(members, works, _ctrl(head, self.device), limit=0)
+    def _to_all(self, members: dict, head: dict) -> dict:
+        """One control message to every member (a welcome, a goodbye); the members it reached."""
+        self._post(members, {n: [] for n in members}, _ctrl(head, self.device), limit=0)
+        return members
 
     def _post(self, members: dict, works: dict[int, list], msgs: list[torch.Tensor], limit: int = 3) -> None:
         """Start `msgs` to every member at once, then wait until at most `limit` of a member's
-        broadcasts are in flight (bounded: on GPUs each holds a device copy of a bucket). A
-        member that fails is dropped (here and for good)."""
+        broadcasts are in flight (on GPUs each holds a device copy of a bucket). A member that
+        fails is dropped (here and for good)."""
         for n, pg in list(members.items()):
             try:
                 works[n].extend(_bcast_async(pg, t) for t in msgs)
@@ -340,24 +319,6 @@ class Feed:
         return self._q.get()
 
 
-def _pack(state: Mapping[str, torch.Tensor]) -> list[Bucket]:
-    out, part, size = [], {}, 0
-    for k, v in state.items():
-        if part and size + v.numel() * v.element_size() > _BUCKET_BYTES:
-            out.append(Bucket.of(part))
-            part, size = {}, 0
-        part[k] = v.detach().cpu()
-        size += v.numel() * v.element_size()
-    if part:
-        out.append(Bucket.of(part))
-    return out
-
-
-def _send_msg(pg, msgs: list[torch.Tensor]) -> None:
-    for w in [_bcast_async(pg, t) for t in msgs]:
-        w.wait()
-
-
 class DirectReceiver:
     """A generator's side: a thread joins the learner's store and receives every version, into
     whichever of its two buffer sets the model does not use."""
@@ -373,6 +334,7 @@ class DirectReceiver:
         self._live: int | None = None  # the set the model's parameters are views of
         self._target = 0  # the set being received into (never _live)
         self._let_go = None  # CUDA event: the generator's work queued before its last release()
+        self._dev = torch.device("cpu")  # where the sets are (the current pair's)
         self._stop = threading.Event()
         self._link = None  # (store, member number) of the current pair, for close()
         self._link_lock = threading.Lock()
@@ -381,27 +343,23 @@ class DirectReceiver:
         self._thread.start()
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The version received last, if any; its tensors are valid until `release()`, or, if
-        released as bound, until the release after that (the model then uses them). On a GPU the
-        caller's stream waits for their arrival."""
+        """The version received last, if any; its tensors stay valid until `release()` (if bound,
+        until the next bound release). On a GPU the caller's stream waits for their arrival."""
         staged = self._staged
         if staged is None:
             return None
         if staged[2] is not None:
-            torch.cuda.current_stream(staged[2].device).wait_event(staged[2])
+            torch.cuda.current_stream(self._dev).wait_event(staged[2])
         return staged[0], staged[1]
 
     def release(self, bound: bool = False) -> None:
-        """Done with the taken version. `bound`: the model's parameters are now views of its
-        tensors, so the next version goes to the other set (the one the model used until now);
-        otherwise the next one reuses this set."""
+        """Done with the taken version. `bound`: the model's parameters are views of its tensors
+        now, so the next version goes to the other set; else the next one reuses this set."""
         staged = self._staged
         if staged is None:
             return
         if staged[2] is not None:  # what the caller queued on its stream reading either set
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(staged[2].device))
-            self._let_go = event
+            self._let_go = _mark(self._dev)
         if bound:
             self._live = self._target
         self._staged = None  # last: the receiving thread reads _live and _let_go once it sees this
@@ -468,7 +426,7 @@ class DirectReceiver:
             store.close()
 
     def _receive(self, pg, info: dict) -> None:
-        dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
+        dev = self._dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
         ctrl = torch.empty(_CTRL_BYTES, dtype=torch.uint8, device=dev)
         pending = _bcast_async(pg, ctrl)  # the next control message's receive, always posted
         while not self._stop.is_set():
@@ -483,9 +441,8 @@ class DirectReceiver:
             # A version: its layout, each bucket's bytes, then whether it is complete.
             layout = [[(n, _DTYPES[d], s) for n, d, s in specs] for specs in head["buckets"]]
             while self._staged is not None:  # a set is free only once the last version was swapped in
-                if self._stop.is_set():
+                if self._stop.wait(0.001):
                     return
-                time.sleep(0.001)
             self._target = 1 if self._live == 0 else 0
             if self._let_go is not None:  # the model's reads of the set, queued before it let go
                 torch.cuda.current_stream(dev).wait_event(self._let_go)
@@ -494,10 +451,8 @@ class DirectReceiver:
             works = []
             for k, specs in enumerate(layout):
                 nbytes = Bucket.bytes_for(specs)
-                if k == len(buffers):
-                    buffers.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
-                elif buffers[k].numel() != nbytes or buffers[k].device != dev:
-                    buffers[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                if k == len(buffers) or buffers[k].numel() != nbytes or buffers[k].device != dev:
+                    buffers[k : k + 1] = [torch.empty(nbytes, dtype=torch.uint8, device=dev)]  # else reused
                 if nbytes:
                     works.append(_bcast_async(pg, buffers[k]))
             pending = _bcast_async(pg, ctrl)
@@ -507,14 +462,17 @@ class DirectReceiver:
             end = _read_ctrl(pg, ctrl)
             pending = _bcast_async(pg, ctrl)
             if end.get("end") and layout:  # complete (an aborted version is dropped)
-                state: dict[str, torch.Tensor] = {}
-                for specs, buffer in zip(layout, buffers):
-                    state.update(Bucket(specs, buffer=buffer).tensors)
-                event = None
-                if dev.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(dev))
-                self._staged = (int(end["version"]), state, event)
+                state = {n: t for specs, b in zip(layout, buffers) for n, t in Bucket(specs, buffer=b).tensors.items()}
+                self._staged = (int(end["version"]), state, _mark(dev))
+
+
+def _mark(device: torch.device):
+    """A CUDA event after the work queued so far on this thread's stream (None off GPUs)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class DirectWeights:
@@ -530,15 +488,12 @@ class DirectWeights:
             bound = False
             try:
                 if got[0] > have:
-                    t0 = time.perf_counter()
-                    # The model's parameters become views of the received buffers (checked first:
-                    # nothing changes on a mismatch); the receiver then fills the other set.
-                    bound = True
+                    t0, bound = time.perf_counter(), True  # the model's parameters: views of the set
                     copy_state(model, got[1], f"weights v{got[0]} (direct)", share=True)
                     self.last_swap_s = time.perf_counter() - t0
                     return got[0]
-            except ValueError:
-                bound = False  # refused before anything was bound
+            except ValueError:  # a mismatch, refused before anything was bound
+                bound = False
                 raise
             finally:
                 self.receiver.release(bound)

@@ -22,10 +22,10 @@ gathered, as the learner does, into flat host buckets of at most 64M parameters 
 Before the rounds, untimed: the direct path's first two versions and the raw broadcast's first,
 which touch their receive buffers for the first time (the receiver's two sets; a one-time cost,
 reported as direct_warmup_s); the figures are per version of a long run. The four ways run
-interleaved, one version of each per round, so a busy machine slows them
-alike; the output holds the medians of `--rounds` and, with --json, each round's ratios. Files
-go to --dir (default: a temporary folder, i.e. the page cache of this machine's disk; a parallel
-filesystem is slower to write and faster to read in parallel).
+interleaved, one version of each per round, so a busy machine slows them alike; the output
+holds the medians of `--rounds` and, with --json, each round's ratios. Files go to --dir
+(default: a temporary folder, i.e. the page cache of this machine's disk; a parallel filesystem
+is slower to write and faster to read in parallel).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def main() -> int:
         "file_copy_s": round(med(copy_s), 3),
         "file_copy_write_s": round(med(copy_write_s), 3),
         "direct_s": round(med(direct_s), 3),
-        "direct_swap_s": round(med(direct_swap_s), 3),  # the receiving generator's copy into its model
+        "direct_swap_s": round(med(direct_swap_s), 3),  # the receiving generator's swap (binds, copies nothing)
         "direct_send_s": round(med(direct_send_s), 3),  # the sending thread's time for the version
         "direct_warmup_s": [round(x, 3) for x in warmup_s],  # the first two versions, untimed above
         "broadcast_raw_s": round(med(raw_s), 3),
@@ -242,8 +242,7 @@ def main() -> int:
         # Each round's own ratios (both ways ran back to back): the spread a busy machine gives.
         "file_ratio_by_round": [round(x / y, 2) for x, y in zip(file_s, copy_s)],
         "direct_ratio_by_round": [round(x / y, 2) for x, y in zip(direct_s, raw_s)],
-        # The same without the receiver's swap (a copy at memory speed: on GPUs a device copy at
-        # HBM bandwidth, a few percent of any network's time; here a CPU memcpy, not).
+        # The same without the receiver's swap (which binds the model to the received buffers).
         "direct_transfer_ratio": round(med([(x - w) / y for x, w, y in zip(direct_s, direct_swap_s, raw_s)]), 2),
     }
     if a.json:

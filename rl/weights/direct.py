@@ -269,11 +269,8 @@ class DirectSender:
                 most = max(Bucket.bytes_for(s) for s in feed.layout[k:])
                 filler = torch.zeros(most, dtype=torch.uint8, device=self.device)
             self._post(members, works, [bucket.buffer.to(self.device) if complete else filler[:nbytes]])
-        if complete:
-            tail = feed.get()
-            complete = tail is _END
-            if isinstance(tail, Bucket):
-                log.warning("direct weights: v%d has more buckets than announced; version dropped", version)
+        if complete and feed.get() is not _END:  # aborted after the last bucket, or more than announced
+            complete = False
         self._post(members, works, _ctrl({"version": version, "end": complete}, self.device), limit=0)
 
     def _to_all(self, members: dict, head: dict) -> dict:
@@ -290,6 +287,8 @@ class DirectSender:
                 works[n].extend(_bcast_async(pg, t) for t in msgs)
                 while len(works[n]) > limit:
                     works[n].pop(0).wait()
+                    if self.device.type == "cuda":  # there wait() only orders streams: hold this thread too
+                        torch.cuda.current_stream(self.device).synchronize()
             except Exception as exc:
                 log.warning("direct weights: generator %d dropped (%s)", n, exc)
                 members.pop(n)
@@ -444,7 +443,7 @@ class DirectReceiver:
                 if self._stop.wait(0.001):
                     return
             self._target = 1 if self._live == 0 else 0
-            if self._let_go is not None:  # the model's reads of the set, queued before it let go
+            if self._let_go is not None and dev.type == "cuda":  # the model's reads, queued before it let go
                 torch.cuda.current_stream(dev).wait_event(self._let_go)
             buffers = self._sets[self._target]
             del buffers[len(layout) :]

@@ -181,7 +181,7 @@ def test_direct_path_sends_each_version_to_every_generator(tmp_path):
         sender.close()
 
 
-def test_direct_streams_buckets_and_an_aborted_version_is_never_staged(tmp_path):
+def test_direct_streams_buckets_and_an_aborted_or_unannounced_version_is_never_staged(tmp_path):
     sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
     recv = DirectReceiver(tmp_path, "gen-0", timeout_s=60)
     try:
@@ -194,12 +194,15 @@ def test_direct_streams_buckets_and_an_aborted_version_is_never_staged(tmp_path)
         feed.put(Bucket.of({n: one[n] for n in names[:2]}))
         feed.abort()  # the gather failed after one bucket: the receiver drops it
         feed = sender.stream(2, layout)
+        feed.put(Bucket.of({n: one[n] for n in parts[1]}))  # not the bucket announced: dropped too
+        feed.close()
+        feed = sender.stream(3, layout)
         for part in parts:  # buckets go out as they are put
             feed.put(Bucket.of({n: two[n] for n in part}))
         feed.close()
         sender.flush()
-        version, got = wait_for(recv.take, 30, 0.01, "version 2")
-        assert version == 2 and got.keys() == two.keys() and all(torch.equal(got[k], two[k]) for k in two)
+        version, got = wait_for(recv.take, 30, 0.01, "version 3")
+        assert version == 3 and got.keys() == two.keys() and all(torch.equal(got[k], two[k]) for k in two)
     finally:
         recv.close(timeout_s=60)
         sender.close()

@@ -19,10 +19,13 @@ gathered, as the learner does, into flat host buckets of at most 64M parameters 
   direct_s), direct_send_s: the sending thread's time per version, direct_transfer_ratio: the
   direct path without its swap against the raw broadcast.
 
-The four ways run interleaved, one version of each per round, so a busy machine slows them
-alike; the output holds the medians of `--rounds` and, with --json, each round's ratios. Files
-go to --dir (default: a temporary folder, i.e. the page cache of this machine's disk; a parallel
-filesystem is slower to write and faster to read in parallel).
+Before the rounds, untimed: the direct path's first two versions and the raw broadcast's first,
+which touch their receive buffers for the first time (the receiver's two sets; a one-time cost,
+reported as direct_warmup_s); the figures are per version of a long run. The four ways run
+interleaved, one version of each per round, so a busy machine slows them alike; the output
+holds the medians of `--rounds` and, with --json, each round's ratios. Files go to --dir
+(default: a temporary folder, i.e. the page cache of this machine's disk; a parallel filesystem
+is slower to write and faster to read in parallel).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+WARMUP = 2  # untimed direct versions first: one into each of the receiver's two buffer sets
 
 
 def build(hidden: int, layers: int, vocab: int, dtype):
@@ -66,7 +71,7 @@ def receiver(run_dir: str, hidden: int, layers: int, vocab: int, dtype_name: str
     recv.connected.wait(120)
     print("ready", flush=True)
     have = 0
-    while have < rounds:
+    while have < rounds + WARMUP:
         v = weights.load_if_newer(model, have)
         if v is not None and v > have:
             have = v
@@ -86,7 +91,7 @@ def raw_peer(port: int, nbytes: int, rounds: int) -> None:
     buf = torch.empty(nbytes, dtype=torch.uint8)
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    for _ in range(rounds):
+    for _ in range(rounds + 1):  # one untimed first
         pg.broadcast([buf], opts).wait()
         pg.barrier().wait()
 
@@ -134,14 +139,7 @@ def main() -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     # As the learner gathers: one flat bucket per chunk of at most 64M parameters.
-    buckets, part, numel = [], {}, 0
-    for k, t in state.items():
-        if part and numel + t.numel() > 1 << 26:
-            buckets.append(Bucket.of(part))
-            part, numel = {}, 0
-        part[k] = t
-        numel += t.numel()
-    buckets.append(Bucket.of(part))
+    buckets = Bucket.pack(state, 1 << 26)
     gathered = {k: v for b in buckets for k, v in b.tensors.items()}
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
     back = torch.empty(nbytes, dtype=torch.uint8)
@@ -157,6 +155,18 @@ def main() -> int:
     pg = dist.ProcessGroupGloo(tcp, 0, 2, datetime.timedelta(seconds=600))
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+
+    def direct(v: int) -> tuple[float, float]:
+        """Send version `v` until the generator has swapped it in: (seconds, its swap's seconds)."""
+        t0 = time.perf_counter()
+        sender.send(v, buckets)
+        line = proc.stdout.readline().split()
+        assert line[:2] == ["swapped", str(v)], line
+        return time.perf_counter() - t0, float(line[2])
+
+    warmup_s = [direct(v)[0] for v in range(1, WARMUP + 1)]
+    pg.broadcast([flat], opts).wait()
+    pg.barrier().wait()
 
     file_s, write_s, read_s, copy_s, copy_write_s, direct_s, direct_swap_s, direct_send_s, raw_s, swap_s, memcpy_s = (
         [] for _ in range(11)
@@ -187,12 +197,9 @@ def main() -> int:
         path.unlink()
 
         # Direct path: to a generator process that swaps each version into its model.
-        t0 = time.perf_counter()
-        sender.send(v, buckets)
-        line = proc.stdout.readline().split()
-        assert line[:2] == ["swapped", str(v)], line
-        direct_s.append(time.perf_counter() - t0)
-        direct_swap_s.append(float(line[2]))
+        took, swap = direct(v + WARMUP)
+        direct_s.append(took)
+        direct_swap_s.append(swap)
         direct_send_s.append(sender.sent_s)
 
         # Raw broadcast of one buffer of the same size.
@@ -223,8 +230,9 @@ def main() -> int:
         "file_copy_s": round(med(copy_s), 3),
         "file_copy_write_s": round(med(copy_write_s), 3),
         "direct_s": round(med(direct_s), 3),
-        "direct_swap_s": round(med(direct_swap_s), 3),  # the receiving generator's copy into its model
+        "direct_swap_s": round(med(direct_swap_s), 3),  # the receiving generator's swap (binds, copies nothing)
         "direct_send_s": round(med(direct_send_s), 3),  # the sending thread's time for the version
+        "direct_warmup_s": [round(x, 3) for x in warmup_s],  # the first two versions, untimed above
         "broadcast_raw_s": round(med(raw_s), 3),
         "swap_s": round(med(swap_s), 3),
         "memcpy_s": round(med(memcpy_s), 3),
@@ -234,8 +242,7 @@ def main() -> int:
         # Each round's own ratios (both ways ran back to back): the spread a busy machine gives.
         "file_ratio_by_round": [round(x / y, 2) for x, y in zip(file_s, copy_s)],
         "direct_ratio_by_round": [round(x / y, 2) for x, y in zip(direct_s, raw_s)],
-        # The same without the receiver's swap (a copy at memory speed: on GPUs a device copy at
-        # HBM bandwidth, a few percent of any network's time; here a CPU memcpy, not).
+        # The same without the receiver's swap (which binds the model to the received buffers).
         "direct_transfer_ratio": round(med([(x - w) / y for x, w, y in zip(direct_s, direct_swap_s, raw_s)]), 2),
     }
     if a.json:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hpcrl.core.config import PolicyConfig, TinyModelConfig
-from hpcrl.rl.model.policy import Policy, full_state_dict
+from hpcrl.rl.model.policy import Policy, copy_state, full_state_dict
 from hpcrl.rl.weights.direct import DirectReceiver, DirectSender, DirectWeights
 from hpcrl.rl.weights.shards import Bucket, ShardPublisher, WeightStore, owned_names, read_shard, write_shard_file
 
@@ -181,23 +181,115 @@ def test_direct_path_sends_each_version_to_every_generator(tmp_path):
         sender.close()
 
 
-def test_direct_streams_buckets_and_an_aborted_version_is_never_staged(tmp_path):
+def test_direct_streams_buckets_and_an_aborted_or_unannounced_version_is_never_staged(tmp_path):
     sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
     recv = DirectReceiver(tmp_path, "gen-0", timeout_s=60)
     try:
         assert recv.connected.wait(30)
         one, two = state_of(5, torch.bfloat16), state_of(6, torch.bfloat16)
         names = list(one)
-        feed = sender.stream(1)
+        parts = (names[:2], names[2:])
+        layout = [[(n, one[n].dtype, one[n].shape) for n in part] for part in parts]
+        feed = sender.stream(1, layout)
         feed.put(Bucket.of({n: one[n] for n in names[:2]}))
         feed.abort()  # the gather failed after one bucket: the receiver drops it
-        feed = sender.stream(2)
-        for part in (names[:2], names[2:]):  # buckets go out as they are put
+        feed = sender.stream(2, layout)
+        feed.put(Bucket.of({n: one[n] for n in parts[1]}))  # not the bucket announced: dropped too
+        feed.close()
+        feed = sender.stream(3, layout)
+        for part in parts:  # buckets go out as they are put
             feed.put(Bucket.of({n: two[n] for n in part}))
         feed.close()
         sender.flush()
-        version, got = wait_for(recv.take, 30, 0.01, "version 2")
-        assert version == 2 and got.keys() == two.keys() and all(torch.equal(got[k], two[k]) for k in two)
+        version, got = wait_for(recv.take, 30, 0.01, "version 3")
+        assert version == 3 and got.keys() == two.keys() and all(torch.equal(got[k], two[k]) for k in two)
+    finally:
+        recv.close(timeout_s=60)
+        sender.close()
+
+
+def _equal(model, state) -> bool:
+    have = full_state_dict(model)
+    return have.keys() == state.keys() and all(torch.equal(have[k], v) for k, v in state.items())
+
+
+def _inside(model, buffers) -> bool:
+    """Every parameter's memory lies in one of `buffers` (it is a view, not a copy)."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
+    return all(any(a <= p.data_ptr() < z for a, z in spans) for p in model.parameters())
+
+
+def test_direct_swap_binds_the_model_to_the_received_set_and_never_shows_a_partial_version(tmp_path):
+    """Each version lands in the set of buffers the model does not use; the swap makes the
+    parameters views of it (no copy; tied ones stay one tensor); the next version takes the
+    other set. Half a version in, the model still holds the previous one, and over many
+    versions no buffer is added."""
+    sender = DirectSender(tmp_path, "gloo", host="127.0.0.1", timeout_s=60)
+    recv = DirectReceiver(tmp_path, "gen-0", timeout_s=60)
+    model = Policy.load(TINY, seed=0).model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # TINY ties them
+    weights = DirectWeights(WeightStore(tmp_path), recv)
+    try:
+        assert recv.connected.wait(30)
+        names = list(state_of(0))
+        parts = (names[:3], names[3:])
+        prev, live, ptrs = None, [], []
+        for v in range(1, 7):
+            want = state_of(10 + v)
+            feed = sender.stream(v, [[(n, want[n].dtype, want[n].shape) for n in part] for part in parts])
+            first = Bucket.of({n: want[n] for n in parts[0]})
+            feed.put(first)
+            if prev is not None:  # the first bucket is in; the model still reads the previous version
+                other = recv._sets[1 - recv._live]
+                landed = lambda other=other, first=first: other and torch.equal(other[0], first.buffer)
+                wait_for(landed, 30, 0.01, f"v{v}'s first bucket")
+                assert _equal(model, prev) and not _inside(model, other)
+            feed.put(Bucket.of({n: want[n] for n in parts[1]}))
+            feed.close()
+            assert wait_for(lambda v=v: weights.load_if_newer(model, v - 1), 30, 0.01, f"v{v}") == v
+            assert _equal(model, want) and model.lm_head.weight is model.model.embed_tokens.weight
+            assert _inside(model, recv._sets[recv._live])
+            live.append(recv._live)
+            ptrs.append(sorted(b.data_ptr() for s in recv._sets for b in s))
+            prev = want
+        assert live == [0, 1, 0, 1, 0, 1]
+        assert all(p == ptrs[1] and len(p) == 4 for p in ptrs[1:])  # two sets of two buckets, reused
+    finally:
+        recv.close(timeout_s=60)
+        sender.close()
+
+
+def test_sharing_swap_copies_what_it_cannot_bind_and_changes_nothing_on_a_mismatch():
+    model = Policy.load(TINY, seed=0).model
+    before = full_state_dict(model)
+    bad = state_of(1)
+    last = list(bad)[-1]
+    bad[last] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        copy_state(model, bad, "v1", share=True)
+    assert _equal(model, before)  # checked before anything was bound
+    half = state_of(2, torch.bfloat16)  # another dtype than the model's: copied and converted
+    copy_state(model, half, "v2", share=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert _equal(model, {k: v.float() for k, v in half.items()})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_direct_on_a_gpu_receives_on_the_device_and_binds_there(tmp_path):
+    """The receive sets are on the generator's GPU and the swap binds the model there."""
+    cuda = torch.device("cuda")
+    sender = DirectSender(tmp_path, "gloo", device=cuda, host="127.0.0.1", timeout_s=60)
+    recv = DirectReceiver(tmp_path, "gen-0", device=cuda, timeout_s=60)
+    model = Policy.load(TINY, seed=0).model.to(cuda)
+    weights = DirectWeights(WeightStore(tmp_path), recv)
+    try:
+        assert recv.connected.wait(30)
+        for v in (1, 2, 3):
+            want = state_of(20 + v)
+            sender.send(v, want)
+            assert wait_for(lambda v=v: weights.load_if_newer(model, v - 1), 30, 0.01, f"v{v}") == v
+            assert all(b.device.type == "cuda" for s in recv._sets for b in s)
+            assert _inside(model, recv._sets[recv._live]) and _equal(model, want)
     finally:
         recv.close(timeout_s=60)
         sender.close()

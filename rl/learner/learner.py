@@ -381,26 +381,36 @@ class Learner:
 
     # -- weights and checkpoints ----------------------------------------------------------
 
-    def gathered_state_dict(self, everything_on_rank0: bool = True, on_bucket=None) -> dict[str, torch.Tensor]:
-        """Full weights from the ZeRO-3 shards, on the host in the policy dtype. Every rank must
-        call it (gathering is collective); parameters are gathered in bounded chunks, each copied
-        once into a flat host buffer (a `Bucket`; pinned on GPUs) whose views are returned, and
-        handed to `on_bucket` as soon as it is filled. Each rank keeps the tensors `owned_names`
-        gives it; rank 0 all of them if `everything_on_rank0`."""
+    def gather_plan(self) -> tuple[list[list[tuple[str, torch.nn.Parameter]]], dict[str, torch.Tensor]]:
+        """What publishing gathers: the parameters in chunks of at most _GATHER_NUMEL elements
+        (each gathered at once, into one bucket), and on rank 0 the persistent buffers that are
+        no parameter (one more bucket)."""
         module = self.engine.module.lm
-        named = list(module.named_parameters())
+        chunks, numel = [], 0
+        for name, p in module.named_parameters():
+            if not chunks or numel + _numel(p) > _GATHER_NUMEL:
+                chunks.append([])
+                numel = 0
+            chunks[-1].append((name, p))
+            numel += _numel(p)
+        names = {n for chunk in chunks for n, _ in chunk}
+        persistent = set(module.state_dict().keys()) if self.rank == 0 else set()
+        return chunks, {n: b.detach() for n, b in module.named_buffers() if n in persistent and n not in names}
+
+    def gathered_state_dict(self, plan, everything_on_rank0: bool = True, on_bucket=None) -> dict[str, torch.Tensor]:
+        """Full weights from the ZeRO-3 shards, on the host in the policy dtype. Every rank must
+        call it (gathering is collective); parameters are gathered in bounded chunks (`plan`, from
+        `gather_plan`), each copied once into a flat host buffer (a `Bucket`; pinned on GPUs)
+        whose views are returned, and handed to `on_bucket` as soon as it is filled. Each rank
+        keeps the tensors `owned_names` gives it; rank 0 all of them if `everything_on_rank0`."""
+        chunks, extra = plan
+        named = [(n, p) for chunk in chunks for n, p in chunk]
         owners = owned_names([n for n, _ in named], [_numel(p) for _, p in named], self.world)
         mine = set(owners[self.rank]) if not (everything_on_rank0 and self.rank == 0) else {n for n, _ in named}
-        dtype = torch.bfloat16 if self.policy_cfg.dtype == "bfloat16" else torch.float32
+        dtype = self._publish_dtype()
         pin = self.device.type == "cuda"
         out: dict[str, torch.Tensor] = {}
-        i = 0
-        while i < len(named):
-            chunk, numel = [], 0
-            while i < len(named) and (not chunk or numel + _numel(named[i][1]) <= _GATHER_NUMEL):
-                chunk.append(named[i])
-                numel += _numel(named[i][1])
-                i += 1
+        for chunk in chunks:
             with self.ds.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
                 kept = [(name, p) for name, p in chunk if name in mine]
                 bucket = Bucket([(name, dtype, p.shape) for name, p in kept], pin=pin)
@@ -409,23 +419,28 @@ class Learner:
             out.update(bucket.tensors)
             if on_bucket is not None and kept:
                 on_bucket(bucket)
-        if self.rank == 0:
-            persistent = set(module.state_dict().keys())
-            extra = {n: b.detach() for n, b in module.named_buffers() if n in persistent and n not in out}
-            if extra:
-                bucket = Bucket.of(extra, pin=pin)
-                out.update(bucket.tensors)
-                if on_bucket is not None:
-                    on_bucket(bucket)
+        if extra:
+            bucket = Bucket.of(extra, pin=pin)
+            out.update(bucket.tensors)
+            if on_bucket is not None:
+                on_bucket(bucket)
         return out
+
+    def _publish_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.policy_cfg.dtype == "bfloat16" else torch.float32
 
     def publish(self) -> None:
         """Policy version `self.version`: every rank gathers and keeps its share on the host, a
         thread writes its shard (rank 0 then announces); training goes on meanwhile. With the
-        direct path, rank 0's gathered buckets stream to the generators as they fill."""
-        feed = self.direct.stream(self.version) if self.direct is not None else None
+        direct path, rank 0's gathered buckets stream to the generators as they fill (their
+        layout, known before gathering, announced first)."""
+        plan, feed, dtype = self.gather_plan(), None, self._publish_dtype()
+        if self.direct is not None:
+            layout = [[(n, dtype, getattr(p, "ds_shape", p.shape)) for n, p in chunk] for chunk in plan[0]]
+            extra = [[(n, b.dtype, b.shape) for n, b in plan[1].items()]] if plan[1] else []
+            feed = self.direct.stream(self.version, layout + extra)
         try:
-            state = self.gathered_state_dict(everything_on_rank0=feed is not None, on_bucket=feed and feed.put)
+            state = self.gathered_state_dict(plan, everything_on_rank0=feed is not None, on_bucket=feed and feed.put)
         except BaseException:
             if feed is not None:
                 feed.abort()

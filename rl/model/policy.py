@@ -304,8 +304,12 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def copy_state(model, state: Mapping[str, torch.Tensor], where: str) -> None:
-    """Copy a full state (as `full_state_dict` names it) into `model`, checking names and shapes."""
+def copy_state(model, state: Mapping[str, torch.Tensor], where: str, share: bool = False) -> None:
+    """Copy a full state (as `full_state_dict` names it) into `model`, checking names and shapes
+    first (nothing is changed when a check fails). With `share`, a parameter of the same dtype and
+    device as its given tensor is not copied but made a view of it (its `.data` rebound; a tied
+    parameter stays one object, so stays tied): the caller leaves that memory unchanged while the
+    model uses it."""
     own = model.state_dict()
     unknown = sorted(set(state) - set(own))
     if unknown:
@@ -316,14 +320,19 @@ def copy_state(model, state: Mapping[str, torch.Tensor], where: str) -> None:
     missing = sorted(expected - set(state))
     if missing:
         raise ValueError(f"{where}: no weights for {missing[:5]}; the file is incomplete or from another architecture")
+    for name, tensor in state.items():
+        if own[name].shape != tensor.shape:
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(own[name].shape)}"
+            )
+    params = dict(model.named_parameters()) if share else {}
     with torch.no_grad():
         for name, tensor in state.items():
-            target = own[name]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"{where}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor.to(target.dtype), non_blocking=True)
+            p = params.get(name)
+            if p is not None and p.dtype == tensor.dtype and p.device == tensor.device:
+                p.data = tensor
+            else:
+                own[name].copy_(tensor.to(own[name].dtype), non_blocking=True)
 
 
 def full_state_dict_names(model) -> list[str]:

@@ -4,24 +4,31 @@ CPU), beside the learner's training group and unknown to it.
 
     sender = DirectSender(run_dir, backend="gloo")       # learner rank 0
     sender.send(12, state)                               # returns at once; a thread sends
-    feed = sender.stream(13); feed.put(bucket); ...; feed.close()   # buckets sent as they are gathered
-    recv = DirectReceiver(run_dir, "gen-0", backend="gloo", device=cpu)   # a generator
+    feed = sender.stream(13, layout); feed.put(bucket); ...; feed.close()   # sent as gathered
+    recv = DirectReceiver(run_dir, "gen-0", device=cpu)  # a generator
     recv.take()                                          # (12, state) once received, else None
 
-Rendezvous: rank 0 serves a store of the run (hpcrl.rl.common.distenv: CURVE, the run's keys, this
-node's address) and writes its name to `weights/direct.json`; a generator (whenever it starts,
-also after a restart) joins by number and both sides build a two-member group under a prefix
-of its own (`pair/<n>`), in a thread of the sender's so that a join that never completes
-holds up nobody's delivery. Pairs, not one group of all, so a generator can come and go
-without the others or the learner rebuilding anything; a pair whose generator is gone fails
-on the next send and is dropped. Only holders of the run's keys reach the store: nobody else
-can join, or drop a member (`leave/<n>`). Per version: one message per bucket
-(rl/weights/shards.py's `Bucket`: the flat buffer a chunk of parameters was gathered into), each a
-header (JSON: version, names, dtypes, shapes) and the bucket's bytes in one broadcast from rank 0
-of the pair, then an end message. A learner streams the buckets as it gathers them, so sending
-overlaps gathering; a receiver lands each bucket in a flat staging buffer of its own, and the
-generator's swap copies from views of those. Files are still written (restarts and late joiners
-read them); a generator takes whichever is newer.
+Rendezvous: rank 0 serves a store of the run (hpcrl.rl.common.distenv: CURVE, the run's keys,
+this node's address) named in `weights/direct.json`; a generator (whenever it starts, also
+after a restart) joins by number and both build a two-member group (`pair/<n>`), on a thread
+of the sender's, so a join that never completes holds up no delivery. Pairs, not one group, so
+generators come and go without anyone rebuilding; a pair whose generator is gone fails on the
+next send and is dropped. Only holders of the run's keys can join or drop one (`leave/<n>`).
+
+Per version: a control message (fixed size, JSON) with the layout, every bucket's tensors
+(rl/weights/shards.py's `Bucket`, the flat buffer a chunk of parameters is gathered into; the
+layout is known before gathering); each bucket's bytes in one broadcast as soon as gathered;
+then whether the version is complete. Knowing the layout, a receiver posts every bucket's
+receive at once, so the bytes flow back to back.
+
+The swap copies nothing: a receiver has two sets of flat buffers and lands each version in the
+one the model does not use; the swap makes the model's parameters views of it
+(`copy_state(..., share=True)`) and the set used until then takes the next version. The model
+never reads a version being received, and memory stays at twice the weights. On GPUs the sets
+are on the generator's device (NCCL fills them, nothing passes through the host) and CUDA events
+order the two threads' streams: the swap waits for the receive, a receive into a set for the
+generator's work queued before it let go of that set. Files are still written (restarts and
+late joiners read them); a generator takes whichever is newer.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 
 from hpcrl.core.files import atomic_write_json
 from hpcrl.rl.common.distenv import RunStore, StoreServer, node_address
+from hpcrl.rl.model.policy import copy_state
 from hpcrl.rl.weights.shards import Bucket
 
 __all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "Feed", "pair_group"]
@@ -46,7 +54,8 @@ __all__ = ["DirectSender", "DirectReceiver", "DirectWeights", "Feed", "pair_grou
 log = logging.getLogger("hpcrl.weights")
 SERVICE = "weights-direct"  # the sender's store: endpoints/weights-direct.json
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
-_BUCKET_BYTES = 1 << 27  # what `send` packs a plain state into per message (a learner's gather chunks are its own)
+_BUCKET_NUMEL = 1 << 26  # what `send` packs a plain state into per bucket (a learner's gather chunks are its own)
+_CTRL_BYTES = 1 << 14  # a control message: 8 bytes of length, the JSON (a longer one follows on its own)
 _END, _ABORT = object(), object()
 
 
@@ -71,10 +80,33 @@ def _shutdown(pg) -> None:
             continue
 
 
-def _bcast(pg, t: torch.Tensor) -> None:
+def _bcast_async(pg, t: torch.Tensor):
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
-    pg.broadcast([t], opts).wait()
+    return pg.broadcast([t], opts)
+
+
+def _ctrl(head: dict, device) -> list[torch.Tensor]:
+    """`head` as the fixed-size control message, plus the JSON on its own if it does not fit."""
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    ctrl = torch.zeros(_CTRL_BYTES, dtype=torch.uint8)
+    ctrl[:8] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
+    body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if len(raw) <= _CTRL_BYTES - 8:
+        ctrl[8 : 8 + len(raw)] = body
+        return [ctrl.to(device)]
+    return [ctrl.to(device), body.to(device)]
+
+
+def _read_ctrl(pg, ctrl: torch.Tensor) -> dict:
+    """The JSON of a received control message (receiving its continuation, if any)."""
+    host = ctrl.cpu()
+    n = int(host[:8].view(torch.int64).item())
+    if n <= _CTRL_BYTES - 8:
+        return json.loads(host[8 : 8 + n].numpy().tobytes())
+    body = torch.empty(n, dtype=torch.uint8, device=ctrl.device)
+    _bcast_async(pg, body).wait()
+    return json.loads(body.cpu().numpy().tobytes())
 
 
 class DirectSender:
@@ -124,17 +156,14 @@ class DirectSender:
         self._ready.put((n, pg))  # the sending thread admits it between versions (_admit)
 
     def _admit(self) -> None:
-        """Make the pairs built meanwhile members, each told so (a welcome: size 0) from this
+        """Make the pairs built meanwhile members, each told so (a welcome) from this
         thread, so a receiver counts itself connected only once the next version will reach it."""
         while True:
             try:
                 n, pg = self._ready.get_nowait()
             except queue.Empty:
                 return
-            try:
-                _bcast(pg, torch.tensor([0], dtype=torch.int64, device=self.device))
-            except Exception as exc:
-                log.warning("direct weights: generator %d left while joining (%s)", n, exc)
+            if not self._to_all({n: pg}, {"welcome": True}):  # it left while joining
                 _shutdown(pg)
                 continue
             with self._members_lock:
@@ -150,25 +179,24 @@ class DirectSender:
                 pg = self.members.pop(n, None)
             if pg is None:
                 continue
-            try:
-                _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
-            except Exception:
-                pass
+            self._to_all({n: pg}, {"bye": True})
             _shutdown(pg)
 
     def send(self, version: int, state: Mapping[str, torch.Tensor] | Sequence[Bucket]) -> None:
         """Queue `state` for every member (waits while the previous version is still going out):
         buckets as they are, a plain mapping packed into buckets (a copy) first."""
-        buckets = list(state) if not isinstance(state, Mapping) else _pack(state)
-        feed = self.stream(version)
+        buckets = list(state) if not isinstance(state, Mapping) else Bucket.pack(state, _BUCKET_NUMEL)
+        feed = self.stream(version, [b.specs for b in buckets])
         for bucket in buckets:
             feed.put(bucket)
         feed.close()
 
-    def stream(self, version: int) -> Feed:
-        """A version whose buckets arrive one by one (`Feed.put`, as the learner gathers them);
-        each goes out as soon as the version before it is sent. Waits while a version is queued."""
-        feed = Feed()
+    def stream(self, version: int, layout: Sequence[Sequence[tuple[str, torch.dtype, Sequence[int]]]]) -> Feed:
+        """A version whose buckets come one by one (`Feed.put`, as the learner gathers them), their
+        tensors (name, dtype, shape) as `layout` says; each goes out as soon as it is put (after
+        the version before). A bucket other than announced drops the version. Waits while a
+        version is queued."""
+        feed = Feed([[(n, d, tuple(int(x) for x in shape)) for n, d, shape in specs] for specs in layout])
         self._q.put((version, feed))
         return feed
 
@@ -203,14 +231,10 @@ class DirectSender:
                 self._admit()
                 self._reap()
                 continue
-            if item is None:  # close(): a goodbye (size -1) lets each receiver leave its pair cleanly
+            if item is None:  # close(): a goodbye lets each receiver leave its pair cleanly
                 with self._members_lock:
-                    members = list(self.members.values())
-                for pg in members:
-                    try:
-                        _bcast(pg, torch.tensor([-1], dtype=torch.int64, device=self.device))
-                    except Exception:
-                        pass
+                    members = dict(self.members)
+                self._to_all(members, {"bye": True})
                 self._q.task_done()
                 return
             version, feed = item
@@ -223,23 +247,48 @@ class DirectSender:
                 self._q.task_done()
 
     def _send_version(self, version: int, feed: Feed) -> None:
-        """Each bucket to every member as it arrives, then the end (or an abort) message."""
+        """The layout, each bucket as it arrives, then whether the version is complete. Receivers
+        expect every announced bucket: after an abort or a bucket other than announced, the rest
+        go out as zeros and the end says the version is dropped."""
         with self._members_lock:
             members = dict(self.members)
-        while True:
-            bucket = feed.get()
-            if bucket is _END or bucket is _ABORT:
-                self._to_all(members, {"version": version, "end": bucket is _END}, None)
-                return
-            payload = bucket.buffer.to(self.device) if self.device.type != "cpu" else bucket.buffer
-            head = {"version": version, "tensors": [[k, str(d), list(s)] for k, d, s in bucket.specs]}
-            self._to_all(members, head, payload)
+        works: dict[int, list] = {n: [] for n in members}  # each member's broadcasts in flight
+        head = {"version": version, "buckets": [[[n, str(d), list(s)] for n, d, s in specs] for specs in feed.layout]}
+        self._post(members, works, _ctrl(head, self.device))
+        complete, filler = True, None
+        for k, specs in enumerate(feed.layout):
+            bucket = feed.get() if complete else None
+            if complete and (not isinstance(bucket, Bucket) or bucket.specs != specs):
+                if bucket is not _ABORT:
+                    log.warning("direct weights: v%d bucket %d is not the one announced; version dropped", version, k)
+                complete = False
+            nbytes = Bucket.bytes_for(specs)
+            if not nbytes:
+                continue
+            if not complete and filler is None:  # zeros for the rest
+                most = max(Bucket.bytes_for(s) for s in feed.layout[k:])
+                filler = torch.zeros(most, dtype=torch.uint8, device=self.device)
+            self._post(members, works, [bucket.buffer.to(self.device) if complete else filler[:nbytes]])
+        if complete and feed.get() is not _END:  # aborted after the last bucket, or more than announced
+            complete = False
+        self._post(members, works, _ctrl({"version": version, "end": complete}, self.device), limit=0)
 
-    def _to_all(self, members: dict, head: dict, payload: torch.Tensor | None) -> None:
-        """One message to each member; a member that fails is dropped (here and for good)."""
+    def _to_all(self, members: dict, head: dict) -> dict:
+        """One control message to every member (a welcome, a goodbye); the members it reached."""
+        self._post(members, {n: [] for n in members}, _ctrl(head, self.device), limit=0)
+        return members
+
+    def _post(self, members: dict, works: dict[int, list], msgs: list[torch.Tensor], limit: int = 3) -> None:
+        """Start `msgs` to every member at once, then wait until at most `limit` of a member's
+        broadcasts are in flight (on GPUs each holds a device copy of a bucket). A member that
+        fails is dropped (here and for good)."""
         for n, pg in list(members.items()):
             try:
-                _send_msg(pg, head, payload, self.device)
+                works[n].extend(_bcast_async(pg, t) for t in msgs)
+                while len(works[n]) > limit:
+                    works[n].pop(0).wait()
+                    if self.device.type == "cuda":  # there wait() only orders streams: hold this thread too
+                        torch.cuda.current_stream(self.device).synchronize()
             except Exception as exc:
                 log.warning("direct weights: generator %d dropped (%s)", n, exc)
                 members.pop(n)
@@ -250,7 +299,8 @@ class DirectSender:
 class Feed:
     """The buckets of one version on their way to the sending thread, in order."""
 
-    def __init__(self):
+    def __init__(self, layout: list[list[tuple[str, torch.dtype, tuple[int, ...]]]]):
+        self.layout = layout
         self._q: queue.Queue = queue.Queue()
 
     def put(self, bucket: Bucket) -> None:
@@ -268,36 +318,22 @@ class Feed:
         return self._q.get()
 
 
-def _pack(state: Mapping[str, torch.Tensor]) -> list[Bucket]:
-    out, part, size = [], {}, 0
-    for k, v in state.items():
-        if part and size + v.numel() * v.element_size() > _BUCKET_BYTES:
-            out.append(Bucket.of(part))
-            part, size = {}, 0
-        part[k] = v.detach().cpu()
-        size += v.numel() * v.element_size()
-    if part:
-        out.append(Bucket.of(part))
-    return out
-
-
-def _send_msg(pg, head: dict, payload: torch.Tensor | None, device) -> None:
-    raw = json.dumps(head).encode()
-    _bcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
-    _bcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
-    if payload is not None and payload.numel():
-        _bcast(pg, payload)
-
-
 class DirectReceiver:
-    """A generator's side: a thread joins the learner's store and receives every version."""
+    """A generator's side: a thread joins the learner's store and receives every version, into
+    whichever of its two buffer sets the model does not use."""
 
     def __init__(self, run_dir: str | Path, name: str, device=None, timeout_s: float = 600.0):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "weights" / "direct.json"
         self.name, self.timeout_s = name, timeout_s
         self.device = device
-        self._staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        # (version, tensors, CUDA event of their arrival or None); tensors are views of _sets[_target]
+        self._staged: tuple[int, dict[str, torch.Tensor], object] | None = None
+        self._sets: list[list[torch.Tensor]] = [[], []]  # two sets of flat buffers, one per bucket
+        self._live: int | None = None  # the set the model's parameters are views of
+        self._target = 0  # the set being received into (never _live)
+        self._let_go = None  # CUDA event: the generator's work queued before its last release()
+        self._dev = torch.device("cpu")  # where the sets are (the current pair's)
         self._stop = threading.Event()
         self._link = None  # (store, member number) of the current pair, for close()
         self._link_lock = threading.Lock()
@@ -306,12 +342,26 @@ class DirectReceiver:
         self._thread.start()
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The version received last, if any; its tensors are valid until `release()`."""
-        return self._staged
+        """The version received last, if any; its tensors stay valid until `release()` (if bound,
+        until the next bound release). On a GPU the caller's stream waits for their arrival."""
+        staged = self._staged
+        if staged is None:
+            return None
+        if staged[2] is not None:
+            torch.cuda.current_stream(self._dev).wait_event(staged[2])
+        return staged[0], staged[1]
 
-    def release(self) -> None:
-        """The taken version was copied out: its staging buffers may take the next one."""
-        self._staged = None
+    def release(self, bound: bool = False) -> None:
+        """Done with the taken version. `bound`: the model's parameters are views of its tensors
+        now, so the next version goes to the other set; else the next one reuses this set."""
+        staged = self._staged
+        if staged is None:
+            return
+        if staged[2] is not None:  # what the caller queued on its stream reading either set
+            self._let_go = _mark(self._dev)
+        if bound:
+            self._live = self._target
+        self._staged = None  # last: the receiving thread reads _live and _let_go once it sees this
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leave the pair and stop the thread, before interpreter teardown (see DirectSender.close).
@@ -375,39 +425,53 @@ class DirectReceiver:
             store.close()
 
     def _receive(self, pg, info: dict) -> None:
-        dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
-        staging: list[torch.Tensor] = []  # one flat buffer per bucket, reused while sizes stay
-        state: dict[str, torch.Tensor] = {}
-        k = 0  # buckets of the current version so far
+        dev = self._dev = torch.device(self.device or ("cuda" if info["backend"] == "nccl" else "cpu"))
+        ctrl = torch.empty(_CTRL_BYTES, dtype=torch.uint8, device=dev)
+        pending = _bcast_async(pg, ctrl)  # the next control message's receive, always posted
         while not self._stop.is_set():
-            size = torch.zeros(1, dtype=torch.int64, device=dev)
-            _bcast(pg, size)
-            if int(size.item()) < 0:  # the learner said goodbye: wait for the next one to announce itself
+            pending.wait()
+            head = _read_ctrl(pg, ctrl)
+            if "bye" in head:  # the learner said goodbye: wait for the next one to announce itself
                 return
-            if int(size.item()) == 0:  # the welcome: the sender counts us among its members from now on
+            if "welcome" in head:  # the sender counts us among its members from now on
                 self.connected.set()
+                pending = _bcast_async(pg, ctrl)
                 continue
-            raw = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-            _bcast(pg, raw)
-            header = json.loads(raw.cpu().numpy().tobytes().decode())
-            if "end" in header:  # complete (or aborted: what came is dropped)
-                if header["end"] and k:
-                    self._staged = (int(header["version"]), state)
-                state, k = {}, 0
-                continue
-            if k == 0:  # the staging set is ours again only once the last version was swapped in
-                while self._staged is not None and not self._stop.is_set():
-                    time.sleep(0.001)
-            specs = [(name, _DTYPES[dtype], shape) for name, dtype, shape in header["tensors"]]
-            nbytes = Bucket.bytes_for(specs)
-            if k == len(staging):
-                staging.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
-            elif staging[k].numel() != nbytes:
-                staging[k] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-            if nbytes:
-                _bcast(pg, staging[k])
-            state.update(Bucket(specs, buffer=staging[k]).tensors)
-            k += 1
+            # A version: its layout, each bucket's bytes, then whether it is complete.
+            layout = [[(n, _DTYPES[d], s) for n, d, s in specs] for specs in head["buckets"]]
+            while self._staged is not None:  # a set is free only once the last version was swapped in
+                if self._stop.wait(0.001):
+                    return
+            self._target = 1 if self._live == 0 else 0
+            if self._let_go is not None and dev.type == "cuda":  # the model's reads, queued before it let go
+                torch.cuda.current_stream(dev).wait_event(self._let_go)
+            buffers = self._sets[self._target]
+            del buffers[len(layout) :]
+            works = []
+            for k, specs in enumerate(layout):
+                nbytes = Bucket.bytes_for(specs)
+                if k == len(buffers) or buffers[k].numel() != nbytes or buffers[k].device != dev:
+                    buffers[k : k + 1] = [torch.empty(nbytes, dtype=torch.uint8, device=dev)]  # else reused
+                if nbytes:
+                    works.append(_bcast_async(pg, buffers[k]))
+            pending = _bcast_async(pg, ctrl)
+            for w in works:
+                w.wait()
+            pending.wait()
+            end = _read_ctrl(pg, ctrl)
+            pending = _bcast_async(pg, ctrl)
+            if end.get("end") and layout:  # complete (an aborted version is dropped)
+                state = {n: t for specs, b in zip(layout, buffers) for n, t in Bucket(specs, buffer=b).tensors.items()}
+                self._staged = (int(end["version"]), state, _mark(dev))
+
+
+def _mark(device: torch.device):
+    """A CUDA event after the work queued so far on this thread's stream (None off GPUs)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class DirectWeights:
@@ -420,14 +484,16 @@ class DirectWeights:
     def load_if_newer(self, model, have: int) -> int | None:
         got = self.receiver.take()
         if got is not None:
+            bound = False
             try:
                 if got[0] > have:
-                    from hpcrl.rl.model.policy import copy_state
-
-                    t0 = time.perf_counter()
-                    copy_state(model, got[1], f"weights v{got[0]} (direct)")
+                    t0, bound = time.perf_counter(), True  # the model's parameters: views of the set
+                    copy_state(model, got[1], f"weights v{got[0]} (direct)", share=True)
                     self.last_swap_s = time.perf_counter() - t0
                     return got[0]
+            except ValueError:  # a mismatch, refused before anything was bound
+                bound = False
+                raise
             finally:
-                self.receiver.release()
+                self.receiver.release(bound)
         return self.files.load_if_newer(model, have)

@@ -101,6 +101,19 @@ class Bucket:
             b.tensors[k].copy_(v)
         return b
 
+    @classmethod
+    def pack(cls, state: Mapping[str, torch.Tensor], max_numel: int, pin: bool = False) -> list[Bucket]:
+        """Copies of `state` in buckets of consecutive tensors, each of at most `max_numel`
+        elements (or one tensor), as a learner gathers them."""
+        out, part, numel = [], {}, 0
+        for k, v in state.items():
+            if part and numel + v.numel() > max_numel:
+                out.append(cls.of(part, pin))
+                part, numel = {}, 0
+            part[k] = v.detach()
+            numel += v.numel()
+        return out + ([cls.of(part, pin)] if part else [])
+
 
 def _layout(specs: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[list[int], int]:
     starts, end = [], 0

@@ -315,7 +315,7 @@ def test_report_of_a_dev_cluster_run_shows_its_jobs_hours_and_queue_waits(slurm_
     from test_submit import SMALL, all_ids, hpcrl, status_json
 
     out = hpcrl(
-        "submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=5", "--run-id", "acct"
+        "submit", "config.yaml", *SMALL, f"experiment.run_root={tmp_path}", "learner.max_steps=30", "--run-id", "acct"
     )
     assert out.returncode == 0, out.stderr
     run_dir = tmp_path / "acct"
@@ -327,9 +327,13 @@ def test_report_of_a_dev_cluster_run_shows_its_jobs_hours_and_queue_waits(slurm_
 
     try:
         wait_for(lambda: (status_json(run_dir)["step"] or 0) >= 1, 180, what="learner step 1")
-        live = report()  # running jobs count up to now
-        running = [j for j in live["jobs"] if j["running"]]
-        assert running and all(j["wall_s"] > 0 for j in running), live["jobs"]
+
+        # Running jobs count up to now (asked while the run lives: 30 steps, not the moment after step 1).
+        def counted() -> bool:
+            running = [j for j in report()["jobs"] if j["running"]]
+            return bool(running) and all(j["wall_s"] > 0 for j in running)
+
+        wait_for(counted, 60, 0.2, "the report to show running jobs with their wall time so far")
         wait_for(lambda: not queue_states(all_ids(run_dir)), 240, what="the run's jobs to end by themselves")
     except BaseException:
         hpcrl("cancel", str(run_dir))  # leave no job behind

@@ -22,7 +22,8 @@ gathered, as the learner does, into flat host buckets of at most 64M parameters 
 Before the rounds, untimed: the direct path's first two versions and the raw broadcast's first,
 which touch their receive buffers for the first time (the receiver's two sets; a one-time cost,
 reported as direct_warmup_s); the figures are per version of a long run. The four ways run
-interleaved, one version of each per round, so a busy machine slows them alike; the output
+interleaved, one version of each per round, each path beside its baseline in turns (one first,
+then the other), so a busy machine and the page cache's writeback slow them alike; the output
 holds the medians of `--rounds` and, with --json, each round's ratios. Files go to --dir
 (default: a temporary folder, i.e. the page cache of this machine's disk; a parallel filesystem
 is slower to write and faster to read in parallel).
@@ -172,41 +173,54 @@ def main() -> int:
         [] for _ in range(11)
     )
     for v in range(1, a.rounds + 1):
-        # File path: the learner's write, then a generator's map and swap.
-        t0 = time.perf_counter()
-        store.write_shard(gathered, v, 0)
-        store.finish_version(v, 1, prune=False)  # announced
-        t1 = time.perf_counter()
-        assert watch.load_if_newer(gen_model, v - 1) == v
-        t2 = time.perf_counter()
-        store.prune(v)  # after the announcement, like the plain copy's unlink: not timed
-        file_s.append(t2 - t0)
-        write_s.append(t1 - t0)
-        read_s.append(t2 - t1)
 
-        # The same bytes, plainly: one buffer to a file and back.
-        path = root / "plain.bin"
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(flat.numpy().data)
-        t1 = time.perf_counter()
-        with open(path, "rb") as f:
-            f.readinto(back.numpy().data)
-        copy_s.append(time.perf_counter() - t0)
-        copy_write_s.append(t1 - t0)
-        path.unlink()
+        def file_path(v: int = v) -> None:
+            # The learner's write, then a generator's map and swap.
+            t0 = time.perf_counter()
+            store.write_shard(gathered, v, 0)
+            store.finish_version(v, 1, prune=False)  # announced
+            t1 = time.perf_counter()
+            assert watch.load_if_newer(gen_model, v - 1) == v
+            t2 = time.perf_counter()
+            store.prune(v)  # after the announcement, like the plain copy's unlink: not timed
+            file_s.append(t2 - t0)
+            write_s.append(t1 - t0)
+            read_s.append(t2 - t1)
 
-        # Direct path: to a generator process that swaps each version into its model.
-        took, swap = direct(v + WARMUP)
-        direct_s.append(took)
-        direct_swap_s.append(swap)
-        direct_send_s.append(sender.sent_s)
+        def plain_copy() -> None:
+            # The same bytes, plainly: one buffer to a file and back.
+            path = root / "plain.bin"
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                f.write(flat.numpy().data)
+            t1 = time.perf_counter()
+            with open(path, "rb") as f:
+                f.readinto(back.numpy().data)
+            copy_s.append(time.perf_counter() - t0)
+            copy_write_s.append(t1 - t0)
+            path.unlink()
 
-        # Raw broadcast of one buffer of the same size.
-        t0 = time.perf_counter()
-        pg.broadcast([flat], opts).wait()
-        pg.barrier().wait()
-        raw_s.append(time.perf_counter() - t0)
+        def direct_path(v: int = v) -> None:
+            # To a generator process that swaps each version into its model.
+            took, swap = direct(v + WARMUP)
+            direct_s.append(took)
+            direct_swap_s.append(swap)
+            direct_send_s.append(sender.sent_s)
+
+        def raw_broadcast() -> None:
+            # One buffer of the same size.
+            t0 = time.perf_counter()
+            pg.broadcast([flat], opts).wait()
+            pg.barrier().wait()
+            raw_s.append(time.perf_counter() - t0)
+
+        # Each way and its baseline in turns, first one then the other: what one step leaves
+        # behind (the page cache writing back the files just written) slows both alike.
+        steps = [file_path, plain_copy, direct_path, raw_broadcast]
+        if v % 2 == 0:
+            steps = [plain_copy, file_path, raw_broadcast, direct_path]
+        for step in steps:
+            step()
 
         # A background generator's pause (mapped and pre-faulted on its thread) against a memcpy.
         while bg.load_if_newer(gen_model, v - 1) is None:

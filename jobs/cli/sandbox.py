@@ -119,14 +119,16 @@ def _sandbox_cfg(args: argparse.Namespace):
     return load_config(args.config).sandbox
 
 
-def _backend(args: argparse.Namespace):
+def _backend(args: argparse.Namespace, as_configured: bool = False):
     """The configured backend; bwrap as root on a free uid of the host's pool, given back at exit.
-    One command's: it starts no sandbox ahead of a next run that never comes."""
+    One command's: it starts no sandbox ahead of a next run that never comes, unless
+    `as_configured` (`info`, which describes what a server would run)."""
     import dataclasses
 
     from hpcrl.sandbox.auto import make_backend
 
-    return make_backend(dataclasses.replace(_sandbox_cfg(args), start_ahead=False))
+    cfg = _sandbox_cfg(args)
+    return make_backend(cfg if as_configured else dataclasses.replace(cfg, start_ahead=False))
 
 
 def run_exec(args: argparse.Namespace) -> int:
@@ -266,13 +268,14 @@ def run_info(args: argparse.Namespace) -> int:
     from hpcrl.sandbox.result import SandboxError
 
     try:
-        backend = _backend(args)
+        backend = _backend(args, as_configured=True)
         backend.check()
     except SandboxError as exc:
         print(f"hpcrl sandbox info: {exc}", file=sys.stderr)
         return 1
     print(backend.describe())
     print(f"languages: {', '.join(backend.languages())}")
+    backend.close()
     return 0
 
 

@@ -97,12 +97,13 @@ def prepared(run_dir: Path, jobs: dict | None) -> str | None:
     return str(submit) if submit else None
 
 
-def _executor_state(run_dir: Path, status: dict, jobs: dict | None) -> tuple[str, str]:
-    """How the run runs and its state: Slurm's word for its jobs, else the coordinator's, else
-    'not submitted' for a run `hpcrl sbatch` prepared."""
-    if prepared(run_dir, jobs) and not status:
-        return "slurm", "not submitted"
-    return ("slurm" if jobs else "local"), (jobs or {}).get("state") or status.get("state") or "unknown"
+def _executor_state(run_dir: Path, status: dict, jobs: dict | None) -> tuple[str, str, str | None]:
+    """How the run runs, its state (Slurm's word for its jobs, else the coordinator's, else
+    'not submitted' for a run `hpcrl sbatch` prepared) and that run's submit.sh."""
+    submit = prepared(run_dir, jobs)
+    if submit and not status:
+        return "slurm", "not submitted", submit
+    return ("slurm" if jobs else "local"), (jobs or {}).get("state") or status.get("state") or "unknown", submit
 
 
 def snapshot(run_dir: str | os.PathLike) -> dict:
@@ -113,8 +114,7 @@ def snapshot(run_dir: str | os.PathLike) -> dict:
     status = read_status(run_dir) or {}
     jobs = read_jobs(run_dir)
     ln = status.get("learner") or {}
-    executor, state = _executor_state(run_dir, status, jobs)
-    submit = prepared(run_dir, jobs)
+    executor, state, submit = _executor_state(run_dir, status, jobs)
     snap = {
         "run": run_dir.name,
         "run_dir": str(run_dir),
@@ -269,7 +269,7 @@ def recent_runs(run_root: str | os.PathLike, limit: int = 20) -> list[dict]:
             jobs = read_jobs(p)
         except (OSError, ValueError):
             jobs = None
-        executor, state = _executor_state(p, status, jobs)
+        executor, state, _ = _executor_state(p, status, jobs)
         out.append(
             {
                 "run": p.name,

@@ -69,12 +69,10 @@ class _Spawner:
         self._thread: threading.Thread | None = None
 
     def popen(self, *args, **kwargs) -> subprocess.Popen:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive() or self._thread.ident is None:
+        with self._lock:  # started on first use, and anew in a forked child (where it is gone)
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="hpcrl-spawner", daemon=True)
                 self._thread.start()
-            if self._thread.ident == threading.get_ident():
-                return subprocess.Popen(*args, **kwargs)
         box: queue.SimpleQueue = queue.SimpleQueue()
         self._q.put((args, kwargs, box))
         ok, value = box.get()
